@@ -1,0 +1,124 @@
+// ISA dispatch, validation, and the stride- and offset-based front doors, which turn
+// their batch into the address form the register tiles consume.
+#include "brgemm/brgemm.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace jb {
+
+namespace {
+
+Isa detect_isa() {
+#if defined(JB_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+#endif
+  return Isa::generic;
+}
+
+// JAX_BRGEMM_ISA may only lower the ISA: asking for more than the CPU has is ignored.
+Isa requested_isa(Isa supported) {
+  const char* env = std::getenv("JAX_BRGEMM_ISA");
+  if (!env || !*env) return supported;
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512})
+    if (std::strcmp(env, isa_name(isa)) == 0) return isa < supported ? isa : supported;
+  throw std::invalid_argument(std::string("JAX_BRGEMM_ISA=") + env +
+                              " is not one of avx512, avx2, generic");
+}
+
+BrgemmFn kernel_for(Isa isa) {
+  switch (isa) {
+#if defined(JB_X86)
+    case Isa::avx512: return detail::brgemm_avx512();
+    case Isa::avx2: return detail::brgemm_avx2();
+#endif
+    default: return detail::brgemm_generic();
+  }
+}
+
+void check(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("brgemm: ") + what);
+}
+
+// Batches up to this size keep their address arrays on the stack.
+constexpr int64_t kStackBatch = 256;
+
+template <class AddrOf>
+void run_addressed(const Brgemm& kernel, int64_t batch, void* c, const float* bias,
+                   AddrOf addr_of) {
+  const void* stack_a[kStackBatch];
+  const void* stack_b[kStackBatch];
+  std::vector<const void*> heap_a, heap_b;
+  const void** a = stack_a;
+  const void** b = stack_b;
+  if (batch > kStackBatch) {
+    heap_a.resize(batch);
+    heap_b.resize(batch);
+    a = heap_a.data();
+    b = heap_b.data();
+  }
+  for (int64_t i = 0; i < batch; ++i) addr_of(i, a[i], b[i]);
+  kernel(a, b, batch, c, bias);
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+Isa best_isa() {
+  static const Isa supported = detect_isa();
+  return requested_isa(supported);
+}
+
+Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_for(isa)) {
+  check(d.m >= 0 && d.n >= 0 && d.k >= 0, "negative size");
+  check(d.lda >= d.k, "lda < k");
+  check(d.ldb >= (d.ab == DType::bf16 ? 2 * d.n : d.n), "ldb too small for n");
+  check(d.ldc >= d.n, "ldc < n");
+}
+
+void Brgemm::strided(const void* a, int64_t stride_a, const void* b, int64_t stride_b,
+                     int64_t batch, void* c, const float* bias) const {
+  const size_t es = dtype_size(desc_.ab);
+  run_addressed(*this, batch, c, bias, [&](int64_t i, const void*& ai, const void*& bi) {
+    ai = static_cast<const char*>(a) + i * stride_a * es;
+    bi = static_cast<const char*>(b) + i * stride_b * es;
+  });
+}
+
+void Brgemm::offsets(const void* a, const int64_t* offs_a, const void* b,
+                     const int64_t* offs_b, int64_t batch, void* c, const float* bias) const {
+  const size_t es = dtype_size(desc_.ab);
+  run_addressed(*this, batch, c, bias, [&](int64_t i, const void*& ai, const void*& bi) {
+    ai = static_cast<const char*>(a) + offs_a[i] * es;
+    bi = static_cast<const char*>(b) + offs_b[i] * es;
+  });
+}
+
+void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst) {
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const uint16_t* r0 = src + 2 * p * ld;
+    const uint16_t* r1 = 2 * p + 1 < k ? r0 + ld : nullptr;
+    uint16_t* out = dst + p * 2 * n;
+    for (int64_t j = 0; j < n; ++j) {
+      out[2 * j] = r0[j];
+      out[2 * j + 1] = r1 ? r1[j] : 0;
+    }
+  }
+}
+
+}  // namespace jb

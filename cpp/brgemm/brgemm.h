@@ -1,0 +1,97 @@
+// The batch-reduce GEMM: the one building block of every layer in jax_brgemm.
+//
+//   C = act(beta * C + sum_i A_i @ B_i + bias)
+//
+// A_i is m x k (row-major, leading dimension lda), B_i is k x n (ldb), C is m x n (ldc).
+// The accumulators for a register tile of C stay in registers across the whole batch and
+// the whole k loop; they are loaded and stored once. The kernel is chosen once from the
+// descriptor (ISA, dtypes, register-tile table) and then called in the hot loop.
+//
+// bf16 operands: A_i is plain row-major bf16. B_i must be VNNI-2 packed: pairs of
+// consecutive k rows interleaved, element (k, j) at b[(k / 2) * ldb + 2 * j + k % 2], with
+// ldb >= 2 * n; when k is odd the pad element of the last pair must be zero (pack_vnni2
+// does this). Accumulation is always fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jb {
+
+enum class DType : uint8_t { f32, bf16 };
+enum class Isa : uint8_t { generic, avx2, avx512 };  // avx512 = F/BW/VL/DQ + BF16
+enum class Activation : uint8_t { none, relu, gelu, sigmoid, tanh };
+
+// The best ISA this CPU supports, lowered by JAX_BRGEMM_ISA=avx512|avx2|generic.
+Isa best_isa();
+const char* isa_name(Isa isa);
+
+struct BrgemmDesc {
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;  // in elements
+  DType ab = DType::f32;              // dtype of A and B
+  DType c = DType::f32;               // dtype of C
+  bool accumulate = false;            // beta = 1 (true) or 0 (false)
+  bool bias = false;                  // add an fp32 bias of n values (per column)
+  Activation act = Activation::none;  // applied last, on the fp32 tile
+};
+
+// Executes one whole C block; `a` and `b` are the batch's address arrays.
+using BrgemmFn = void (*)(const BrgemmDesc& d, const void* const* a, const void* const* b,
+                          int64_t batch, void* c, const float* bias);
+
+class Brgemm {
+ public:
+  // Throws std::invalid_argument for sizes or leading dimensions that make no sense.
+  explicit Brgemm(const BrgemmDesc& desc, Isa isa = best_isa());
+
+  // Address-based batch: A_i = a[i], B_i = b[i].
+  void operator()(const void* const* a, const void* const* b, int64_t batch, void* c,
+                  const float* bias = nullptr) const {
+    fn_(desc_, a, b, batch, c, bias);
+  }
+  // Stride-based batch: A_i = a + i * stride_a, B_i = b + i * stride_b (elements).
+  void strided(const void* a, int64_t stride_a, const void* b, int64_t stride_b,
+               int64_t batch, void* c, const float* bias = nullptr) const;
+  // Offset-based batch: A_i = a + offs_a[i], B_i = b + offs_b[i] (elements).
+  void offsets(const void* a, const int64_t* offs_a, const void* b, const int64_t* offs_b,
+               int64_t batch, void* c, const float* bias = nullptr) const;
+
+  const BrgemmDesc& desc() const { return desc_; }
+  Isa isa() const { return isa_; }
+
+ private:
+  BrgemmDesc desc_;
+  Isa isa_;
+  BrgemmFn fn_;
+};
+
+// Packs a row-major bf16 k x n matrix (leading dimension ld) into the VNNI-2 layout above
+// with ldb = 2 * n, zero-padding the last pair when k is odd. dst holds
+// ((k + 1) / 2) * 2 * n values.
+void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst);
+
+inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+// bf16 <-> fp32, round to nearest even, NaN stays NaN.
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+namespace detail {
+// One entry point per ISA translation unit.
+BrgemmFn brgemm_generic();
+BrgemmFn brgemm_avx2();
+BrgemmFn brgemm_avx512();
+}  // namespace detail
+
+}  // namespace jb

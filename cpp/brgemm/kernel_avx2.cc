@@ -1,0 +1,123 @@
+// AVX2 register tiles: fp32 with FMA; bf16 widened to fp32 in registers (a VNNI-2 pair
+// of B splits into its even and odd rows with one shift and one mask).
+// Compiled with -mavx2 -mfma; only called when CPUID reports both.
+#include <immintrin.h>
+
+#include "brgemm/tile.h"
+
+namespace jb {
+namespace {
+
+struct Avx2 {
+  static constexpr int VL = 8, NV_MAX = 2;
+  // 16 ymm registers: MR x NV accumulators plus B vectors and A broadcasts. The bf16 tile
+  // needs two B vectors per NV (even and odd rows), so it uses the nv == 1 row count.
+  static constexpr int mr(int nv) { return nv == 2 ? 4 : 8; }
+
+  template <int MR, int NV>
+  static void tile_f32(const TileArgs& t) {
+    __m256 acc[MR][NV];
+    const __m256i last = tail_mask(t.tail);
+    init<MR, NV>(acc, last, t);
+    for (int64_t bi = 0; bi < t.batch; ++bi) {
+      const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
+      const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
+      for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
+        __m256 bv[NV];
+        for (int j = 0; j < NV; ++j)
+          bv[j] = j < NV - 1 ? _mm256_loadu_ps(b + 8 * j) : _mm256_maskload_ps(b + 8 * j, last);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m256 av = _mm256_broadcast_ss(a + i * t.lda + k);
+          for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(av, bv[j], acc[i][j]);
+        }
+      }
+    }
+    store<MR, NV>(acc, last, t);
+  }
+
+  template <int MR, int NV>
+  static void tile_bf16(const TileArgs& t) {
+    __m256 acc[MR][NV];
+    const __m256i last = tail_mask(t.tail);
+    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+    init<MR, NV>(acc, last, t);
+    for (int64_t bi = 0; bi < t.batch; ++bi) {
+      const uint16_t* a = static_cast<const uint16_t*>(t.a[bi]) + t.a_off;
+      const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
+      for (int64_t k = 0; k < t.k; k += 2, b += t.ldb) {
+        const bool pair = k + 1 < t.k;  // odd k: the last row has no partner
+        __m256 even[NV], odd[NV];
+        for (int j = 0; j < NV; ++j) {
+          const int* src = reinterpret_cast<const int*>(b + 16 * j);
+          const __m256i v = j < NV - 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                       : _mm256_maskload_epi32(src, last);
+          even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const uint16_t* ai = a + i * t.lda + k;
+          const __m256 a0 = _mm256_set1_ps(bf16_to_f32(ai[0]));
+          for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(a0, even[j], acc[i][j]);
+          if (pair) {
+            const __m256 a1 = _mm256_set1_ps(bf16_to_f32(ai[1]));
+            for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(a1, odd[j], acc[i][j]);
+          }
+        }
+      }
+    }
+    store<MR, NV>(acc, last, t);
+  }
+
+  static __m256i tail_mask(int tail) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lanes);
+  }
+
+  template <int MR, int NV>
+  static void init(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
+    if (!t.accumulate) {
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+      return;
+    }
+    alignas(32) float tile[MR][NV * 8] = {};
+    const int cols = (NV - 1) * 8 + t.tail;
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < cols; ++j)
+        tile[i][j] = t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
+                                         : bf16_to_f32(static_cast<const uint16_t*>(t.c)[i * t.ldc + j]);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_load_ps(&tile[i][8 * j]);
+    (void)last;
+  }
+
+  template <int MR, int NV>
+  static void store(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
+    if (t.bias)
+      for (int j = 0; j < NV; ++j) {
+        const __m256 bj = j < NV - 1 ? _mm256_loadu_ps(t.bias + 8 * j) : _mm256_maskload_ps(t.bias + 8 * j, last);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_add_ps(acc[i][j], bj);
+      }
+    if (t.act == Activation::none && t.cdt == DType::f32) {
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NV; ++j) {
+          float* dst = static_cast<float*>(t.c) + i * t.ldc + 8 * j;
+          if (j < NV - 1) _mm256_storeu_ps(dst, acc[i][j]);
+          else _mm256_maskstore_ps(dst, last, acc[i][j]);
+        }
+      return;
+    }
+    alignas(32) float tile[MR][NV * 8];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NV; ++j) _mm256_store_ps(&tile[i][8 * j], acc[i][j]);
+    finish_tile(&tile[0][0], MR, (NV - 1) * 8 + t.tail, NV * 8, t);
+  }
+};
+
+}  // namespace
+
+BrgemmFn detail::brgemm_avx2() { return &run_tiles<Avx2>; }
+
+}  // namespace jb

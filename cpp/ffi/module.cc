@@ -1,0 +1,26 @@
+// The nanobind extension: hands the FFI handlers to Python as capsules, once, at import.
+#include <nanobind/nanobind.h>
+
+#include "brgemm/brgemm.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+// Every handler defined with XLA_FFI_DEFINE_HANDLER_SYMBOL in cpp/ffi/*.cc.
+#define JB_FFI_TARGETS(X) X(jb_brgemm) X(jb_brgemm_acc)
+
+#define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
+JB_FFI_TARGETS(JB_DECLARE)
+#undef JB_DECLARE
+
+NB_MODULE(_jax_brgemm, m) {
+  m.def("registrations", [] {
+    nb::dict targets;
+#define JB_REGISTER(name) targets[#name] = nb::capsule(reinterpret_cast<void*>(&name));
+    JB_FFI_TARGETS(JB_REGISTER)
+#undef JB_REGISTER
+    return targets;
+  });
+  m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
+        "The kernel ISA in use: avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
+}

@@ -1,0 +1,13 @@
+"""Loads the native extension and registers its XLA FFI targets with JAX, once."""
+
+import jax
+
+from jax_brgemm import _jax_brgemm
+
+for _name, _capsule in _jax_brgemm.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+
+def isa() -> str:
+    """The kernel ISA in use: "avx512", "avx2" or "generic" (JAX_BRGEMM_ISA lowers it)."""
+    return _jax_brgemm.isa()
