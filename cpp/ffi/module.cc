@@ -7,7 +7,7 @@
 namespace nb = nanobind;
 
 // Every handler defined with XLA_FFI_DEFINE_HANDLER_SYMBOL in cpp/ffi/*.cc.
-#define JB_FFI_TARGETS(X) X(jb_brgemm) X(jb_brgemm_acc)
+#define JB_FFI_TARGETS(X) X(jb_brgemm) X(jb_brgemm_acc) X(jb_peak_probe)
 
 #define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JB_FFI_TARGETS(JB_DECLARE)

@@ -1,0 +1,129 @@
+"""Shared benchmark plumbing: timing, the machine's peak, results files and charts.
+
+Benchmarks are not tests: they measure, tests check. Every figure is a distribution over
+repeated runs in one process (min / median / max), side by side with the stock baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def block(x):
+    return jax.tree_util.tree_map(lambda v: v.block_until_ready() if hasattr(v, "block_until_ready") else v, x)
+
+
+def time_jitted(fn, *args, repeats: int = 15, min_time: float = 0.05) -> list[float]:
+    """Seconds per call of an already-jitted fn: `repeats` samples, each a loop of enough
+    calls to last `min_time` (so timer and dispatch noise stay small)."""
+    block(fn(*args))  # compile and warm up
+    t0 = time.perf_counter()
+    block(fn(*args))
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_time / once))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        block(out)
+        samples.append((time.perf_counter() - t0) / inner)
+    return samples
+
+
+def stats(samples) -> dict:
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
+
+
+def interleaved(fns: dict, args: dict, repeats: int = 15, min_time: float = 0.05) -> dict:
+    """Times several jitted functions round-robin, so that machine noise (other processes
+    on these shared cores) hits every contender alike. Returns {name: [seconds per call]}."""
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name] += time_jitted(fn, *args[name], repeats=1, min_time=min_time)
+    return samples
+
+
+def measure_peak(seconds: float = 0.3, repeats: int = 7) -> dict:
+    """fp32 FMA and bf16 dot-product throughput (GFLOP/s) with all of XLA's threads, from
+    the native probe (independent register chains, no memory traffic). Median of repeats."""
+    from jax_brgemm import _native  # noqa: F401  (registers the probe's FFI target)
+
+    items = 4 * max(1, os.cpu_count() or 1)  # several items per thread: balanced finish
+    peak = {}
+    for name, bf16 in (("float32", False), ("bfloat16", True)):
+        per_iter = 12 * 16 * (4 if bf16 else 2)
+        iters = 20000
+        probe = jax.jit(lambda it=iters, b=bf16: jax.ffi.ffi_call(
+            "jb_peak_probe", jax.ShapeDtypeStruct((items,), jnp.float32))(iters=np.int64(it), bf16=b))
+        secs = time_jitted(probe, repeats=1, min_time=0.01)[0]
+        iters = max(1000, int(iters * seconds / max(secs, 1e-6)))
+        probe = jax.jit(lambda it=iters, b=bf16: jax.ffi.ffi_call(
+            "jb_peak_probe", jax.ShapeDtypeStruct((items,), jnp.float32))(iters=np.int64(it), bf16=b))
+        samples = time_jitted(probe, repeats=repeats, min_time=0.0)
+        flops = items * iters * per_iter
+        peak[name] = statistics.median(flops / s / 1e9 for s in samples)
+    return peak
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "jax": jax.__version__, "cpus": os.cpu_count()}
+    try:
+        import jax_brgemm
+        info["jax_brgemm_isa"] = jax_brgemm.isa()
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"suite": name, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def plot_bars(name: str, labels: list[str], series: dict[str, list[float]], ylabel: str,
+              title: str, hline: float | None = None, hline_label: str = "") -> Path:
+    """Grouped bar chart: one group per label, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels) + 2), 4.2))
+    width = 0.8 / max(1, len(series))
+    x = np.arange(len(labels))
+    for i, (sname, values) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=sname)
+    if hline is not None:
+        ax.axhline(hline, color="black", linestyle="--", linewidth=1, label=hline_label)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
