@@ -1,0 +1,245 @@
+// Every ISA variant and batch kind of the BRGEMM kernel against a naive triple loop.
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "brgemm/brgemm.h"
+#include "check.h"
+
+namespace {
+
+using namespace jb;
+
+std::vector<Isa> isas() {
+  std::vector<Isa> out{Isa::generic};
+  for (Isa isa : {Isa::avx2, Isa::avx512})
+    if (isa <= best_isa()) out.push_back(isa);
+  return out;
+}
+
+double ref_act(Activation act, double x) {
+  switch (act) {
+    case Activation::relu: return x < 0 ? 0 : x;
+    case Activation::sigmoid: return 1 / (1 + std::exp(-x));
+    case Activation::tanh: return std::tanh(x);
+    case Activation::gelu: return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+    default: return x;
+  }
+}
+
+enum class Kind { address, stride, offset };
+
+struct Case {
+  int64_t batch, m, n, k;
+  DType ab, c;
+  bool accumulate, bias;
+  Activation act;
+  Kind kind;
+};
+
+// Operands live in one buffer per side, B_i / A_i spaced with a gap so that strides,
+// offsets and addresses all differ from the packed case; leading dims exceed the sizes.
+void run_case(Isa isa, const Case& t, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const bool bf16 = t.ab == DType::bf16;
+  const int64_t lda = t.k + 3, ldc = t.n + 5;
+  const int64_t ldb = bf16 ? 2 * t.n + 4 : t.n + 2;
+  const int64_t a_size = t.m * lda + 7, b_rows = bf16 ? (t.k + 1) / 2 : t.k, b_size = b_rows * ldb + 9;
+  std::vector<float> a(t.batch * a_size), b(t.batch * t.k * t.n), bias(t.n), c0(t.m * ldc);
+  for (auto* v : {&a, &b, &bias, &c0})
+    for (float& x : *v) x = bf16 ? bf16_to_f32(f32_to_bf16(dist(rng))) : dist(rng);
+
+  // Operands in the kernel's dtype and layout.
+  std::vector<float> a32(a), b32(t.batch * b_size, 0.f);
+  std::vector<uint16_t> a16(a.size()), b16(t.batch * b_size, 0);
+  for (size_t i = 0; i < a.size(); ++i) a16[i] = f32_to_bf16(a[i]);
+  for (int64_t i = 0; i < t.batch; ++i) {
+    const float* bi = &b[i * t.k * t.n];
+    if (bf16) {
+      std::vector<uint16_t> src(t.k * t.n), packed((t.k + 1) / 2 * 2 * t.n);
+      for (int64_t j = 0; j < t.k * t.n; ++j) src[j] = f32_to_bf16(bi[j]);
+      pack_vnni2(src.data(), t.k, t.n, t.n, packed.data());
+      for (int64_t p = 0; p < (t.k + 1) / 2; ++p)
+        for (int64_t j = 0; j < 2 * t.n; ++j) b16[i * b_size + p * ldb + j] = packed[p * 2 * t.n + j];
+    } else {
+      for (int64_t r = 0; r < t.k; ++r)
+        for (int64_t j = 0; j < t.n; ++j) b32[i * b_size + r * ldb + j] = bi[r * t.n + j];
+    }
+  }
+  const void* a_base = bf16 ? static_cast<const void*>(a16.data()) : a32.data();
+  const void* b_base = bf16 ? static_cast<const void*>(b16.data()) : b32.data();
+  const size_t es = dtype_size(t.ab);
+
+  std::vector<double> want(t.m * t.n), mag(t.m * t.n);
+  for (int64_t i = 0; i < t.m; ++i)
+    for (int64_t j = 0; j < t.n; ++j) {
+      double s = t.accumulate ? c0[i * ldc + j] : 0, s_abs = std::fabs(s);
+      if (t.accumulate && t.c == DType::bf16) s = bf16_to_f32(f32_to_bf16(float(s)));
+      for (int64_t bi = 0; bi < t.batch; ++bi)
+        for (int64_t r = 0; r < t.k; ++r) {
+          const double p = double(a[bi * a_size + i * lda + r]) * b[bi * t.k * t.n + r * t.n + j];
+          s += p;
+          s_abs += std::fabs(p);
+        }
+      if (t.bias) s += bias[j], s_abs += std::fabs(bias[j]);
+      want[i * t.n + j] = ref_act(t.act, s);
+      mag[i * t.n + j] = s_abs;
+    }
+
+  std::vector<float> c32(t.m * ldc, -7.f);
+  std::vector<uint16_t> c16(t.m * ldc, f32_to_bf16(-7.f));
+  for (int64_t i = 0; i < t.m * ldc; ++i) {
+    c32[i] = c0[i];
+    c16[i] = f32_to_bf16(c0[i]);
+  }
+  // Elements beyond n in each row must survive untouched.
+  const float sentinel = 1234.5f;
+  for (int64_t i = 0; i < t.m; ++i)
+    for (int64_t j = t.n; j < ldc; ++j) c32[i * ldc + j] = sentinel, c16[i * ldc + j] = f32_to_bf16(sentinel);
+  void* c = t.c == DType::f32 ? static_cast<void*>(c32.data()) : c16.data();
+
+  BrgemmDesc d;
+  d.m = t.m, d.n = t.n, d.k = t.k, d.lda = lda, d.ldb = ldb, d.ldc = ldc;
+  d.ab = t.ab, d.c = t.c, d.accumulate = t.accumulate, d.bias = t.bias, d.act = t.act;
+  const Brgemm kernel(d, isa);
+  const float* bias_ptr = t.bias ? bias.data() : nullptr;
+  const int64_t stride_a = a_size, stride_b = b_size;
+  switch (t.kind) {
+    case Kind::stride:
+      kernel.strided(a_base, stride_a, b_base, stride_b, t.batch, c, bias_ptr);
+      break;
+    case Kind::offset: {  // reversed order: offsets need not increase
+      std::vector<int64_t> oa(t.batch), ob(t.batch);
+      for (int64_t i = 0; i < t.batch; ++i) oa[i] = i * stride_a, ob[i] = i * stride_b;
+      std::reverse(oa.begin(), oa.end());
+      std::reverse(ob.begin(), ob.end());
+      kernel.offsets(a_base, oa.data(), b_base, ob.data(), t.batch, c, bias_ptr);
+      break;
+    }
+    case Kind::address: {
+      std::vector<const void*> pa(t.batch), pb(t.batch);
+      for (int64_t i = 0; i < t.batch; ++i) {
+        pa[i] = static_cast<const char*>(a_base) + i * stride_a * es;
+        pb[i] = static_cast<const char*>(b_base) + i * stride_b * es;
+      }
+      kernel(pa.data(), pb.data(), t.batch, c, bias_ptr);
+      break;
+    }
+  }
+
+  const double rel = (t.c == DType::bf16 ? 1.0 / 128 : 1e-5);
+  const double untouched = t.c == DType::f32 ? sentinel : bf16_to_f32(f32_to_bf16(sentinel));
+  int errors = 0;
+  for (int64_t i = 0; i < t.m; ++i) {
+    for (int64_t j = 0; j < ldc; ++j) {
+      const double got = t.c == DType::f32 ? c32[i * ldc + j] : bf16_to_f32(c16[i * ldc + j]);
+      if (j >= t.n) {
+        if (got != untouched && errors++ < 3)
+          CHECK(false) << isa_name(isa) << " m=" << t.m << " n=" << t.n << " k=" << t.k
+                       << " c=" << int(t.c) << " act=" << int(t.act) << ": wrote past n at ("
+                       << i << ", " << j << ")";
+        continue;
+      }
+      const double w = want[i * t.n + j], tol = rel * (mag[i * t.n + j] + 1e-3) + 1e-6;
+      if (!(std::fabs(got - w) <= tol) && errors++ < 3)
+        CHECK(false) << isa_name(isa) << " batch=" << t.batch << " m=" << t.m << " n=" << t.n
+                     << " k=" << t.k << " bf16=" << bf16 << " acc=" << t.accumulate
+                     << " kind=" << int(t.kind) << " act=" << int(t.act) << " at (" << i << ", "
+                     << j << "): got " << got << " want " << w;
+    }
+  }
+}
+
+TEST(every_isa_kind_dtype_and_shape) {
+  std::mt19937 rng(42);
+  const int64_t sizes[] = {1, 2, 3, 7, 16, 17, 31, 33, 64, 65};
+  int cases = 0;
+  for (Isa isa : isas())
+    for (DType ab : {DType::f32, DType::bf16})
+      for (int64_t m : sizes)
+        for (int64_t n : sizes) {
+          // Cycle the remaining parameters over the grid rather than taking their product.
+          const int64_t k = sizes[(m * 7 + n * 3 + cases) % 10];
+          const Case t{1 + (cases % 4) * 3, m, n, k, ab,
+                       (cases % 5 == 4 && ab == DType::bf16) ? DType::bf16 : DType::f32,
+                       cases % 3 == 1, cases % 2 == 0, Activation(cases % 5), Kind(cases % 3)};
+          run_case(isa, t, rng);
+          ++cases;
+        }
+  CHECK(cases > 0);
+}
+
+TEST(large_k_and_batch_keep_accumulating) {
+  std::mt19937 rng(7);
+  for (Isa isa : isas())
+    for (DType ab : {DType::f32, DType::bf16})
+      for (Kind kind : {Kind::address, Kind::stride, Kind::offset})
+        run_case(isa, {300, 13, 40, 129, ab, DType::f32, true, true, Activation::none, kind}, rng);
+}
+
+TEST(nan_propagates) {
+  for (Isa isa : isas()) {
+    BrgemmDesc d;
+    d.m = 2, d.n = 3, d.k = 4, d.lda = 4, d.ldb = 3, d.ldc = 3;
+    for (Activation act : {Activation::none, Activation::relu, Activation::sigmoid,
+                           Activation::tanh, Activation::gelu}) {
+      d.act = act;
+      std::vector<float> a(8, 1.f), b(12, 1.f), c(6, 0.f);
+      a[1] = NAN;  // row 0 only
+      Brgemm(d, isa).strided(a.data(), 0, b.data(), 0, 1, c.data());
+      for (int j = 0; j < 3; ++j) {
+        CHECK(std::isnan(c[j])) << isa_name(isa) << " act " << int(act);
+        CHECK(!std::isnan(c[3 + j])) << isa_name(isa) << " act " << int(act);
+      }
+    }
+  }
+}
+
+TEST(activation_extremes_are_finite_and_saturate) {
+  for (Isa isa : isas()) {
+    BrgemmDesc d;
+    d.m = 1, d.n = 4, d.k = 1, d.lda = 1, d.ldb = 4, d.ldc = 4;
+    const float b[4] = {-1e30f, -100.f, 100.f, 1e30f};
+    const float one = 1.f;
+    for (Activation act : {Activation::sigmoid, Activation::tanh, Activation::gelu}) {
+      d.act = act;
+      float c[4];
+      Brgemm(d, isa).strided(&one, 0, b, 0, 1, c);
+      for (int j = 0; j < 4; ++j) {
+        const double w = ref_act(act, b[j]);
+        CHECK(std::fabs(c[j] - w) <= 1e-6 * (1 + std::fabs(w)))
+            << isa_name(isa) << " act " << int(act) << " x=" << b[j] << " got " << c[j] << " want " << w;
+      }
+    }
+  }
+}
+
+TEST(bad_descriptors_throw) {
+  BrgemmDesc d;
+  d.m = 4, d.n = 4, d.k = 4, d.lda = 3, d.ldb = 4, d.ldc = 4;
+  bool threw = false;
+  try {
+    Brgemm k(d);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw) << "lda < k accepted";
+  d.lda = 4, d.ab = DType::bf16;  // bf16 B needs ldb >= 2n
+  threw = false;
+  try {
+    Brgemm k(d);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw) << "bf16 ldb < 2n accepted";
+}
+
+TEST(bf16_rounding_is_nearest_even) {
+  CHECK(f32_to_bf16(1.0f) == 0x3f80);
+  CHECK(f32_to_bf16(bf16_to_f32(0x3f80) + 0x1p-8f) == 0x3f80);  // tie -> even
+  CHECK(f32_to_bf16(bf16_to_f32(0x3f81) + 0x1p-8f) == 0x3f82);  // tie -> even (up)
+  CHECK(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
+  CHECK(std::isinf(bf16_to_f32(f32_to_bf16(INFINITY))));
+}
+
+}  // namespace
