@@ -1,0 +1,489 @@
+// The fully-connected layer's three passes. Each pass has the same skeleton:
+//
+//   1. re-block the operand(s) the kernel cannot read in place (weights, and for the update
+//      the transposed input and the blocked gradient) into scratch, in parallel;
+//   2. hand out output blocks as work items; each is one BRGEMM call, batch-reducing over
+//      the blocks of the reduced dimension, with the epilogue (bias, activation) fused.
+//
+// Kernels are built once per pass (a full block and its edge variants), outside the hot loop.
+#include "layers/fc.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "brgemm/activation.h"
+
+namespace jb::fc {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------------------
+// Scratch: one growing buffer per calling thread, so the re-blocked operands of a training
+// step reuse warm pages call after call instead of faulting in fresh ones each time.
+// Helpers write into the caller's buffer; the caller outlives every item it hands out.
+
+struct FreeDeleter {
+  void operator()(char* p) const { std::free(p); }
+};
+
+class Scratch {
+ public:
+  // Carves `count` regions of the given byte sizes, each 64-byte aligned.
+  template <size_t N>
+  static std::array<char*, N> get(const std::array<size_t, N>& bytes) {
+    thread_local std::unique_ptr<char, FreeDeleter> buf;
+    thread_local size_t cap = 0;
+    size_t total = 0;
+    for (size_t b : bytes) total += (b + 63) / 64 * 64;
+    if (total > cap) {
+      buf.reset();
+      cap = 0;
+      char* p = static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(total, 64)));
+      if (!p) throw std::bad_alloc();
+      buf.reset(p);
+      cap = total;
+    }
+    std::array<char*, N> out;
+    size_t off = 0;
+    for (size_t i = 0; i < N; ++i) {
+      out[i] = buf.get() + off;
+      off += (bytes[i] + 63) / 64 * 64;
+    }
+    return out;
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Element access: fp32 or bf16 storage, fp32 arithmetic.
+
+template <class T>
+inline float to_f32(T v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return bf16_to_f32(v);
+}
+template <class T>
+inline T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return f32_to_bf16(v);
+}
+
+// Calls f with a value of the storage type of `t` (float or uint16_t), to instantiate
+// the templated loops for both dtypes.
+template <class F>
+void with_type(DType t, F&& f) {
+  if (t == DType::f32) f(float{});
+  else f(uint16_t{});
+}
+
+// Packs rows x cols of a source matrix into a kernel operand block of prows x pcols,
+// zero-filling the padding. Source element (r, j) is src[r * ld + j], or src[j * ld + r]
+// when `trans`. The block is plain row-major (fp32, or a bf16 A operand) or, for a bf16
+// B operand (`vnni`), VNNI-2 pairs of rows: (r, j) at [(r / 2) * 2 * pcols + 2 * j + r % 2].
+template <class S, class D>
+void pack_block(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols,
+                int64_t prows, int64_t pcols, bool vnni, D* dst) {
+  const int64_t drows = vnni ? round_up(prows, 2) : prows;
+  const size_t total = size_t(drows * pcols);
+  if (rows < drows || cols < pcols) std::memset(dst, 0, total * sizeof(D));
+  auto at = [&](int64_t r, int64_t j) -> int64_t {
+    return vnni ? (r / 2) * 2 * pcols + 2 * j + (r & 1) : r * pcols + j;
+  };
+  if (!trans) {
+    if (!vnni) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const S* s = src + r * ld;
+        D* d = dst + r * pcols;
+        for (int64_t j = 0; j < cols; ++j) d[j] = from_f32<D>(to_f32(s[j]));
+      }
+    } else {
+      for (int64_t r = 0; r < rows; r += 2) {
+        const S* s0 = src + r * ld;
+        const S* s1 = r + 1 < rows ? s0 + ld : nullptr;
+        D* d = dst + (r / 2) * 2 * pcols;
+        if (s1) {
+          for (int64_t j = 0; j < cols; ++j) {
+            d[2 * j] = from_f32<D>(to_f32(s0[j]));
+            d[2 * j + 1] = from_f32<D>(to_f32(s1[j]));
+          }
+        } else {
+          for (int64_t j = 0; j < cols; ++j) d[2 * j] = from_f32<D>(to_f32(s0[j]));
+        }
+      }
+    }
+  } else {
+    // Read along the source's contiguous rows (block columns); the block is small enough
+    // to stay in L1 while it is written with a stride.
+    for (int64_t j = 0; j < cols; ++j) {
+      const S* s = src + j * ld;
+      for (int64_t r = 0; r < rows; ++r) dst[at(r, j)] = from_f32<D>(to_f32(s[r]));
+    }
+  }
+}
+
+// Elements of one packed block.
+int64_t block_elems(int64_t prows, int64_t pcols, bool vnni) {
+  return (vnni ? round_up(prows, 2) : prows) * pcols;
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels for a grid of m x n output blocks of bm x bn: the full block and its edge
+// variants, built once before the parallel loop (the constructor may throw).
+
+class BlockKernels {
+ public:
+  BlockKernels(BrgemmDesc d, int64_t m, int64_t n, int64_t bm, int64_t bn)
+      : bm_(bm), bn_(bn) {
+    const int64_t em = m % bm, en = n % bn;
+    const Isa isa = best_isa();
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        if ((i && !em) || (j && !en)) continue;
+        d.m = i ? em : bm;
+        d.n = j ? en : bn;
+        k_[i][j].emplace(d, isa);
+      }
+  }
+  const Brgemm& operator()(int64_t rows, int64_t cols) const {
+    return *k_[rows != bm_][cols != bn_];
+  }
+
+ private:
+  int64_t bm_, bn_;
+  std::optional<Brgemm> k_[2][2];
+};
+
+// ---------------------------------------------------------------------------------------
+// Blocking heuristics.
+
+constexpr int64_t kRowQuantum = 12;  // a multiple of every ISA's register-tile height
+constexpr int64_t kMaxRows = 96;
+constexpr int64_t kCols = 64;        // one AVX-512 register tile row (4 vectors)
+constexpr int64_t kItemsPerThread = 8;
+
+// Rows per output block: whole register tiles, at most kMaxRows, and fine enough that
+// the threads get kItemsPerThread items each when the other dimension has few blocks.
+int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads) {
+  if (m <= kRowQuantum) return m;
+  int64_t nb = ceil_div(m, kMaxRows);
+  int64_t rows = round_up(ceil_div(m, nb), kRowQuantum);
+  while (rows > kRowQuantum && ceil_div(m, rows) * col_blocks < kItemsPerThread * threads) {
+    ++nb;
+    rows = round_up(ceil_div(m, nb), kRowQuantum);
+  }
+  return std::min(rows, m);
+}
+
+// A block of the reduced dimension that divides it (the kernel's batch elements must all
+// be full); even sizes first for bf16 so VNNI pairs never straddle blocks. Falls back to
+// the whole dimension (one batch element) when nothing in range divides it.
+int64_t reduction_block(int64_t size, bool even) {
+  constexpr int64_t kTarget = 256, kMin = 32;
+  if (size <= kTarget) return size;
+  for (int pass = even ? 0 : 1; pass < 2; ++pass)
+    for (int64_t d = kTarget; d >= kMin; --d)
+      if (size % d == 0 && (pass == 1 || d % 2 == 0)) return d;
+  return size;
+}
+
+Blocking normalized(Blocking b, int64_t rows, int64_t cols) {
+  b.rows = std::max<int64_t>(1, std::min(b.rows, rows));
+  b.cols = std::max<int64_t>(1, std::min(b.cols, cols));
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation derivatives, from the saved output y or (gelu) the pre-activation z.
+
+inline float act_derivative(Activation act, float s) {
+  switch (act) {
+    case Activation::relu: return s > 0.0f ? 1.0f : 0.0f;
+    case Activation::sigmoid: return s * (1.0f - s);
+    case Activation::tanh: return (1.0f + s) * (1.0f - s);
+    case Activation::gelu: {
+      const float c = 0.7978845608028654f, a = 0.044715f;
+      const float t = tanh_f(c * (s + a * s * s * s));
+      return 0.5f * (1.0f + t) + 0.5f * s * (1.0f - t * t) * c * (1.0f + 3.0f * a * s * s);
+    }
+    default: return 1.0f;
+  }
+}
+
+template <class T>
+void act_grad_rows(Activation act, const T* dy, const T* s, T* dz, int64_t count) {
+  switch (act) {
+    case Activation::relu:  // a select, like jax.nn.relu's derivative: 0 where y is NaN
+      for (int64_t i = 0; i < count; ++i)
+        dz[i] = to_f32(s[i]) > 0.0f ? dy[i] : from_f32<T>(0.0f);
+      break;
+    case Activation::sigmoid:
+      for (int64_t i = 0; i < count; ++i) {
+        const float y = to_f32(s[i]);
+        dz[i] = from_f32<T>(to_f32(dy[i]) * (y * (1.0f - y)));
+      }
+      break;
+    case Activation::tanh:
+      for (int64_t i = 0; i < count; ++i) {
+        const float y = to_f32(s[i]);
+        dz[i] = from_f32<T>(to_f32(dy[i]) * ((1.0f + y) * (1.0f - y)));
+      }
+      break;
+    default:
+      for (int64_t i = 0; i < count; ++i)
+        dz[i] = from_f32<T>(to_f32(dy[i]) * act_derivative(act, to_f32(s[i])));
+  }
+}
+
+}  // namespace
+
+Saved saved_for(Activation act) {
+  switch (act) {
+    case Activation::none: return Saved::none;
+    case Activation::gelu: return Saved::preactivation;
+    default: return Saved::output;
+  }
+}
+
+Blocking forward_blocking(const Shape& s, int64_t threads) {
+  Blocking b;
+  b.cols = std::min(s.k, kCols);
+  b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
+  b.red = reduction_block(s.c, s.dt == DType::bf16);
+  return b;
+}
+
+Blocking backward_blocking(const Shape& s, int64_t threads) {
+  Blocking b;
+  b.cols = std::min(s.c, kCols);
+  b.rows = split_rows(s.n, ceil_div(s.c, b.cols), threads);
+  b.red = reduction_block(s.k, s.dt == DType::bf16);
+  return b;
+}
+
+Blocking update_blocking(const Shape& s, int64_t threads) {
+  Blocking b;
+  b.cols = std::min(s.k, kCols);
+  b.rows = split_rows(s.c, ceil_div(s.k, b.cols), threads);
+  // The batch is padded with zeros to whole blocks (both operands are re-blocked), so the
+  // block only needs to be even for bf16 VNNI pairs; as equal as possible otherwise.
+  const int64_t nb = ceil_div(s.n, 64);
+  b.red = round_up(ceil_div(s.n, nb), s.dt == DType::bf16 ? 2 : 1);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward: y[n, k] = act(sum_c x[n, c] w[c, k] + b[k]).
+// Items: (N-block, K-block) output tiles; batch: the C-blocks. x is read in place (A, with
+// lda = C); w is re-blocked to [Kb][Cb][bc][bk] (VNNI pairs for bf16, cast to dt).
+
+void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
+             const float* bias, void* y, void* z, const Blocking* force) {
+  if (s.n <= 0 || s.k <= 0) return;
+  Blocking b = normalized(force ? *force : forward_blocking(s, ex.num_threads), s.n, s.k);
+  if (b.red <= 0 || s.c % b.red) b.red = s.c;
+  const bool bf16 = s.dt == DType::bf16;
+  const bool gelu = s.act == Activation::gelu;
+  const size_t es = dtype_size(s.dt);
+  const int64_t nblk = ceil_div(s.n, b.rows), kblk = ceil_div(s.k, b.cols), cblk = s.c / b.red;
+  const int64_t blk = block_elems(b.red, b.cols, bf16);
+
+  BrgemmDesc d;
+  d.k = b.red;
+  d.lda = s.c;
+  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldc = s.k;
+  d.ab = d.c = s.dt;
+  d.bias = bias != nullptr;
+  d.act = gelu ? Activation::none : s.act;
+  const BlockKernels kernels(d, s.n, s.k, b.rows, b.cols);
+
+  char* wb = Scratch::get<1>({size_t(kblk * cblk * blk) * es})[0];
+  parallel_for(ex, kblk * cblk, [&](int64_t i) {
+    const int64_t kb = i / cblk, cb = i % cblk;
+    const int64_t k0 = kb * b.cols, c0 = cb * b.red;
+    with_type(w_dt, [&](auto ws) {
+      with_type(s.dt, [&](auto ds) {
+        using S = decltype(ws);
+        using D = decltype(ds);
+        pack_block(static_cast<const S*>(w) + c0 * s.k + k0, s.k, false, b.red,
+                   std::min(b.cols, s.k - k0), b.red, b.cols, bf16,
+                   reinterpret_cast<D*>(wb) + i * blk);
+      });
+    });
+  });
+
+  char* out = static_cast<char*>(gelu ? z : y);
+  parallel_for(ex, nblk * kblk, [&](int64_t i) {
+    const int64_t kb = i / nblk, nb = i % nblk;  // K-block major: a weight panel is reused
+    const int64_t n0 = nb * b.rows, k0 = kb * b.cols;
+    const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.k - k0);
+    kernels(rows, cols).strided(static_cast<const char*>(x) + n0 * s.c * es, b.red,
+                                wb + kb * cblk * blk * es, blk, cblk,
+                                out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
+    if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
+      with_type(s.dt, [&](auto ts) {
+        using T = decltype(ts);
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* zr = static_cast<const T*>(z) + (n0 + r) * s.k + k0;
+          T* yr = static_cast<T*>(y) + (n0 + r) * s.k + k0;
+          for (int64_t j = 0; j < cols; ++j) yr[j] = from_f32<T>(gelu_f(to_f32(zr[j])));
+        }
+      });
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// dz = dy * act'(saved): element-wise, in row chunks.
+
+void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* saved, void* dz) {
+  const int64_t total = s.n * s.k;
+  if (total <= 0) return;
+  const int64_t chunk = std::max<int64_t>(4096, ceil_div(total, 8 * ex.num_threads));
+  parallel_for(ex, ceil_div(total, chunk), [&](int64_t i) {
+    const int64_t a = i * chunk, count = std::min(chunk, total - a);
+    with_type(s.dt, [&](auto ts) {
+      using T = decltype(ts);
+      if (s.act == Activation::none) {
+        std::memcpy(static_cast<T*>(dz) + a, static_cast<const T*>(dy) + a, count * sizeof(T));
+        return;
+      }
+      act_grad_rows(s.act, static_cast<const T*>(dy) + a, static_cast<const T*>(saved) + a,
+                    static_cast<T*>(dz) + a, count);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward by data: dx[n, c] = sum_k dz[n, k] w[c, k].
+// Items: (N-block, C-block) tiles of dx; batch: the K-blocks. dz is read in place (A,
+// lda = K); w is transposed while re-blocking to [Cb][Kb][bk][bc] (VNNI pairs of k).
+
+void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
+              void* dx, const Blocking* force) {
+  if (s.n <= 0 || s.c <= 0) return;
+  Blocking b = normalized(force ? *force : backward_blocking(s, ex.num_threads), s.n, s.c);
+  if (b.red <= 0 || s.k % b.red) b.red = s.k;
+  const bool bf16 = s.dt == DType::bf16;
+  const size_t es = dtype_size(s.dt);
+  const int64_t nblk = ceil_div(s.n, b.rows), cblk = ceil_div(s.c, b.cols), kblk = s.k / b.red;
+  const int64_t blk = block_elems(b.red, b.cols, bf16);
+
+  BrgemmDesc d;
+  d.k = b.red;
+  d.lda = s.k;
+  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldc = s.c;
+  d.ab = d.c = s.dt;
+  const BlockKernels kernels(d, s.n, s.c, b.rows, b.cols);
+
+  char* wt = Scratch::get<1>({size_t(cblk * kblk * blk) * es})[0];
+  parallel_for(ex, cblk * kblk, [&](int64_t i) {
+    const int64_t cb = i / kblk, kb = i % kblk;
+    const int64_t c0 = cb * b.cols, k0 = kb * b.red;
+    with_type(w_dt, [&](auto ws) {
+      with_type(s.dt, [&](auto ds) {
+        using S = decltype(ws);
+        using D = decltype(ds);
+        pack_block(static_cast<const S*>(w) + c0 * s.k + k0, s.k, true, b.red,
+                   std::min(b.cols, s.c - c0), b.red, b.cols, bf16,
+                   reinterpret_cast<D*>(wt) + i * blk);
+      });
+    });
+  });
+
+  parallel_for(ex, cblk * nblk, [&](int64_t i) {
+    const int64_t cb = i / nblk, nb = i % nblk;
+    const int64_t n0 = nb * b.rows, c0 = cb * b.cols;
+    const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.c - c0);
+    kernels(rows, cols).strided(static_cast<const char*>(dz) + n0 * s.k * es, b.red,
+                                wt + cb * kblk * blk * es, blk, kblk,
+                                static_cast<char*>(dx) + (n0 * s.c + c0) * es);
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Weight update: dw[c, k] = sum_n x[n, c] dz[n, k], db[k] = sum_n dz[n, k].
+// Items: (C-block, K-block) tiles of dw, each owned by one item, so the reduction over the
+// batch happens inside one BRGEMM call (batch: the N-blocks) and needs no synchronization.
+// x is transposed to [Cb][Nb][bc][bn] (A blocks), dz re-blocked to [Kb][Nb][bn][bk] (VNNI
+// pairs of n for bf16); both zero-padded to whole N-blocks. db is summed while dz is
+// re-blocked, by the item that owns the K-block.
+
+void update(const Executor& ex, const Shape& s, const void* x, const void* dz, void* dw,
+            DType dw_dt, float* db, const Blocking* force) {
+  if (s.c <= 0 || s.k <= 0) return;
+  if (s.n <= 0) {  // an empty batch: zero gradients
+    std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
+    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
+    return;
+  }
+  Blocking b = normalized(force ? *force : update_blocking(s, ex.num_threads), s.c, s.k);
+  const bool bf16 = s.dt == DType::bf16;
+  if (b.red <= 0) b.red = s.n;
+  if (bf16) b.red = round_up(b.red, 2);
+  const size_t es = dtype_size(s.dt);
+  const int64_t cblk = ceil_div(s.c, b.rows), kblk = ceil_div(s.k, b.cols);
+  const int64_t nblk = ceil_div(s.n, b.red);
+  const int64_t blk_a = b.rows * b.red, blk_b = block_elems(b.red, b.cols, bf16);
+
+  BrgemmDesc d;
+  d.k = b.red;
+  d.lda = b.red;
+  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldc = s.k;
+  d.ab = s.dt;
+  d.c = dw_dt;
+  const BlockKernels kernels(d, s.c, s.k, b.rows, b.cols);
+
+  const auto buf = Scratch::get<2>({size_t(cblk * nblk * blk_a) * es,
+                                    size_t(kblk * nblk * blk_b) * es});
+  char* xt = buf[0];
+  char* dzb = buf[1];
+  parallel_for(ex, cblk * nblk + kblk, [&](int64_t i) {
+    with_type(s.dt, [&](auto ts) {
+      using T = decltype(ts);
+      if (i < cblk * nblk) {  // x^T block (cb, nb)
+        const int64_t cb = i / nblk, nb = i % nblk;
+        const int64_t c0 = cb * b.rows, n0 = nb * b.red;
+        pack_block(static_cast<const T*>(x) + n0 * s.c + c0, s.c, true,
+                   std::min(b.rows, s.c - c0), std::min(b.red, s.n - n0), b.rows, b.red,
+                   false, reinterpret_cast<T*>(xt) + i * blk_a);
+        return;
+      }
+      const int64_t kb = i - cblk * nblk, k0 = kb * b.cols;  // dz column panel kb
+      const int64_t cols = std::min(b.cols, s.k - k0);
+      const T* src = static_cast<const T*>(dz) + k0;
+      for (int64_t nb = 0; nb < nblk; ++nb) {
+        const int64_t n0 = nb * b.red;
+        pack_block(src + n0 * s.k, s.k, false, std::min(b.red, s.n - n0), cols, b.red,
+                   b.cols, bf16, reinterpret_cast<T*>(dzb) + (kb * nblk + nb) * blk_b);
+      }
+      if (db) {
+        std::vector<float> acc(size_t(cols), 0.0f);
+        for (int64_t n = 0; n < s.n; ++n)
+          for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(src[n * s.k + j]);
+        std::memcpy(db + k0, acc.data(), size_t(cols) * sizeof(float));
+      }
+    });
+  });
+
+  parallel_for(ex, cblk * kblk, [&](int64_t i) {
+    const int64_t cb = i / kblk, kb = i % kblk;  // C-block major: an x^T panel is reused
+    const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
+    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+    kernels(rows, cols).strided(xt + cb * nblk * blk_a * es, blk_a,
+                                dzb + kb * nblk * blk_b * es, blk_b, nblk,
+                                static_cast<char*>(dw) + (c0 * s.k + k0) * dtype_size(dw_dt));
+  });
+}
+
+}  // namespace jb::fc

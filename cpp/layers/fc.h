@@ -1,0 +1,68 @@
+// The fully-connected layer (paper, Algorithm 5): all three training passes as loops around
+// the batch-reduce GEMM kernel, nothing else.
+//
+//   forward   y  = act(x @ w + b)              x: N x C, w: C x K, b: K, y: N x K
+//   act_grad  dz = dy * act'(saved)            saved: y (relu, sigmoid, tanh) or z (gelu)
+//   backward  dx = dz @ w^T                    dx: N x C
+//   update    dw = x^T @ dz, db = sum_n dz     dw: C x K, db: K
+//
+// Everything is row-major in the framework's layout (activations (N, C), Flax kernels
+// (C, K)); each pass re-blocks its weight-like operand inside the call into the layout its
+// BRGEMM wants (weights [Kb][Cb][bc][bk], VNNI-2 pairs for bf16, casting fp32 weights to
+// bf16 on the way), while activations are read in place wherever the kernel can.
+//
+// Work items are independent output blocks over the Executor; every output element is
+// written by exactly one item, so the batch reduction of the weight update needs no
+// atomics or partial sums. dtype `dt` is the compute dtype of x, y, z, dy, dz and dx;
+// accumulation is always fp32, the bias and db are fp32, w and dw are fp32 or bf16.
+#pragma once
+
+#include <cstdint>
+
+#include "brgemm/brgemm.h"
+#include "parallel/parallel_for.h"
+
+namespace jb::fc {
+
+struct Shape {
+  int64_t n = 0, c = 0, k = 0;  // mini-batch, input features, output features
+  DType dt = DType::f32;        // compute dtype
+  Activation act = Activation::none;
+};
+
+// What the forward leaves for the backward besides x and w: the output y when the
+// derivative is a function of it (relu, sigmoid, tanh), the pre-activation z for gelu,
+// nothing without an activation.
+enum class Saved : uint8_t { none, output, preactivation };
+Saved saved_for(Activation act);
+
+// Block sizes of one pass: rows and columns of an output block, and the block of the
+// reduced dimension (one BRGEMM batch element).
+struct Blocking {
+  int64_t rows = 0, cols = 0, red = 0;
+};
+
+// The heuristic: output blocks of whole register tiles (rows a multiple of 12, 64 columns),
+// rows split finely enough that every thread gets several items even for small N, and a
+// reduction block that divides the reduced size.
+Blocking forward_blocking(const Shape& s, int64_t threads);
+Blocking backward_blocking(const Shape& s, int64_t threads);
+Blocking update_blocking(const Shape& s, int64_t threads);
+
+// y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
+// `force` overrides the heuristic (tests use it to exercise edge blocks).
+void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
+             const float* bias, void* y, void* z, const Blocking* force = nullptr);
+
+// dz = dy * act'(saved), element-wise (all in dt). Not needed without an activation.
+void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* saved, void* dz);
+
+// dx = dz @ w^T.
+void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
+              void* dx, const Blocking* force = nullptr);
+
+// dw = x^T @ dz (written in dw_dt) and, when db is not null, db = sum over the batch of dz.
+void update(const Executor& ex, const Shape& s, const void* x, const void* dz, void* dw,
+            DType dw_dt, float* db, const Blocking* force = nullptr);
+
+}  // namespace jb::fc

@@ -1,0 +1,222 @@
+// The FC layer's passes against naive loops in double precision: fp32 and bf16, every
+// activation, shapes that are not multiples of the blocks, forced small blockings (many
+// blocks and edge blocks), one thread and several.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "layers/fc.h"
+
+namespace {
+
+using jb::Activation;
+using jb::DType;
+namespace fc = jb::fc;
+
+// A pool for tests: every scheduled task gets its own thread, joined at the end.
+struct TestPool {
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  jb::Executor executor(int64_t n) {
+    jb::Executor ex;
+    ex.num_threads = n;
+    if (n > 1)
+      ex.schedule = [this](std::function<void()> task) {
+        std::lock_guard<std::mutex> lock(mu);
+        threads.emplace_back(std::move(task));
+      };
+    return ex;
+  }
+  ~TestPool() {
+    for (auto& t : threads) t.join();
+  }
+};
+
+// A tensor kept as fp32 values plus its storage in the chosen dtype.
+struct Tensor {
+  DType dt;
+  std::vector<float> f;      // the values as stored (bf16-rounded for bf16)
+  std::vector<uint16_t> h;  // bf16 storage
+  Tensor(DType dt, int64_t size) : dt(dt), f(size), h(dt == DType::bf16 ? size : 0) {}
+  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
+  void fill(std::mt19937& rng, float scale = 1.0f) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
+  }
+  void set(size_t i, float v) {
+    if (dt == DType::bf16) {
+      h[i] = jb::f32_to_bf16(v);
+      f[i] = jb::bf16_to_f32(h[i]);
+    } else {
+      f[i] = v;
+    }
+  }
+  float get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
+};
+
+double act_ref(Activation a, double z) {
+  switch (a) {
+    case Activation::relu: return z > 0 ? z : 0;
+    case Activation::sigmoid: return 1 / (1 + std::exp(-z));
+    case Activation::tanh: return std::tanh(z);
+    case Activation::gelu:
+      return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
+    default: return z;
+  }
+}
+
+double act_grad_ref(Activation a, double z) {
+  const double h = 1e-5;
+  if (a == Activation::relu) return z > 0 ? 1 : 0;
+  if (a == Activation::none) return 1;
+  return (act_ref(a, z + h) - act_ref(a, z - h)) / (2 * h);
+}
+
+// |got - want| <= tol * (1 + |want|), reporting the first few mismatches.
+bool close(const Tensor& got, const std::vector<double>& want, double tol, const char* what) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(i);
+    if (!(std::fabs(g - want[i]) <= tol * (1 + std::fabs(want[i])))) {
+      if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
+    }
+  }
+  return bad == 0;
+}
+
+void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation act, bool bias,
+              int64_t threads, const fc::Blocking* force) {
+  std::mt19937 rng(unsigned(n * 131 + c * 17 + k));
+  TestPool pool;
+  const jb::Executor ex = pool.executor(threads);
+  fc::Shape s{n, c, k, dt, act};
+  Tensor x(dt, n * c), w(w_dt, c * k), dy(dt, n * k);
+  x.fill(rng);
+  w.fill(rng, 1.0f / std::sqrt(float(c)));
+  dy.fill(rng);
+  std::vector<float> b(k);
+  for (auto& v : b) v = std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
+  // The kernel computes with w cast to dt.
+  auto wv = [&](int64_t i) -> double {
+    return dt == DType::bf16 ? jb::bf16_to_f32(jb::f32_to_bf16(w.f[i])) : w.f[i];
+  };
+
+  // forward
+  std::vector<double> z_ref(n * k), y_ref(n * k);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      double acc = bias ? b[j] : 0;
+      for (int64_t q = 0; q < c; ++q) acc += double(x.f[i * c + q]) * wv(q * k + j);
+      z_ref[i * k + j] = acc;
+      y_ref[i * k + j] = act_ref(act, acc);
+    }
+  Tensor y(dt, n * k), z(dt, n * k);
+  fc::forward(ex, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
+              act == Activation::gelu ? z.data() : nullptr, force);
+  const double tol = dt == DType::bf16 ? 2e-2 : 1e-4;
+  close(y, y_ref, tol, "y");
+  if (act == Activation::gelu) close(z, z_ref, tol, "z");
+
+  // act_grad, from what the forward saves
+  Tensor dz(dt, n * k);
+  const fc::Saved saved = fc::saved_for(act);
+  const void* sv = saved == fc::Saved::output ? y.data() : saved == fc::Saved::preactivation ? z.data() : nullptr;
+  fc::act_grad(ex, s, dy.data(), sv, dz.data());
+  std::vector<double> dz_ref(n * k);
+  for (int64_t i = 0; i < n * k; ++i) dz_ref[i] = dy.f[i] * act_grad_ref(act, z_ref[i]);
+  // relu's derivative flips where z rounds to the other side of 0: compare on the kernel's own dz.
+  if (act != Activation::relu || dt == DType::f32) close(dz, dz_ref, dt == DType::bf16 ? 3e-2 : 1e-3, "dz");
+  for (int64_t i = 0; i < n * k; ++i) dz_ref[i] = dz.get(i);
+
+  // backward: dx = dz w^T
+  std::vector<double> dx_ref(n * c);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t q = 0; q < c; ++q) {
+      double acc = 0;
+      for (int64_t j = 0; j < k; ++j) acc += dz_ref[i * k + j] * wv(q * k + j);
+      dx_ref[i * c + q] = acc;
+    }
+  Tensor dx(dt, n * c);
+  fc::backward(ex, s, dz.data(), w.data(), w_dt, dx.data(), force);
+  close(dx, dx_ref, tol, "dx");
+
+  // update: dw = x^T dz (in w's dtype), db = sum dz
+  std::vector<double> dw_ref(c * k, 0.0), db_ref(k, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      db_ref[j] += dz_ref[i * k + j];
+      for (int64_t q = 0; q < c; ++q) dw_ref[q * k + j] += double(x.f[i * c + q]) * dz_ref[i * k + j];
+    }
+  Tensor dw(w_dt, c * k);
+  std::vector<float> db(k, -1.0f);
+  fc::update(ex, s, x.data(), dz.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
+  close(dw, dw_ref, w_dt == DType::bf16 ? 2e-2 : 1e-4, "dw");
+  if (bias) {
+    Tensor dbt(DType::f32, k);
+    dbt.f = db;
+    close(dbt, db_ref, 1e-4, "db");
+  }
+}
+
+const Activation kActs[] = {Activation::none, Activation::relu, Activation::gelu,
+                            Activation::sigmoid, Activation::tanh};
+
+}  // namespace
+
+TEST(fc_all_passes_heuristic_blocking) {
+  for (DType dt : {DType::f32, DType::bf16})
+    for (Activation act : kActs)
+      for (auto [n, c, k] : {std::array<int64_t, 3>{1, 1, 1}, {3, 5, 7}, {37, 70, 130},
+                             {64, 512, 96}, {130, 48, 10}})
+        run_case(n, c, k, dt, dt, act, true, 2, nullptr);
+}
+
+TEST(fc_fp32_weights_with_bf16_compute) {
+  for (Activation act : {Activation::none, Activation::tanh})
+    run_case(29, 66, 75, DType::bf16, DType::f32, act, true, 2, nullptr);
+}
+
+TEST(fc_forced_small_blocks_and_edges) {
+  // Many blocks of every kind: edge rows and columns, several reduction blocks (the
+  // reduction block of bf16 odd on purpose: VNNI pairs padded per block), zero padding of
+  // the update's batch blocks.
+  const fc::Blocking blockings[] = {{5, 7, 3}, {12, 16, 8}, {1, 1, 1}, {24, 64, 6}};
+  for (const auto& bl : blockings)
+    for (DType dt : {DType::f32, DType::bf16})
+      for (Activation act : {Activation::none, Activation::relu, Activation::gelu})
+        run_case(23, 24, 19, dt, dt, act, act != Activation::relu, 1, &bl);
+  const fc::Blocking odd{6, 16, 5};
+  run_case(17, 25, 35, DType::bf16, DType::bf16, Activation::sigmoid, true, 3, &odd);
+}
+
+TEST(fc_blocking_parallelizes_small_batches) {
+  for (int64_t n : {1, 8, 64, 256, 1024}) {
+    fc::Shape s{n, 1024, 1024, DType::f32, Activation::none};
+    const fc::Blocking b = fc::forward_blocking(s, 2);
+    const int64_t items = (n + b.rows - 1) / b.rows * ((1024 + b.cols - 1) / b.cols);
+    CHECK(items >= 16) << "n=" << n << " gives only " << items << " forward items";
+    CHECK(b.rows <= n && b.rows >= 1) << "rows=" << b.rows;
+    CHECK(1024 % b.red == 0) << "red=" << b.red;
+  }
+  fc::Shape s{256, 784, 1024, DType::bf16, Activation::none};
+  CHECK(784 % fc::forward_blocking(s, 2).red == 0);
+  CHECK(fc::update_blocking(s, 2).red % 2 == 0);
+}
+
+TEST(fc_nan_propagates) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  fc::Shape s{4, 8, 20, DType::f32, Activation::none};
+  std::vector<float> x(4 * 8, 1.0f), w(8 * 20, 1.0f), y(4 * 20);
+  x[1 * 8 + 3] = NAN;
+  fc::forward(ex, s, x.data(), w.data(), DType::f32, nullptr, y.data(), nullptr);
+  for (int j = 0; j < 20; ++j) {
+    CHECK(std::isnan(y[1 * 20 + j])) << "row 1 col " << j;
+    CHECK(y[0 * 20 + j] == 8.0f) << "row 0 col " << j << " = " << y[j];
+  }
+}
