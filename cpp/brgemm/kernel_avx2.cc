@@ -24,11 +24,13 @@ struct Avx2 {
       const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
         __m256 bv[NV];
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j)
           bv[j] = j < NV - 1 ? _mm256_loadu_ps(b + 8 * j) : _mm256_maskload_ps(b + 8 * j, last);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const __m256 av = _mm256_broadcast_ss(a + i * t.lda + k);
+          #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(av, bv[j], acc[i][j]);
         }
       }
@@ -48,6 +50,7 @@ struct Avx2 {
       for (int64_t k = 0; k < t.k; k += 2, b += t.ldb) {
         const bool pair = k + 1 < t.k;  // odd k: the last row has no partner
         __m256 even[NV], odd[NV];
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) {
           const int* src = reinterpret_cast<const int*>(b + 16 * j);
           const __m256i v = j < NV - 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
@@ -55,13 +58,15 @@ struct Avx2 {
           even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
           odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const uint16_t* ai = a + i * t.lda + k;
           const __m256 a0 = _mm256_set1_ps(bf16_to_f32(ai[0]));
+          #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(a0, even[j], acc[i][j]);
           if (pair) {
             const __m256 a1 = _mm256_set1_ps(bf16_to_f32(ai[1]));
+            #pragma GCC unroll 16
             for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(a1, odd[j], acc[i][j]);
           }
         }
@@ -78,17 +83,22 @@ struct Avx2 {
   template <int MR, int NV>
   static void init(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
     if (!t.accumulate) {
+      #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
       return;
     }
     alignas(32) float tile[MR][NV * 8] = {};
     const int cols = (NV - 1) * 8 + t.tail;
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < cols; ++j)
         tile[i][j] = t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
                                          : bf16_to_f32(static_cast<const uint16_t*>(t.c)[i * t.ldc + j]);
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_load_ps(&tile[i][8 * j]);
     (void)last;
   }
@@ -96,12 +106,16 @@ struct Avx2 {
   template <int MR, int NV>
   static void store(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
     if (t.bias)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {
         const __m256 bj = j < NV - 1 ? _mm256_loadu_ps(t.bias + 8 * j) : _mm256_maskload_ps(t.bias + 8 * j, last);
+        #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_add_ps(acc[i][j], bj);
       }
     if (t.act == Activation::none && t.cdt == DType::f32) {
+      #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) {
           float* dst = static_cast<float*>(t.c) + i * t.ldc + 8 * j;
           if (j < NV - 1) _mm256_storeu_ps(dst, acc[i][j]);
@@ -110,7 +124,9 @@ struct Avx2 {
       return;
     }
     alignas(32) float tile[MR][NV * 8];
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) _mm256_store_ps(&tile[i][8 * j], acc[i][j]);
     finish_tile(&tile[0][0], MR, (NV - 1) * 8 + t.tail, NV * 8, t);
   }

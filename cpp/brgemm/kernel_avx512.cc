@@ -8,10 +8,11 @@ namespace jb {
 namespace {
 
 struct Avx512 {
-  static constexpr int VL = 16, NV_MAX = 4;
-  // MR x NV accumulators (at most 24 of the 32 zmm registers), leaving room for the NV
-  // B vectors and the A broadcast; >= 8 independent chains hide the FMA latency.
-  static constexpr int mr(int nv) { return nv == 4 ? 6 : nv == 3 ? 8 : 12; }
+  static constexpr int VL = 16, NV_MAX = 2;
+  // 12 x 2 accumulators (24 of the 32 zmm registers), leaving room for the B vectors and
+  // the A broadcast; >= 8 independent chains hide the FMA latency. Tall rather than wide
+  // tiles: B streams from L2 across the batch, and each B vector feeds 12 FMAs.
+  static constexpr int mr(int) { return 12; }
 
   template <int MR, int NV>
   static void tile_f32(const TileArgs& t) {
@@ -22,14 +23,17 @@ struct Avx512 {
       const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
       const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
+        // B rows arrive from L2: ask for them a few rows ahead.
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + 8 * t.ldb + 16 * j), _MM_HINT_T0);
         __m512 bv[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int j = 0; j < NV; ++j)
           bv[j] = j < NV - 1 ? _mm512_loadu_ps(b + 16 * j) : _mm512_maskz_loadu_ps(last, b + 16 * j);
-#pragma GCC unroll 12
+#pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const __m512 av = _mm512_set1_ps(a[i * t.lda + k]);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
         }
       }
@@ -48,27 +52,30 @@ struct Avx512 {
       const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
       for (int64_t p = 0; p < pairs; ++p, b += t.ldb) {
         __m512i bv[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int j = 0; j < NV; ++j)
           bv[j] = j < NV - 1 ? _mm512_loadu_si512(b + 32 * j)
                              : _mm512_maskz_loadu_epi32(last, b + 32 * j);
-#pragma GCC unroll 12
+#pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           uint32_t pair;  // A[i][2p], A[i][2p + 1]: one 32-bit broadcast
           std::memcpy(&pair, a + i * t.lda + 2 * p, 4);
           const __m512i av = _mm512_set1_epi32(int(pair));
-#pragma GCC unroll 4
+#pragma GCC unroll 16
           for (int j = 0; j < NV; ++j)
             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)av, (__m512bh)bv[j]);
         }
       }
       if (t.k % 2) {  // odd k: the last row pairs with the zero pad of packed B
         __m512i bv[NV];
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j)
           bv[j] = j < NV - 1 ? _mm512_loadu_si512(b + 32 * j)
                              : _mm512_maskz_loadu_epi32(last, b + 32 * j);
+        #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const __m512i av = _mm512_set1_epi32(int(a[i * t.lda + 2 * pairs]));
+          #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j)
             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)av, (__m512bh)bv[j]);
         }
@@ -81,7 +88,9 @@ struct Avx512 {
 
   template <int MR, int NV>
   static void init(__m512 (&acc)[MR][NV], __mmask16 last, const TileArgs& t) {
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {
         const __mmask16 m = j < NV - 1 ? __mmask16(0xffff) : last;
         if (!t.accumulate) {
@@ -98,19 +107,25 @@ struct Avx512 {
   template <int MR, int NV>
   static void store(__m512 (&acc)[MR][NV], __mmask16 last, const TileArgs& t) {
     if (t.bias)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {
         const __m512 bj = _mm512_maskz_loadu_ps(j < NV - 1 ? __mmask16(0xffff) : last, t.bias + 16 * j);
+        #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_add_ps(acc[i][j], bj);
       }
     if (t.act == Activation::none && t.cdt == DType::f32) {
+      #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j)
           _mm512_mask_storeu_ps(static_cast<float*>(t.c) + i * t.ldc + 16 * j,
                                 j < NV - 1 ? __mmask16(0xffff) : last, acc[i][j]);
       return;
     }
     alignas(64) float tile[MR][NV * 16];
+    #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) _mm512_store_ps(&tile[i][16 * j], acc[i][j]);
     finish_tile(&tile[0][0], MR, (NV - 1) * 16 + t.tail, NV * 16, t);
   }

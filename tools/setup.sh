@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up everything jax_brgemm needs on a fresh Debian/Ubuntu machine: the compiler, the
+# Fashion-MNIST Debian package (the training data), and a virtual environment .venv with
+# the package installed (non-editable) plus its test, train and bench extras.
+# Idempotent: re-running only rebuilds the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  missing=()
+  command -v g++ >/dev/null || missing+=(g++)
+  [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || missing+=(dataset-fashion-mnist)
+  python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q ".[test,train,bench]"
+echo "setup: installed jax_brgemm into .venv (kernel ISA: $(.venv/bin/python -c 'import jax_brgemm; print(jax_brgemm.isa())'))"
