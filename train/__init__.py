@@ -1,0 +1,12 @@
+"""MLPerf-style training harness: ``python -m jax_brgemm.train BENCHMARK``.
+
+The suite (``SUITE``) defines each benchmark as data; ``run_benchmark`` runs one
+with MLPerf semantics and logs; ``compliance_config(benchmark)`` is the ruleset
+to pass to ``python -m mlperf_logging.compliance_checker --config``.
+"""
+
+from .cli import main, run_benchmark
+from .compliance import compliance_config
+from .suite import SUITE, Benchmark
+
+__all__ = ["SUITE", "Benchmark", "compliance_config", "main", "run_benchmark"]

@@ -1,0 +1,355 @@
+"""Datasets stored as IDX files: locate, verify, download, load and batch.
+
+A dataset file is found in the first of these places that has it:
+``--data-dir``, ``$JAX_BRGEMM_DATA``, the dataset's system directory (a Debian
+package), and otherwise downloaded from upstream into the first writable of
+``--data-dir``, ``$JAX_BRGEMM_DATA`` or ``~/.cache/jax_brgemm/<dataset>``.
+
+Checksums are SHA-256 of the *decompressed* IDX bytes. The Debian package ships
+the same IDX contents as upstream but re-gzipped (different gzip headers), so a
+checksum of the .gz files could not accept both; the payload checksum does, and
+also accepts files a user has already gunzipped.
+"""
+
+import dataclasses
+import gzip
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.request
+import zlib
+from pathlib import Path
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+ENV_VAR = "JAX_BRGEMM_DATA"
+
+
+class DataError(Exception):
+    """A dataset file is missing, corrupt or cannot be downloaded (exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IdxFile:
+    """One IDX file: its name without ``.gz``, payload checksum and shape."""
+
+    name: str
+    sha256: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """An image-classification dataset made of four IDX files.
+
+    Attributes:
+      name: short name, also the cache sub-directory.
+      files: ``train_images``, ``train_labels``, ``test_images``, ``test_labels``.
+      mirrors: base URLs tried in order for a download (file name + ``.gz`` appended).
+      system_dir: where a system package installs the files.
+      system_package: the package that does, named in error messages.
+      num_classes: number of label values.
+      mean, std: pixel statistics (of the scaled [0, 1] training images) used to
+        normalize inputs; high-level statistics are allowed by the rules.
+    """
+
+    name: str
+    files: Mapping[str, IdxFile]
+    mirrors: Sequence[str]
+    system_dir: Optional[str]
+    system_package: Optional[str]
+    num_classes: int
+    mean: float
+    std: float
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return self.files["train_images"].shape[1:]
+
+    @property
+    def train_size(self) -> int:
+        return self.files["train_images"].shape[0]
+
+    @property
+    def test_size(self) -> int:
+        return self.files["test_images"].shape[0]
+
+
+# Checksums computed from the Debian package dataset-fashion-mnist
+# (0.0~git20200523.55506a9-1); its decompressed files have the MD5s published
+# for the upstream raw files (torchvision's FashionMNIST raw checksums).
+FASHION_MNIST = Dataset(
+    name="fashion-mnist",
+    files={
+        "train_images": IdxFile(
+            "train-images-idx3-ubyte",
+            "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+            (60000, 28, 28)),
+        "train_labels": IdxFile(
+            "train-labels-idx1-ubyte",
+            "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+            (60000,)),
+        "test_images": IdxFile(
+            "t10k-images-idx3-ubyte",
+            "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+            (10000, 28, 28)),
+        "test_labels": IdxFile(
+            "t10k-labels-idx1-ubyte",
+            "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+            (10000,)),
+    },
+    mirrors=(
+        "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
+        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    ),
+    system_dir="/usr/share/datasets/fashion-mnist",
+    system_package="dataset-fashion-mnist",
+    num_classes=10,
+    mean=0.2860,
+    std=0.3530,
+)
+
+
+# --------------------------------------------------------------------------- locate
+
+
+def search_dirs(dataset: Dataset, data_dir=None) -> list[Path]:
+    """The directories searched for dataset files, in lookup order."""
+    dirs = [data_dir, os.environ.get(ENV_VAR) or None, dataset.system_dir]
+    return [Path(d).expanduser() for d in dirs if d]
+
+
+def download_dir(dataset: Dataset, data_dir=None) -> Path:
+    if data_dir:
+        return Path(data_dir).expanduser()
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
+    return Path("~/.cache/jax_brgemm").expanduser() / dataset.name
+
+
+def locate(dataset: Dataset, data_dir=None, download: bool = True) -> dict[str, Path]:
+    """Finds (or downloads) every file of ``dataset`` and verifies its checksum.
+
+    Returns a mapping from role (``train_images`` ...) to the verified path.
+    Raises DataError naming the file and the fix when a file is missing or bad.
+    """
+    paths = {}
+    dirs = search_dirs(dataset, data_dir)
+    for role, spec in dataset.files.items():
+        path = _find(spec, dirs)
+        if path is None:
+            if not download:
+                raise DataError(_missing_message(dataset, spec, dirs))
+            path = fetch_file(dataset, spec, download_dir(dataset, data_dir), dirs)
+        verify(path, spec, dataset)
+        paths[role] = path
+    return paths
+
+
+def _find(spec: IdxFile, dirs: Sequence[Path]) -> Optional[Path]:
+    for d in dirs:
+        for candidate in (d / (spec.name + ".gz"), d / spec.name):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _fix_hint(dataset: Dataset) -> str:
+    hint = "pass --data-dir DIR with the files (or set $%s)" % ENV_VAR
+    if dataset.system_package:
+        hint = f"run `sudo apt-get install {dataset.system_package}`, or " + hint
+    return hint
+
+
+def _missing_message(dataset, spec, dirs):
+    where = ", ".join(str(d) for d in dirs)
+    return (f"{dataset.name}: file {spec.name}(.gz) not found in {where}. "
+            f"Fix: {_fix_hint(dataset)}.")
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def read_payload(path: Path) -> bytes:
+    """The IDX bytes of ``path``, gunzipped when it ends in .gz."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    return path.read_bytes()
+
+
+def verify(path: Path, spec: IdxFile, dataset: Dataset) -> None:
+    """Checks the SHA-256 of the file's IDX payload; raises DataError if wrong."""
+    fix = ("delete it and run again to download a fresh copy"
+           + (f", or `sudo apt-get install --reinstall {dataset.system_package}`"
+              if dataset.system_package and dataset.system_dir
+              and Path(path).parent == Path(dataset.system_dir) else ""))
+    try:
+        payload = read_payload(path)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: checksum verification failed, the file is corrupt or "
+                        f"truncated ({e}). Fix: {fix}.") from e
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != spec.sha256:
+        raise DataError(f"{path}: SHA-256 checksum mismatch (expected {spec.sha256}, "
+                        f"got {digest}); the file is corrupt or not the {dataset.name} "
+                        f"file {spec.name}. Fix: {fix}.")
+
+
+# --------------------------------------------------------------------------- download
+
+
+def fetch(url: str, dest: Path, timeout: float = 60.0) -> None:
+    """Copies ``url`` to ``dest`` (a separate function so tests can replace it)."""
+    with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as out:
+        shutil.copyfileobj(response, out)
+
+
+def fetch_file(dataset: Dataset, spec: IdxFile, dest_dir: Path, searched) -> Path:
+    """Downloads ``spec`` from the first mirror that serves a valid copy."""
+    try:
+        dest_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{dataset.name}: cannot create download directory {dest_dir} "
+                        f"({e}). Fix: {_fix_hint(dataset)}.") from e
+    dest = dest_dir / (spec.name + ".gz")
+    errors = []
+    for mirror in dataset.mirrors:
+        url = mirror + spec.name + ".gz"
+        fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=".download-", suffix=".gz")
+        os.close(fd)
+        try:
+            fetch(url, Path(tmp))
+            # Verified before it gets its real name, so a bad download is never
+            # found by the next lookup.
+            verify(Path(tmp), spec, dataset)
+            os.replace(tmp, dest)
+            return dest
+        except (OSError, DataError) as e:
+            errors.append(f"{url}: {e}")
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    searched_dirs = ", ".join(str(d) for d in searched)
+    raise DataError(f"{dataset.name}: file {spec.name}(.gz) is not in {searched_dirs} "
+                    f"and could not be downloaded: " + "; ".join(errors)
+                    + f". Fix: {_fix_hint(dataset)}.")
+
+
+# --------------------------------------------------------------------------- load
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def parse_idx(payload: bytes, name: str = "IDX data") -> np.ndarray:
+    """Decodes IDX bytes: 2 zero bytes, a dtype code, the rank, big-endian dims, data."""
+    if len(payload) < 4 or payload[0] != 0 or payload[1] != 0 or payload[2] not in _IDX_DTYPES:
+        raise DataError(f"{name}: not an IDX file (bad magic number)")
+    dtype, rank = np.dtype(_IDX_DTYPES[payload[2]]), payload[3]
+    header = 4 + 4 * rank
+    if len(payload) < header:
+        raise DataError(f"{name}: truncated IDX header")
+    shape = tuple(int(d) for d in np.frombuffer(payload, ">u4", rank, offset=4))
+    if len(payload) - header != dtype.itemsize * int(np.prod(shape)):
+        raise DataError(f"{name}: IDX size does not match its header shape {shape}")
+    return np.frombuffer(payload, dtype, offset=header).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
+
+
+def load(dataset: Dataset, paths: Mapping[str, Path]) -> Arrays:
+    """Reads the (already verified) files into memory."""
+    arrays = {}
+    for role, spec in dataset.files.items():
+        array = parse_idx(read_payload(paths[role]), str(paths[role]))
+        if array.shape != spec.shape:
+            raise DataError(f"{paths[role]}: shape {array.shape}, expected {spec.shape}")
+        arrays[role] = array
+    # Labels as int32: the dtype the train step is compiled for.
+    arrays["train_labels"] = arrays["train_labels"].astype(np.int32)
+    arrays["test_labels"] = arrays["test_labels"].astype(np.int32)
+    return Arrays(**arrays)
+
+
+def drop_page_cache(paths) -> bool:
+    """Evicts the files from the OS page cache, so the timed run reads them from disk.
+
+    Uses posix_fadvise(DONTNEED) on each file, which needs no privileges and leaves
+    other users' cached data alone. Returns whether it worked for every file.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- batch
+
+
+class Batch(NamedTuple):
+    """A fixed-size batch; ``weight`` is 0 for padding rows, 1 for real examples."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    weight: np.ndarray
+
+
+def _batch(images, labels, index, batch_size) -> Batch:
+    # The last batch is padded to the full size (allowed by the rules) so one
+    # compiled step serves the whole epoch; padding rows have weight 0.
+    n = len(index)
+    weight = np.zeros(batch_size, np.float32)
+    weight[:n] = 1.0
+    if n < batch_size:
+        index = np.concatenate([index, np.zeros(batch_size - n, index.dtype)])
+    return Batch(images[index], labels[index], weight)
+
+
+def train_batches(images, labels, batch_size: int, seed: int, epoch: int) -> Iterator[Batch]:
+    """One epoch in a random order drawn from (seed, epoch): every example once."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(images))
+    for start in range(0, len(order), batch_size):
+        yield _batch(images, labels, order[start:start + batch_size], batch_size)
+
+
+def eval_batches(images, labels, batch_size: int) -> Iterator[Batch]:
+    """The whole evaluation set in its stored order."""
+    order = np.arange(len(images))
+    for start in range(0, len(order), batch_size):
+        yield _batch(images, labels, order[start:start + batch_size], batch_size)
+
+
+def num_batches(num_examples: int, batch_size: int) -> int:
+    return -(-num_examples // batch_size)
+
+
+def synthetic_batch(dataset: Dataset, batch_size: int) -> Batch:
+    """Zeros of the right shapes and dtypes, for compiling in the untimed init."""
+    return Batch(np.zeros((batch_size, *dataset.image_shape), np.uint8),
+                 np.zeros(batch_size, np.int32), np.ones(batch_size, np.float32))
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Writes a uint8 array as a (gzipped if path ends in .gz) IDX file; for tests and tools."""
+    array = np.ascontiguousarray(array, np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, ">u4").tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.tobytes())

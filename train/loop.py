@@ -1,0 +1,251 @@
+"""One timed run, with MLPerf semantics and an MLPerf log.
+
+    init (untimed): log the configuration, build the model, compile the train and
+        eval steps on synthetic batches of the real shapes
+    cache_clear:    evict the dataset files from the page cache
+    run (timed):    run_start, read the dataset, train and evaluate epoch by epoch
+                    (epochs numbered from 1), run_stop when the target is reached
+                    ("success") or the epoch limit is ("aborted")
+"""
+
+import dataclasses
+import functools
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from mlperf_logging.mllog.mllog import MLLogger
+from mlperf_logging.mllog import constants as C
+
+from . import data, optim
+
+DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs besides its seed.
+
+    ``target=None`` trains all ``max_epochs`` (used to record reference curves).
+    """
+
+    bench: Any
+    impl: str
+    division: str
+    dtype: str
+    hparams: Mapping[str, Any]
+    max_epochs: int
+    config_filename: str = "suite defaults"
+    target: Optional[float] = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    index: int
+    seed: int
+    status: str                 # "success" | "aborted"
+    epochs: int                 # epochs trained
+    time_to_train: float        # seconds from run_start to run_stop
+    evals: list                 # [{"epoch", "accuracy", "loss", "time"}], time since run_start
+    throughput: float           # training images per second (train loop only)
+    data_fraction: float        # share of the train loop spent producing batches
+    log_path: str
+    compliance: Optional[bool] = None
+
+    @property
+    def converged(self) -> bool:
+        return self.status == C.SUCCESS
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def preprocess(images, mean, std):
+    """uint8 pixels -> normalized float32, inside the compiled step."""
+    return (images.astype(jnp.float32) / 255.0 - mean) / std
+
+
+def train_step(state, batch, mean, std):
+    """One optimizer step on a batch; padding rows (weight 0) do not count."""
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, preprocess(batch.images, mean, std))
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch.labels)
+        return jnp.sum(losses * batch.weight) / jnp.sum(batch.weight)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def eval_step(state, batch, mean, std):
+    """Number of correctly classified real (weight 1) examples in the batch."""
+    logits = state.apply_fn({"params": state.params}, preprocess(batch.images, mean, std))
+    correct = jnp.argmax(logits, axis=-1) == batch.labels
+    return jnp.sum(correct * batch.weight)
+
+
+# --------------------------------------------------------------------------- logging
+
+
+def platform_name() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} x{os.cpu_count()} CPUs"
+
+
+def open_log(path: Path) -> tuple[MLLogger, logging.Handler]:
+    """An MLLogger writing only to ``path``: nothing reaches the terminal or other logs."""
+    logger = logging.getLogger(f"jax_brgemm.train.run.{path}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    root = str(Path(__file__).resolve().parent)
+    return MLLogger(logger=logger, root_dir=root), handler
+
+
+def log_config(mll, cfg: RunConfig, seed: int):
+    bench, hp = cfg.bench, cfg.hparams
+    mll.event(C.SUBMISSION_BENCHMARK, bench.name)
+    mll.event(C.SUBMISSION_DIVISION, cfg.division)
+    mll.event(C.SUBMISSION_ORG, "jax_brgemm")
+    mll.event(C.SUBMISSION_PLATFORM, platform_name())
+    mll.event(C.SUBMISSION_STATUS, C.RESEARCH)
+    mll.event("model_impl", cfg.impl)  # not an MLPerf key: brgemm kernels or stock XLA
+    mll.event(C.SEED, seed)
+    mll.event(C.TRAIN_SAMPLES, bench.dataset.train_size)
+    mll.event(C.EVAL_SAMPLES, bench.dataset.test_size)
+    mll.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
+    # opt_name first: the ruleset checks the other keys against the chosen optimizer.
+    mll.event(C.OPT_NAME, hp["opt_name"])
+    for key in sorted(k for k in hp if k != "opt_name"):
+        mll.event(key, hp[key])
+    precision = PRECISION[cfg.dtype]
+    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, precision)
+    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, precision)  # no attention layers
+    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")  # single process
+    for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM,
+                C.EXPERT_PARALLELISM):
+        mll.event(key, 1)
+    mll.event(C.MICRO_BATCH_SIZE, hp["global_batch_size"])
+    mll.event(C.CONFIG_FILENAME, cfg.config_filename)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1e3)
+
+
+def run(cfg: RunConfig, index: int, seed: int, paths: Mapping[str, Path], log_path: Path,
+        progress=None) -> RunResult:
+    """Performs one run and writes its MLPerf log to ``log_path``."""
+    mll, handler = open_log(log_path)
+    try:
+        return _run(cfg, index, seed, paths, log_path, progress, mll)
+    finally:
+        handler.close()
+        logging.getLogger(f"jax_brgemm.train.run.{log_path}").removeHandler(handler)
+
+
+def _run(cfg, index, seed, paths, log_path, progress, mll):
+    bench, hp = cfg.bench, cfg.hparams
+    dataset, batch_size = bench.dataset, hp["global_batch_size"]
+    mean, std = dataset.mean, dataset.std
+
+    # ---- init: untimed. Nothing here reads the dataset, only its declared shapes.
+    mll.start(C.INIT_START)
+    log_config(mll, cfg, seed)
+    model = bench.model(impl=cfg.impl, dtype=DTYPES[cfg.dtype])
+    steps = optim.steps_per_epoch(dataset.train_size, batch_size)
+    params = model.init(jax.random.key(seed), jnp.zeros((1, *dataset.image_shape)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                          tx=optim.make(hp, steps))
+    # Compiled ahead of time: a batch of another shape would be an error, never a
+    # silent recompilation inside the timed run.
+    train = jax.jit(functools.partial(train_step, mean=mean, std=std), donate_argnums=0).lower(
+        state, data.synthetic_batch(dataset, batch_size)).compile()
+    evaluate = jax.jit(functools.partial(eval_step, mean=mean, std=std)).lower(
+        state, data.synthetic_batch(dataset, bench.eval_batch_size)).compile()
+    mll.end(C.INIT_STOP)
+
+    cleared = data.drop_page_cache(paths.values())
+    mll.event(C.CACHE_CLEAR, cleared, metadata={"method": "posix_fadvise DONTNEED"})
+
+    # ---- run: timed from here.
+    t_start = _now_ms()
+    mll.start(C.RUN_START, time_ms=t_start)
+    arrays = data.load(dataset, paths)
+    if progress:
+        progress.start_run(index, seed, cfg.max_epochs, steps)
+
+    evals, status, epoch = [], C.ABORTED, 0
+    train_seconds = data_seconds = 0.0
+    while epoch < cfg.max_epochs:
+        first = epoch + 1
+        count = min(bench.eval_every_epochs, cfg.max_epochs - epoch)
+        mll.start(C.BLOCK_START, metadata={"first_epoch_num": first, "epoch_count": count})
+        for epoch in range(first, first + count):
+            mll.start(C.EPOCH_START, metadata={"epoch_num": epoch})
+            t0, losses = time.perf_counter(), []
+            batches = data.train_batches(arrays.train_images, arrays.train_labels, batch_size,
+                                         seed, epoch)
+            while True:
+                t_data = time.perf_counter()
+                batch = next(batches, None)
+                data_seconds += time.perf_counter() - t_data
+                if batch is None:
+                    break
+                state, loss = train(state, batch)
+                losses.append(loss)
+                if progress:
+                    progress.step()
+            loss = float(jnp.mean(jnp.stack(losses)))  # waits for the last step
+            train_seconds += time.perf_counter() - t0
+            mll.end(C.EPOCH_STOP, metadata={"epoch_num": epoch})
+
+        mll.start(C.EVAL_START, metadata={"epoch_num": epoch})
+        correct = sum(float(evaluate(state, b)) for b in data.eval_batches(
+            arrays.test_images, arrays.test_labels, bench.eval_batch_size))
+        accuracy = correct / len(arrays.test_labels)
+        mll.end(C.EVAL_STOP, metadata={"epoch_num": epoch})
+        mll.event(C.EVAL_ACCURACY, accuracy, metadata={"epoch_num": epoch})
+        mll.end(C.BLOCK_STOP, metadata={"first_epoch_num": first})
+
+        elapsed = (_now_ms() - t_start) / 1e3
+        evals.append({"epoch": epoch, "accuracy": accuracy, "loss": loss, "time": elapsed})
+        if progress:
+            progress.epoch_done(epoch, loss, accuracy, epoch * dataset.train_size / train_seconds,
+                                data_seconds / train_seconds, elapsed)
+        if not np.isfinite(loss):
+            break  # diverged: no later epoch can reach the target
+        if cfg.target is not None and accuracy >= cfg.target:
+            status = C.SUCCESS
+            break
+
+    t_stop = _now_ms()
+    mll.end(C.RUN_STOP, time_ms=t_stop, metadata={"status": status})
+    if progress:
+        progress.end_run(status, (t_stop - t_start) / 1e3)
+    return RunResult(index=index, seed=seed, status=status, epochs=epoch,
+                     time_to_train=(t_stop - t_start) / 1e3, evals=evals,
+                     throughput=epoch * dataset.train_size / train_seconds,
+                     data_fraction=data_seconds / train_seconds, log_path=str(log_path))

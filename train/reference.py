@@ -1,0 +1,107 @@
+"""Records a benchmark's reference runs: ``python -m jax_brgemm.train.reference NAME``.
+
+Runs the reference implementation (impl="xla", float32, closed-division default
+hyperparameters) for the full ``max_epochs`` without stopping at the target, and
+stores every run's accuracy curve in reference/<name>.json. Everything the
+harness needs is derived from those curves for the suite's current target:
+epochs to target per run (the reference convergence points), the reference
+result (olympic mean time to target) and whether at least 4 of 5 runs reach the
+target within max_epochs (the criterion the target was chosen by).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import secrets
+import sys
+from pathlib import Path
+
+import jax
+
+from . import data, scoring
+from .hparams import resolve
+from .suite import REFERENCE_DIR, SUITE
+
+
+def summarize(bench, reference: dict) -> dict:
+    """Human-readable derived numbers for the suite's current target."""
+    derived = scoring.reference_summary(reference, bench.target, bench.eval_every_epochs,
+                                        bench.num_runs)
+    rcp = derived["rcp"]
+    return {
+        "target": bench.target,
+        "epochs_to_target": [None if math.isinf(e) else e for e in derived["epochs"]],
+        "time_to_target_s": [None if math.isinf(t) else round(t, 1) for t in derived["times"]],
+        "runs_reaching_target": derived["converged"],
+        "reference_result_s": derived["result"].value,
+        "rcp": None if rcp is None else {"global_batch_size": rcp.batch_size,
+                                         "epochs_to_converge": list(rcp.epochs),
+                                         "mean": rcp.mean, "stdev": rcp.stdev,
+                                         "min_epochs": rcp.min_epochs},
+    }
+
+
+def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
+    from . import loop
+    from .progress import Progress
+
+    hp = resolve(bench, {}, "closed")
+    paths = data.locate(bench.dataset, data_dir)
+    cfg = loop.RunConfig(bench=bench, impl="xla", division="closed", dtype="float32",
+                         hparams=hp, max_epochs=bench.max_epochs, target=None)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(runs, f"{bench.name}/reference")
+    curves = []
+    for i in range(runs):
+        run_seed = secrets.randbits(31) if seed is None else seed + i
+        result = loop.run(cfg, i, run_seed, paths, log_dir / f"result_{i}.txt", progress)
+        curves.append({"seed": run_seed,
+                       "accuracies": [e["accuracy"] for e in result.evals],
+                       "times": [round(e["time"], 2) for e in result.evals],
+                       "losses": [round(e["loss"], 5) for e in result.evals]})
+    return {
+        "benchmark": bench.name, "impl": "xla", "dtype": "float32", "division": "closed",
+        "hparams": hp, "max_epochs": bench.max_epochs,
+        "eval_every_epochs": bench.eval_every_epochs,
+        "machine": loop.platform_name(), "jax": jax.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m jax_brgemm.train.reference " + " ".join(sys.argv[1:]),
+        "runs": curves,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_brgemm.train.reference",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("benchmark", choices=sorted(SUITE))
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the first run (default: system randomness)")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--log-dir", help="default runs/BENCHMARK/reference")
+    parser.add_argument("--summarize", action="store_true",
+                        help="do not run: print the summary of the stored runs for the "
+                             "suite's current target")
+    args = parser.parse_args(argv)
+    bench = SUITE[args.benchmark]
+    path = REFERENCE_DIR / f"{bench.name}.json"
+    if args.summarize:
+        reference = bench.reference()
+        if reference is None:
+            print(f"no reference runs recorded in {path}", file=sys.stderr)
+            return 2
+    else:
+        log_dir = Path(args.log_dir or Path("runs") / bench.name / "reference")
+        reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
+    reference["summary"] = summarize(bench, reference)
+    if not args.summarize:
+        path.write_text(json.dumps(reference, indent=1) + "\n")
+        print(f"wrote {path}")
+    print(json.dumps(reference["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The benchmark suite. Each benchmark is one ``Benchmark`` value in ``SUITE``.
+
+Adding a benchmark (e.g. ``resnet`` or ``lstm``) means adding one definition
+below, then ``python -m jax_brgemm.train.rulegen --write`` to generate its
+checker ruleset and ``python -m jax_brgemm.train.reference NAME`` to record its
+reference runs; nothing else in the harness knows benchmark names.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from . import data
+from .hparams import OneOf, Range
+
+REFERENCE_DIR = Path(__file__).parent / "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """One benchmark of the suite, as data.
+
+    Attributes:
+      name: the ``submission_benchmark`` name and CLI argument.
+      description: one line for --help and the README.
+      dataset: where the data comes from and how it is verified.
+      model: ``model(impl=..., dtype=...)`` builds the flax module; the reference
+        implementation is ``impl="xla"``.
+      target: quality target, top-1 accuracy on the whole test set.
+      max_epochs: a run that has not reached the target after this many epochs is
+        stopped and counts as not converged.
+      eval_every_epochs: evaluation frequency.
+      eval_batch_size: examples per evaluation step (all test examples are used).
+      num_runs: runs per result (olympic scoring drops the fastest and slowest).
+      hparams: reference hyperparameters: ``"common"`` (includes the reference
+        ``opt_name``) plus per-optimizer overrides of optim.OPTIMIZERS defaults.
+      tunable: the closed division table: ``"common"`` plus one entry per allowed
+        optimizer, each mapping a tunable key to its constraint.
+    """
+
+    name: str
+    description: str
+    dataset: data.Dataset
+    model: Callable[..., Any]
+    target: float
+    max_epochs: int
+    eval_every_epochs: int
+    eval_batch_size: int
+    num_runs: int
+    hparams: Mapping[str, Mapping[str, Any]]
+    tunable: Mapping[str, Mapping[str, Any]]
+
+    def reference(self) -> Optional[dict]:
+        """The recorded reference runs (reference/<name>.json), if any."""
+        path = REFERENCE_DIR / f"{self.name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def _mlp_model(impl, dtype):
+    from jax_brgemm.models import MLP
+
+    return MLP(features=(1024, 1024, 1024), num_classes=10, activation="relu", impl=impl,
+               dtype=dtype)
+
+
+_SCHEDULE_TABLE = {
+    "global_batch_size": Range(32, 4096, integer=True),
+    "opt_learning_rate_warmup_epochs": Range(0, 5),
+    "opt_learning_rate_decay_epochs": Range(1, 50),
+    "opt_learning_rate_decay_schedule": OneOf(["cosine", "polynomial"]),
+    "opt_learning_rate_decay_poly_power": Range(1, 2),
+}
+
+MLP = Benchmark(
+    name="mlp",
+    description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
+    dataset=data.FASHION_MNIST,
+    model=_mlp_model,
+    target=0.90,
+    max_epochs=16,
+    eval_every_epochs=1,
+    eval_batch_size=2000,
+    num_runs=5,
+    hparams={
+        "common": {
+            "global_batch_size": 256,
+            "opt_name": "sgd",
+            "opt_base_learning_rate": 0.05,
+            "opt_end_learning_rate": 0.0,
+            "opt_learning_rate_warmup_epochs": 1.0,
+            "opt_learning_rate_decay_schedule": "cosine",
+            "opt_learning_rate_decay_epochs": 16.0,
+            "opt_learning_rate_decay_poly_power": 2.0,
+        },
+        "sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True, "opt_weight_decay": 0.0},
+        "lars": {"opt_base_learning_rate": 2.0},
+        "adam": {"opt_base_learning_rate": 1e-3},
+        "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
+        "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
+    },
+    tunable={
+        "common": _SCHEDULE_TABLE,
+        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
+                "sgd_opt_momentum": Range(0.8, 0.99),
+                "sgd_opt_nesterov": OneOf([True, False]),
+                "opt_weight_decay": Range(0, 1e-3)},
+        "lars": {"opt_base_learning_rate": Range(0, 30, lo_open=True),
+                 "lars_opt_momentum": Range(0.8, 0.99),
+                 "lars_opt_weight_decay": Range(0, 1e-3)},
+        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
+        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
+                  "opt_adamw_weight_decay": Range(0, 0.1)},
+        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
+                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
+    },
+)
+
+SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP]}
