@@ -9,5 +9,5 @@ for _name, _capsule in _jax_brgemm.registrations().items():
 
 
 def isa() -> str:
-    """The kernel ISA in use: "avx512", "avx2" or "generic" (JAX_BRGEMM_ISA lowers it)."""
+    """The kernel ISA in use: "amx", "avx512", "avx2" or "generic" (JAX_BRGEMM_ISA lowers it)."""
     return _jax_brgemm.isa()

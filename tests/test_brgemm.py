@@ -183,4 +183,4 @@ def test_bad_dtypes():
 
 
 def test_isa_reports_a_variant():
-    assert jb.isa() in ("avx512", "avx2", "generic")
+    assert jb.isa() in ("amx", "avx512", "avx2", "generic")

@@ -3,6 +3,11 @@
 #include "brgemm/brgemm.h"
 
 #include <cstdlib>
+#if defined(JB_X86)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -12,13 +17,28 @@ namespace jb {
 
 namespace {
 
+#if defined(JB_X86)
+// AMX needs the CPU (CPUID.7.0:EDX AMX-BF16 and AMX-TILE), the OS (XCR0 tile state) and
+// the process's permission to use the large tile state (Linux arch_prctl).
+bool amx_usable() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return false;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+#endif
+
 Isa detect_isa() {
 #if defined(JB_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bf16"))
-    return Isa::avx512;
+    return amx_usable() ? Isa::amx : Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::generic;
@@ -28,15 +48,19 @@ Isa detect_isa() {
 Isa requested_isa(Isa supported) {
   const char* env = std::getenv("JAX_BRGEMM_ISA");
   if (!env || !*env) return supported;
-  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512})
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::amx})
     if (std::strcmp(env, isa_name(isa)) == 0) return isa < supported ? isa : supported;
   throw std::invalid_argument(std::string("JAX_BRGEMM_ISA=") + env +
-                              " is not one of avx512, avx2, generic");
+                              " is not one of amx, avx512, avx2, generic");
 }
 
-BrgemmFn kernel_for(Isa isa) {
+// AMX tiles multiply bf16 only (and need an even k: a tile row holds whole k pairs);
+// everything else runs on the AVX-512 register tiles.
+BrgemmFn kernel_for(Isa isa, const BrgemmDesc& d) {
   switch (isa) {
 #if defined(JB_X86)
+    case Isa::amx:
+      return d.ab == DType::bf16 && d.k % 2 == 0 ? detail::brgemm_amx_bf16() : detail::brgemm_avx512();
     case Isa::avx512: return detail::brgemm_avx512();
     case Isa::avx2: return detail::brgemm_avx2();
 #endif
@@ -73,6 +97,7 @@ void run_addressed(const Brgemm& kernel, int64_t batch, void* c, const float* bi
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::amx: return "amx";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
@@ -84,7 +109,7 @@ Isa best_isa() {
   return requested_isa(supported);
 }
 
-Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_for(isa)) {
+Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_for(isa, d)) {
   check(d.m >= 0 && d.n >= 0 && d.k >= 0, "negative size");
   check(d.lda >= d.k, "lda < k");
   check(d.ldb >= (d.ab == DType::bf16 ? 2 * d.n : d.n), "ldb too small for n");

@@ -19,10 +19,11 @@
 namespace jb {
 
 enum class DType : uint8_t { f32, bf16 };
-enum class Isa : uint8_t { generic, avx2, avx512 };  // avx512 = F/BW/VL/DQ + BF16
+// avx512 = F/BW/VL/DQ + BF16; amx = avx512 + AMX-BF16 tiles (used for bf16 operands).
+enum class Isa : uint8_t { generic, avx2, avx512, amx };
 enum class Activation : uint8_t { none, relu, gelu, sigmoid, tanh };
 
-// The best ISA this CPU supports, lowered by JAX_BRGEMM_ISA=avx512|avx2|generic.
+// The best ISA this CPU supports, lowered by JAX_BRGEMM_ISA=amx|avx512|avx2|generic.
 Isa best_isa();
 const char* isa_name(Isa isa);
 
@@ -92,6 +93,7 @@ namespace detail {
 BrgemmFn brgemm_generic();
 BrgemmFn brgemm_avx2();
 BrgemmFn brgemm_avx512();
+BrgemmFn brgemm_amx_bf16();
 }  // namespace detail
 
 }  // namespace jb

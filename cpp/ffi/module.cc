@@ -22,5 +22,5 @@ NB_MODULE(_jax_brgemm, m) {
     return targets;
   });
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
-        "The kernel ISA in use: avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
+        "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
 }

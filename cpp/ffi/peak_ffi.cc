@@ -1,5 +1,8 @@
 // FFI handler of the peak probe: out.size() work items of `iters` iterations each, spread
 // over XLA's pool exactly as the kernels are, so the probe sees the same threads.
+#include <string>
+#include <string_view>
+
 #include "brgemm/peak.h"
 #include "ffi/ffi_common.h"
 
@@ -8,13 +11,19 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-ffi::Error peak_impl(ffi::ThreadPool pool, int64_t iters, bool bf16,
+// unit: "fma" (fp32 FMA), "vdpbf16ps" (AVX-512 bf16 pairs) or "amx" (bf16 tiles).
+ffi::Error peak_impl(ffi::ThreadPool pool, int64_t iters, std::string_view unit,
                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
 #if defined(JB_X86)
-  if (best_isa() != Isa::avx512) return ffi_util::invalid("peak probe: needs AVX-512 with BF16");
+  const bool amx = unit == "amx";
+  if (best_isa() < (amx ? Isa::amx : Isa::avx512))
+    return ffi_util::invalid("peak probe: this CPU (or JAX_BRGEMM_ISA) has no " + std::string(unit));
+  if (!amx && unit != "fma" && unit != "vdpbf16ps")
+    return ffi_util::invalid("peak probe: unit must be fma, vdpbf16ps or amx");
   float* sink = out->typed_data();
   parallel_for(ffi_util::executor(pool), int64_t(out->element_count()), [&](int64_t i) {
-    sink[i] = peak_loop_avx512(bf16 ? DType::bf16 : DType::f32, iters);
+    sink[i] = amx ? peak_loop_amx(iters)
+                  : peak_loop_avx512(unit == "fma" ? DType::f32 : DType::bf16, iters);
   });
   return ffi::Error::Success();
 #else
@@ -28,7 +37,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_peak_probe, peak_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<int64_t>("iters")
-                                  .Attr<bool>("bf16")
+                                  .Attr<std::string_view>("unit")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 }  // namespace jb

@@ -1,11 +1,14 @@
 // Runs every registered kernel test; prints a pytest-style closing line.
 #include <cstdio>
+#include <cstring>
 
 #include "check.h"
 
-int main() {
+// Optional argument: run only the tests whose name contains it.
+int main(int argc, char** argv) {
   int passed = 0, failed = 0;
   for (const auto& t : jbtest::registry()) {
+    if (argc > 1 && !std::strstr(t.name, argv[1])) continue;
     const int before = jbtest::failures();
     t.fn();
     const bool ok = jbtest::failures() == before;

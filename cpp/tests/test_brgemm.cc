@@ -12,7 +12,7 @@ using namespace jb;
 
 std::vector<Isa> isas() {
   std::vector<Isa> out{Isa::generic};
-  for (Isa isa : {Isa::avx2, Isa::avx512})
+  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::amx})
     if (isa <= best_isa()) out.push_back(isa);
   return out;
 }
@@ -175,6 +175,21 @@ TEST(large_k_and_batch_keep_accumulating) {
     for (DType ab : {DType::f32, DType::bf16})
       for (Kind kind : {Kind::address, Kind::stride, Kind::offset})
         run_case(isa, {300, 13, 40, 129, ab, DType::f32, true, true, Activation::none, kind}, rng);
+}
+
+TEST(tile_edges_and_k_remainders) {
+  // Macro-tile edges (16 / 32 row and column boundaries) and k = 32 q + r, where the AMX
+  // variant hands the remainder to the vector kernel.
+  std::mt19937 rng(11);
+  int i = 0;
+  for (Isa isa : isas())
+    for (int64_t k : {32, 34, 48, 62, 96, 100})
+      for (int64_t m : {1, 15, 16, 17, 32, 33, 50})
+        for (int64_t n : {1, 16, 17, 31, 32, 47}) {
+          ++i;
+          run_case(isa, {1 + i % 3, m, n, k, DType::bf16, i % 4 == 0 ? DType::bf16 : DType::f32,
+                         i % 2 == 0, i % 3 == 0, Activation(i % 5), Kind(i % 3)}, rng);
+        }
 }
 
 TEST(nan_propagates) {
