@@ -135,6 +135,9 @@ void Brgemm::offsets(const void* a, const int64_t* offs_a, const void* b,
 }
 
 void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst) {
+#if defined(JB_X86)
+  if (best_isa() >= Isa::avx512) return detail::pack_vnni2_avx512(src, k, n, ld, dst);
+#endif
   for (int64_t p = 0; p < (k + 1) / 2; ++p) {
     const uint16_t* r0 = src + 2 * p * ld;
     const uint16_t* r1 = 2 * p + 1 < k ? r0 + ld : nullptr;

@@ -94,6 +94,7 @@ BrgemmFn brgemm_generic();
 BrgemmFn brgemm_avx2();
 BrgemmFn brgemm_avx512();
 BrgemmFn brgemm_amx_bf16();
+void pack_vnni2_avx512(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst);
 }  // namespace detail
 
 }  // namespace jb

@@ -3,9 +3,9 @@
 // (16 rows x 32 k) and two B tiles (16 VNNI pair rows x 16 columns) per 32-wide k step.
 // B's VNNI-2 layout is exactly the AMX B-tile layout, so B is read in place.
 //
-// The block goes through an fp32 scratch copy of C: tiles load and store it, a k
-// remainder (K % 32) is finished by the AVX-512 bf16 kernel accumulating onto it, and
-// only then do bias, activation and the conversion to C's dtype run, once.
+// Tiles accumulate into C itself (fp32) or an fp32 copy of it (bf16 C); a k remainder
+// (K % 32) is finished by the AVX-512 bf16 kernel accumulating onto that, and only then
+// do bias, activation and the conversion to C's dtype run, once.
 // Compiled with -mamx-tile -mamx-bf16 (+ AVX-512); only called when CPUID and the OS
 // (arch_prctl XTILEDATA permission) allow AMX.
 #include <immintrin.h>
@@ -38,15 +38,24 @@ TileConfig config_for(int rows0, int rows1, int cols0, int cols1) {
   return cfg;
 }
 
-// One macro tile: s (fp32, row stride lds) += sum_i A_i[rows] @ B_i[cols] over k32 k's.
+// One macro tile: s (fp32, row stride lds) = (ACC ? s : 0) + sum_i A_i[rows] @ B_i[cols]
+// over k32 k's. Edge tiles are configured with fewer rows / columns, so their loads and
+// stores touch only the valid part of s.
 template <bool TWO_ROWS, bool TWO_COLS>
 void macro_tile(const void* const* a, const void* const* b, int64_t batch, int64_t k32,
-                int64_t lda, int64_t ldb, int64_t i0, int64_t j0, float* s, int64_t lds) {
+                int64_t lda, int64_t ldb, int64_t i0, int64_t j0, float* s, int64_t lds, bool acc) {
   const int64_t sb = lds * 4;
-  _tile_loadd(0, s, sb);
-  if (TWO_COLS) _tile_loadd(1, s + 16, sb);
-  if (TWO_ROWS) _tile_loadd(2, s + 16 * lds, sb);
-  if (TWO_ROWS && TWO_COLS) _tile_loadd(3, s + 16 * lds + 16, sb);
+  if (acc) {
+    _tile_loadd(0, s, sb);
+    if (TWO_COLS) _tile_loadd(1, s + 16, sb);
+    if (TWO_ROWS) _tile_loadd(2, s + 16 * lds, sb);
+    if (TWO_ROWS && TWO_COLS) _tile_loadd(3, s + 16 * lds + 16, sb);
+  } else {
+    _tile_zero(0);
+    if (TWO_COLS) _tile_zero(1);
+    if (TWO_ROWS) _tile_zero(2);
+    if (TWO_ROWS && TWO_COLS) _tile_zero(3);
+  }
   for (int64_t bi = 0; bi < batch; ++bi) {
     const uint16_t* ai = static_cast<const uint16_t*>(a[bi]) + i0 * lda;
     const uint16_t* bp = static_cast<const uint16_t*>(b[bi]) + 2 * j0;
@@ -70,16 +79,23 @@ void macro_tile(const void* const* a, const void* const* b, int64_t batch, int64
 using MacroFn = decltype(&macro_tile<true, true>);
 
 void run_amx_bf16(const BrgemmDesc& d, const void* const* a, const void* const* b,
-                     int64_t batch, void* c, const float* bias) {
+                  int64_t batch, void* c, const float* bias) {
   const int64_t m = d.m, n = d.n, k32 = d.k / 32 * 32;
+  // fp32 C is accumulated in place; a bf16 C goes through an fp32 copy, so that rounding
+  // happens once, after the whole reduction.
+  const bool direct = d.c == DType::f32;
   thread_local std::vector<float> scratch;
-  scratch.resize(size_t(m * n));
-  float* s = scratch.data();
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j)
-      s[i * n + j] = !d.accumulate ? 0.f
-                     : d.c == DType::f32 ? static_cast<const float*>(c)[i * d.ldc + j]
-                                         : bf16_to_f32(static_cast<const uint16_t*>(c)[i * d.ldc + j]);
+  float* s = static_cast<float*>(c);
+  int64_t lds = d.ldc;
+  if (!direct) {
+    scratch.resize(size_t(m * n));
+    s = scratch.data();
+    lds = n;
+    if (d.accumulate)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) s[i * n + j] = bf16_to_f32(static_cast<const uint16_t*>(c)[i * d.ldc + j]);
+  }
+  bool acc = d.accumulate;  // whether s already holds a partial sum
 
   if (k32 > 0) {
     static constexpr MacroFn kMacro[2][2] = {{macro_tile<false, false>, macro_tile<false, true>},
@@ -97,17 +113,20 @@ void run_amx_bf16(const BrgemmDesc& d, const void* const* a, const void* const* 
           _tile_loadconfig(&cfg);
           std::copy(shape, shape + 4, last);
         }
-        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s + i0 * n + j0, n);
+        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s + i0 * lds + j0, lds, acc);
       }
     }
     _tile_release();
+    acc = true;
   }
 
-  BrgemmDesc rest = d;  // the k remainder, then bias and activation, on the fp32 scratch
+  BrgemmDesc rest = d;  // the k remainder, bias and activation, on s (fp32)
   rest.k = d.k - k32;
-  rest.ldc = n;
+  rest.ldc = lds;
   rest.c = DType::f32;
-  rest.accumulate = true;
+  rest.accumulate = acc;
+  if (!acc && rest.k == 0)  // k == 0: an empty sum
+    for (int64_t i = 0; i < m; ++i) std::fill(s + i * lds, s + i * lds + n, 0.f);
   if (rest.k > 0) {
     std::vector<const void*> ra(batch), rb(batch);
     for (int64_t i = 0; i < batch; ++i) {
@@ -117,20 +136,17 @@ void run_amx_bf16(const BrgemmDesc& d, const void* const* a, const void* const* 
     detail::brgemm_avx512()(rest, ra.data(), rb.data(), batch, s, bias);
   } else if (bias || d.act != Activation::none) {
     for (int64_t i = 0; i < m; ++i) {
-      float* row = s + i * n;
+      float* row = s + i * lds;
       if (bias)
         for (int64_t j = 0; j < n; ++j) row[j] += bias[j];
       apply_activation(d.act, row, n);
     }
   }
-  for (int64_t i = 0; i < m; ++i) {
-    if (d.c == DType::f32) {
-      std::memcpy(static_cast<float*>(c) + i * d.ldc, s + i * n, n * sizeof(float));
-    } else {
+  if (!direct)
+    for (int64_t i = 0; i < m; ++i) {
       uint16_t* dst = static_cast<uint16_t*>(c) + i * d.ldc;
       for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16(s[i * n + j]);
     }
-  }
 }
 
 }  // namespace

@@ -135,4 +135,32 @@ struct Avx512 {
 
 BrgemmFn detail::brgemm_avx512() { return &run_tiles<Avx512>; }
 
+// Interleaves rows 2p and 2p + 1, 32 columns per step: lanes 2i, 2i + 1 of the output
+// take element i of each row (vpermt2w), masked at the row end.
+void detail::pack_vnni2_avx512(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const uint16_t* r0 = src + 2 * p * ld;
+    const uint16_t* r1 = r0 + ld;
+    const bool pair = 2 * p + 1 < k;
+    uint16_t* out = dst + p * 2 * n;
+    for (int64_t j = 0; j < n; j += 32) {
+      const int64_t cols = std::min<int64_t>(32, n - j);
+      const __mmask32 in = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      const __m512i x0 = _mm512_maskz_loadu_epi16(in, r0 + j);
+      const __m512i x1 = pair ? _mm512_maskz_loadu_epi16(in, r1 + j) : _mm512_setzero_si512();
+      const int64_t lo_cols = std::min<int64_t>(cols, 16), hi_cols = cols - lo_cols;
+      _mm512_mask_storeu_epi16(out + 2 * j, lo_cols == 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * lo_cols)) - 1,
+                               _mm512_permutex2var_epi16(x0, lo, x1));
+      if (hi_cols > 0)
+        _mm512_mask_storeu_epi16(out + 2 * j + 32, hi_cols == 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * hi_cols)) - 1,
+                                 _mm512_permutex2var_epi16(x0, hi, x1));
+    }
+  }
+}
+
 }  // namespace jb

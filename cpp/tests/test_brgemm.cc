@@ -249,6 +249,22 @@ TEST(bad_descriptors_throw) {
   CHECK(threw) << "bf16 ldb < 2n accepted";
 }
 
+TEST(pack_vnni2_interleaves_pairs_and_pads_odd_k) {
+  for (int64_t k : {1, 2, 3, 8, 33})
+    for (int64_t n : {1, 15, 16, 17, 32, 33, 70}) {
+      const int64_t ld = n + 3;
+      std::vector<uint16_t> src(k * ld), dst((k + 1) / 2 * 2 * n + 5, 0xdead);
+      for (size_t i = 0; i < src.size(); ++i) src[i] = uint16_t(i * 7 + 1);
+      pack_vnni2(src.data(), k, n, ld, dst.data());
+      for (int64_t r = 0; r < (k + 1) / 2 * 2; ++r)
+        for (int64_t j = 0; j < n; ++j) {
+          const uint16_t want = r < k ? src[r * ld + j] : 0;
+          CHECK(dst[(r / 2) * 2 * n + 2 * j + r % 2] == want) << "k=" << k << " n=" << n << " r=" << r << " j=" << j;
+        }
+      for (int i = 0; i < 5; ++i) CHECK(dst[(k + 1) / 2 * 2 * n + i] == 0xdead) << "wrote past the end";
+    }
+}
+
 TEST(bf16_rounding_is_nearest_even) {
   CHECK(f32_to_bf16(1.0f) == 0x3f80);
   CHECK(f32_to_bf16(bf16_to_f32(0x3f80) + 0x1p-8f) == 0x3f80);  // tie -> even
