@@ -18,6 +18,11 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q ".[test,train,bench]"
+# Reinstall only when the sources changed since the last install (a second call is free).
+stamp=$( (git rev-parse HEAD 2>/dev/null; git status --porcelain 2>/dev/null; git diff 2>/dev/null) | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.jax_brgemm-stamp 2>/dev/null)" != "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q ".[test,train,bench]"
+  echo "$stamp" > .venv/.jax_brgemm-stamp
+fi
 echo "setup: installed jax_brgemm into .venv (kernel ISA: $(.venv/bin/python -c 'import jax_brgemm; print(jax_brgemm.isa())'))"
