@@ -10,15 +10,20 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "brgemm/activation.h"
+#include "layers/reblock.h"
 
 namespace jb::fc {
 
@@ -85,54 +90,74 @@ void with_type(DType t, F&& f) {
   else f(uint16_t{});
 }
 
-// Packs rows x cols of a source matrix into a kernel operand block of prows x pcols,
-// zero-filling the padding. Source element (r, j) is src[r * ld + j], or src[j * ld + r]
-// when `trans`. The block is plain row-major (fp32, or a bf16 A operand) or, for a bf16
-// B operand (`vnni`), VNNI-2 pairs of rows: (r, j) at [(r / 2) * 2 * pcols + 2 * j + r % 2].
-template <class S, class D>
-void pack_block(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols,
-                int64_t prows, int64_t pcols, bool vnni, D* dst) {
-  const int64_t drows = vnni ? round_up(prows, 2) : prows;
-  const size_t total = size_t(drows * pcols);
-  if (rows < drows || cols < pcols) std::memset(dst, 0, total * sizeof(D));
-  auto at = [&](int64_t r, int64_t j) -> int64_t {
-    return vnni ? (r / 2) * 2 * pcols + 2 * j + (r & 1) : r * pcols + j;
-  };
-  if (!trans) {
-    if (!vnni) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const S* s = src + r * ld;
-        D* d = dst + r * pcols;
-        for (int64_t j = 0; j < cols; ++j) d[j] = from_f32<D>(to_f32(s[j]));
-      }
-    } else {
-      for (int64_t r = 0; r < rows; r += 2) {
-        const S* s0 = src + r * ld;
-        const S* s1 = r + 1 < rows ? s0 + ld : nullptr;
-        D* d = dst + (r / 2) * 2 * pcols;
-        if (s1) {
-          for (int64_t j = 0; j < cols; ++j) {
-            d[2 * j] = from_f32<D>(to_f32(s0[j]));
-            d[2 * j + 1] = from_f32<D>(to_f32(s1[j]));
-          }
-        } else {
-          for (int64_t j = 0; j < cols; ++j) d[2 * j] = from_f32<D>(to_f32(s0[j]));
-        }
-      }
-    }
-  } else {
-    // Read along the source's contiguous rows (block columns); the block is small enough
-    // to stay in L1 while it is written with a stride.
-    for (int64_t j = 0; j < cols; ++j) {
-      const S* s = src + j * ld;
-      for (int64_t r = 0; r < rows; ++r) dst[at(r, j)] = from_f32<D>(to_f32(s[r]));
-    }
-  }
+// Element `i` of a matrix of dtype t.
+inline const void* at(const void* p, DType t, int64_t i) {
+  return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
 }
 
-// Elements of one packed block.
-int64_t block_elems(int64_t prows, int64_t pcols, bool vnni) {
-  return (vnni ? round_up(prows, 2) : prows) * pcols;
+
+// A bf16 activation matrix (rows x cols) converted to fp32 in row chunks, when the
+// multiplies run in fp32; nothing otherwise. Chunks are work items of the packing loop.
+class Upcast {
+ public:
+  Upcast(DType from, DType to, int64_t rows, int64_t cols)
+      : on_(from != to), rows_(rows), cols_(cols),
+        chunk_(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols))) {}
+  bool needed() const { return on_; }
+  size_t bytes() const { return on_ ? size_t(rows_ * cols_) * sizeof(float) : 0; }
+  int64_t items() const { return on_ ? ceil_div(rows_, chunk_) : 0; }
+  void run(int64_t i, const void* src, char* dst) const {
+    const int64_t a = i * chunk_ * cols_, count = std::min(chunk_, rows_ - i * chunk_) * cols_;
+    const uint16_t* s = static_cast<const uint16_t*>(src) + a;
+    float* d = reinterpret_cast<float*>(dst) + a;
+    for (int64_t j = 0; j < count; ++j) d[j] = bf16_to_f32(s[j]);
+  }
+
+ private:
+  bool on_;
+  int64_t rows_, cols_, chunk_;
+};
+
+// Whether this CPU multiplies bf16 pairs (vdpbf16ps and friends) slower than it does fp32
+// FMAs, measured once per ISA on an L1-resident problem with the kernel itself. On some
+// AVX512-BF16 CPUs the bf16 dot product issues at half the FMA rate: bf16 operands are
+// then better widened to fp32 (exact, and accumulation is fp32 either way).
+bool bf16_dot_is_slower(Isa isa) {
+  static std::atomic<int> cached[4] = {-1, -1, -1, -1};  // one per Isa (generic, avx2, avx512, amx)
+  std::atomic<int>& slot = cached[int(isa)];
+  const int known = slot.load(std::memory_order_relaxed);
+  if (known >= 0) return known == 1;
+  constexpr int64_t M = 12, N = 64, K = 128;
+  std::vector<float> a(M * K, 0.5f), b(K * N, 0.25f), c(M * N);
+  std::vector<uint16_t> a16(M * K, f32_to_bf16(0.5f)), b16(K * N, f32_to_bf16(0.25f));
+  BrgemmDesc d;
+  d.m = M;
+  d.n = N;
+  d.k = K;
+  d.lda = K;
+  d.ldc = N;
+  d.ldb = N;
+  const Brgemm f32(d, isa);
+  d.ab = DType::bf16;
+  d.ldb = 2 * N;
+  const Brgemm b16k(d, isa);
+  auto best = [&](const Brgemm& k, const void* pa, const void* pb) {
+    double t = 1e30;
+    for (int round = 0; round < 5; ++round) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int rep = 0; rep < 20; ++rep) k.strided(pa, 0, pb, 0, 1, c.data());
+      t = std::min(t, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return t;
+  };
+  double tf = 1e30, tb = 1e30;
+  for (int round = 0; round < 3; ++round) {  // interleaved: noise hits both alike
+    tf = std::min(tf, best(f32, a.data(), b.data()));
+    tb = std::min(tb, best(b16k, a16.data(), b16.data()));
+  }
+  const bool slower = tb > 1.15 * tf;
+  slot.store(slower ? 1 : 0, std::memory_order_relaxed);
+  return slower;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -245,6 +270,17 @@ void act_grad_rows(Activation act, const T* dy, const T* s, T* dz, int64_t count
 
 }  // namespace
 
+DType multiply_dtype(DType dt) {
+  if (dt == DType::f32) return DType::f32;
+  const char* env = std::getenv("JAX_BRGEMM_FC_BF16");
+  const std::string mode = env ? env : "";
+  if (mode == "dot") return DType::bf16;
+  if (mode == "fp32") return DType::f32;
+  if (!mode.empty() && mode != "auto")
+    throw std::invalid_argument("JAX_BRGEMM_FC_BF16=" + mode + " is not one of auto, dot, fp32");
+  return bf16_dot_is_slower(best_isa()) ? DType::f32 : DType::bf16;
+}
+
 Saved saved_for(Activation act) {
   switch (act) {
     case Activation::none: return Saved::none;
@@ -257,7 +293,7 @@ Blocking forward_blocking(const Shape& s, int64_t threads) {
   Blocking b;
   b.cols = std::min(s.k, kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
-  b.red = reduction_block(s.c, s.dt == DType::bf16);
+  b.red = reduction_block(s.c, multiply_dtype(s.dt) == DType::bf16);
   return b;
 }
 
@@ -265,7 +301,7 @@ Blocking backward_blocking(const Shape& s, int64_t threads) {
   Blocking b;
   b.cols = std::min(s.c, kCols);
   b.rows = split_rows(s.n, ceil_div(s.c, b.cols), threads);
-  b.red = reduction_block(s.k, s.dt == DType::bf16);
+  b.red = reduction_block(s.k, multiply_dtype(s.dt) == DType::bf16);
   return b;
 }
 
@@ -276,49 +312,47 @@ Blocking update_blocking(const Shape& s, int64_t threads) {
   // The batch is padded with zeros to whole blocks (both operands are re-blocked), so the
   // block only needs to be even for bf16 VNNI pairs; as equal as possible otherwise.
   const int64_t nb = ceil_div(s.n, 64);
-  b.red = round_up(ceil_div(s.n, nb), s.dt == DType::bf16 ? 2 : 1);
+  b.red = round_up(ceil_div(s.n, nb), multiply_dtype(s.dt) == DType::bf16 ? 2 : 1);
   return b;
 }
 
 // ---------------------------------------------------------------------------------------
 // Forward: y[n, k] = act(sum_c x[n, c] w[c, k] + b[k]).
 // Items: (N-block, K-block) output tiles; batch: the C-blocks. x is read in place (A, with
-// lda = C); w is re-blocked to [Kb][Cb][bc][bk] (VNNI pairs for bf16, cast to dt).
+// lda = C); w is re-blocked to [Kb][Cb][bc][bk] (VNNI pairs for bf16, cast on the way).
 
 void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
              const float* bias, void* y, void* z, const Blocking* force) {
   if (s.n <= 0 || s.k <= 0) return;
   Blocking b = normalized(force ? *force : forward_blocking(s, ex.num_threads), s.n, s.k);
   if (b.red <= 0 || s.c % b.red) b.red = s.c;
-  const bool bf16 = s.dt == DType::bf16;
-  const bool gelu = s.act == Activation::gelu;
-  const size_t es = dtype_size(s.dt);
+  const DType kd = multiply_dtype(s.dt);
+  const bool vnni = kd == DType::bf16, gelu = s.act == Activation::gelu;
+  const size_t es = dtype_size(s.dt), ks = dtype_size(kd);
   const int64_t nblk = ceil_div(s.n, b.rows), kblk = ceil_div(s.k, b.cols), cblk = s.c / b.red;
-  const int64_t blk = block_elems(b.red, b.cols, bf16);
+  const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
 
   BrgemmDesc d;
   d.k = b.red;
   d.lda = s.c;
-  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldb = vnni ? 2 * b.cols : b.cols;
   d.ldc = s.k;
-  d.ab = d.c = s.dt;
+  d.ab = kd;
+  d.c = s.dt;
   d.bias = bias != nullptr;
   d.act = gelu ? Activation::none : s.act;
   const BlockKernels kernels(d, s.n, s.k, b.rows, b.cols);
 
-  char* wb = Scratch::get<1>({size_t(kblk * cblk * blk) * es})[0];
-  parallel_for(ex, kblk * cblk, [&](int64_t i) {
+  const Upcast up(s.dt, kd, s.n, s.c);  // bf16 x for fp32 multiplies
+  const auto buf = Scratch::get<2>({size_t(kblk * cblk * blk) * ks, up.bytes()});
+  char* wb = buf[0];
+  const char* a = up.needed() ? buf[1] : static_cast<const char*>(x);
+  parallel_for(ex, kblk * cblk + up.items(), [&](int64_t i) {
+    if (i >= kblk * cblk) return up.run(i - kblk * cblk, x, buf[1]);
     const int64_t kb = i / cblk, cb = i % cblk;
     const int64_t k0 = kb * b.cols, c0 = cb * b.red;
-    with_type(w_dt, [&](auto ws) {
-      with_type(s.dt, [&](auto ds) {
-        using S = decltype(ws);
-        using D = decltype(ds);
-        pack_block(static_cast<const S*>(w) + c0 * s.k + k0, s.k, false, b.red,
-                   std::min(b.cols, s.k - k0), b.red, b.cols, bf16,
-                   reinterpret_cast<D*>(wb) + i * blk);
-      });
-    });
+    reblock::pack(at(w, w_dt, c0 * s.k + k0), w_dt, s.k, false, b.red, std::min(b.cols, s.k - k0),
+                  b.red, b.cols, kd, vnni, wb + i * blk * ks);
   });
 
   char* out = static_cast<char*>(gelu ? z : y);
@@ -326,8 +360,7 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
     const int64_t kb = i / nblk, nb = i % nblk;  // K-block major: a weight panel is reused
     const int64_t n0 = nb * b.rows, k0 = kb * b.cols;
     const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.k - k0);
-    kernels(rows, cols).strided(static_cast<const char*>(x) + n0 * s.c * es, b.red,
-                                wb + kb * cblk * blk * es, blk, cblk,
+    kernels(rows, cols).strided(a + n0 * s.c * ks, b.red, wb + kb * cblk * blk * ks, blk, cblk,
                                 out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
     if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
       with_type(s.dt, [&](auto ts) {
@@ -342,7 +375,7 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
 }
 
 // ---------------------------------------------------------------------------------------
-// dz = dy * act'(saved): element-wise, in row chunks.
+// dz = dy * act'(saved): element-wise, in chunks.
 
 void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* saved, void* dz) {
   const int64_t total = s.n * s.k;
@@ -372,40 +405,38 @@ void backward(const Executor& ex, const Shape& s, const void* dz, const void* w,
   if (s.n <= 0 || s.c <= 0) return;
   Blocking b = normalized(force ? *force : backward_blocking(s, ex.num_threads), s.n, s.c);
   if (b.red <= 0 || s.k % b.red) b.red = s.k;
-  const bool bf16 = s.dt == DType::bf16;
-  const size_t es = dtype_size(s.dt);
+  const DType kd = multiply_dtype(s.dt);
+  const bool vnni = kd == DType::bf16;
+  const size_t es = dtype_size(s.dt), ks = dtype_size(kd);
   const int64_t nblk = ceil_div(s.n, b.rows), cblk = ceil_div(s.c, b.cols), kblk = s.k / b.red;
-  const int64_t blk = block_elems(b.red, b.cols, bf16);
+  const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
 
   BrgemmDesc d;
   d.k = b.red;
   d.lda = s.k;
-  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldb = vnni ? 2 * b.cols : b.cols;
   d.ldc = s.c;
-  d.ab = d.c = s.dt;
+  d.ab = kd;
+  d.c = s.dt;
   const BlockKernels kernels(d, s.n, s.c, b.rows, b.cols);
 
-  char* wt = Scratch::get<1>({size_t(cblk * kblk * blk) * es})[0];
-  parallel_for(ex, cblk * kblk, [&](int64_t i) {
+  const Upcast up(s.dt, kd, s.n, s.k);  // bf16 dz for fp32 multiplies
+  const auto buf = Scratch::get<2>({size_t(cblk * kblk * blk) * ks, up.bytes()});
+  char* wt = buf[0];
+  const char* a = up.needed() ? buf[1] : static_cast<const char*>(dz);
+  parallel_for(ex, cblk * kblk + up.items(), [&](int64_t i) {
+    if (i >= cblk * kblk) return up.run(i - cblk * kblk, dz, buf[1]);
     const int64_t cb = i / kblk, kb = i % kblk;
     const int64_t c0 = cb * b.cols, k0 = kb * b.red;
-    with_type(w_dt, [&](auto ws) {
-      with_type(s.dt, [&](auto ds) {
-        using S = decltype(ws);
-        using D = decltype(ds);
-        pack_block(static_cast<const S*>(w) + c0 * s.k + k0, s.k, true, b.red,
-                   std::min(b.cols, s.c - c0), b.red, b.cols, bf16,
-                   reinterpret_cast<D*>(wt) + i * blk);
-      });
-    });
+    reblock::pack(at(w, w_dt, c0 * s.k + k0), w_dt, s.k, true, b.red, std::min(b.cols, s.c - c0),
+                  b.red, b.cols, kd, vnni, wt + i * blk * ks);
   });
 
   parallel_for(ex, cblk * nblk, [&](int64_t i) {
     const int64_t cb = i / nblk, nb = i % nblk;
     const int64_t n0 = nb * b.rows, c0 = cb * b.cols;
     const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.c - c0);
-    kernels(rows, cols).strided(static_cast<const char*>(dz) + n0 * s.k * es, b.red,
-                                wt + cb * kblk * blk * es, blk, kblk,
+    kernels(rows, cols).strided(a + n0 * s.k * ks, b.red, wt + cb * kblk * blk * ks, blk, kblk,
                                 static_cast<char*>(dx) + (n0 * s.c + c0) * es);
   });
 }
@@ -427,61 +458,60 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
     return;
   }
   Blocking b = normalized(force ? *force : update_blocking(s, ex.num_threads), s.c, s.k);
-  const bool bf16 = s.dt == DType::bf16;
+  const DType kd = multiply_dtype(s.dt);
+  const bool vnni = kd == DType::bf16;
   if (b.red <= 0) b.red = s.n;
-  if (bf16) b.red = round_up(b.red, 2);
-  const size_t es = dtype_size(s.dt);
+  if (vnni) b.red = round_up(b.red, 2);
+  const size_t ks = dtype_size(kd);
   const int64_t cblk = ceil_div(s.c, b.rows), kblk = ceil_div(s.k, b.cols);
   const int64_t nblk = ceil_div(s.n, b.red);
-  const int64_t blk_a = b.rows * b.red, blk_b = block_elems(b.red, b.cols, bf16);
+  const int64_t blk_a = b.rows * b.red, blk_b = reblock::block_elems(b.red, b.cols, vnni);
 
   BrgemmDesc d;
   d.k = b.red;
   d.lda = b.red;
-  d.ldb = bf16 ? 2 * b.cols : b.cols;
+  d.ldb = vnni ? 2 * b.cols : b.cols;
   d.ldc = s.k;
-  d.ab = s.dt;
+  d.ab = kd;
   d.c = dw_dt;
   const BlockKernels kernels(d, s.c, s.k, b.rows, b.cols);
 
-  const auto buf = Scratch::get<2>({size_t(cblk * nblk * blk_a) * es,
-                                    size_t(kblk * nblk * blk_b) * es});
+  const auto buf = Scratch::get<2>({size_t(cblk * nblk * blk_a) * ks,
+                                    size_t(kblk * nblk * blk_b) * ks});
   char* xt = buf[0];
   char* dzb = buf[1];
   parallel_for(ex, cblk * nblk + kblk, [&](int64_t i) {
-    with_type(s.dt, [&](auto ts) {
-      using T = decltype(ts);
-      if (i < cblk * nblk) {  // x^T block (cb, nb)
-        const int64_t cb = i / nblk, nb = i % nblk;
-        const int64_t c0 = cb * b.rows, n0 = nb * b.red;
-        pack_block(static_cast<const T*>(x) + n0 * s.c + c0, s.c, true,
-                   std::min(b.rows, s.c - c0), std::min(b.red, s.n - n0), b.rows, b.red,
-                   false, reinterpret_cast<T*>(xt) + i * blk_a);
-        return;
-      }
-      const int64_t kb = i - cblk * nblk, k0 = kb * b.cols;  // dz column panel kb
-      const int64_t cols = std::min(b.cols, s.k - k0);
-      const T* src = static_cast<const T*>(dz) + k0;
-      for (int64_t nb = 0; nb < nblk; ++nb) {
-        const int64_t n0 = nb * b.red;
-        pack_block(src + n0 * s.k, s.k, false, std::min(b.red, s.n - n0), cols, b.red,
-                   b.cols, bf16, reinterpret_cast<T*>(dzb) + (kb * nblk + nb) * blk_b);
-      }
-      if (db) {
+    if (i < cblk * nblk) {  // x^T block (cb, nb)
+      const int64_t cb = i / nblk, nb = i % nblk;
+      const int64_t c0 = cb * b.rows, n0 = nb * b.red;
+      reblock::pack(at(x, s.dt, n0 * s.c + c0), s.dt, s.c, true, std::min(b.rows, s.c - c0),
+                    std::min(b.red, s.n - n0), b.rows, b.red, kd, false, xt + i * blk_a * ks);
+      return;
+    }
+    const int64_t kb = i - cblk * nblk, k0 = kb * b.cols;  // dz column panel kb
+    const int64_t cols = std::min(b.cols, s.k - k0);
+    for (int64_t nb = 0; nb < nblk; ++nb) {
+      const int64_t n0 = nb * b.red;
+      reblock::pack(at(dz, s.dt, n0 * s.k + k0), s.dt, s.k, false, std::min(b.red, s.n - n0), cols,
+                    b.red, b.cols, kd, vnni, dzb + (kb * nblk + nb) * blk_b * ks);
+    }
+    if (db)
+      with_type(s.dt, [&](auto ts) {
+        using T = decltype(ts);
+        const T* src = static_cast<const T*>(dz) + k0;
         std::vector<float> acc(size_t(cols), 0.0f);
         for (int64_t n = 0; n < s.n; ++n)
           for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(src[n * s.k + j]);
         std::memcpy(db + k0, acc.data(), size_t(cols) * sizeof(float));
-      }
-    });
+      });
   });
 
   parallel_for(ex, cblk * kblk, [&](int64_t i) {
     const int64_t cb = i / kblk, kb = i % kblk;  // C-block major: an x^T panel is reused
     const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
     const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-    kernels(rows, cols).strided(xt + cb * nblk * blk_a * es, blk_a,
-                                dzb + kb * nblk * blk_b * es, blk_b, nblk,
+    kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a,
+                                dzb + kb * nblk * blk_b * ks, blk_b, nblk,
                                 static_cast<char*>(dw) + (c0 * s.k + k0) * dtype_size(dw_dt));
   });
 }

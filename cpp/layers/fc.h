@@ -30,6 +30,12 @@ struct Shape {
   Activation act = Activation::none;
 };
 
+// The dtype the kernels multiply in for operands stored in dt: dt itself, except that
+// bf16 operands are widened to fp32 (exactly) where this CPU's bf16 dot product is slower
+// than its fp32 FMA (measured once). JAX_BRGEMM_FC_BF16=dot|fp32 forces a choice, "auto"
+// (the default) measures. Accumulation is fp32 either way.
+DType multiply_dtype(DType dt);
+
 // What the forward leaves for the backward besides x and w: the output y when the
 // derivative is a function of it (relu, sigmoid, tanh), the pre-activation z for gelu,
 // nothing without an activation.

@@ -2,10 +2,12 @@
 // activation, shapes that are not multiples of the blocks, forced small blockings (many
 // blocks and edge blocks), one thread and several.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -219,4 +221,22 @@ TEST(fc_nan_propagates) {
     CHECK(std::isnan(y[1 * 20 + j])) << "row 1 col " << j;
     CHECK(y[0 * 20 + j] == 8.0f) << "row 0 col " << j << " = " << y[j];
   }
+}
+
+TEST(fc_bf16_both_multiply_paths) {
+  // bf16 operands multiply either with bf16 dot products or widened to fp32 FMAs (chosen
+  // by measurement); both paths must agree with the reference.
+  const char* old = std::getenv("JAX_BRGEMM_FC_BF16");
+  const std::string saved = old ? old : "";
+  for (const char* mode : {"dot", "fp32"}) {
+    setenv("JAX_BRGEMM_FC_BF16", mode, 1);
+    CHECK(fc::multiply_dtype(DType::bf16) == (mode[0] == 'd' ? DType::bf16 : DType::f32)) << mode;
+    for (Activation act : {Activation::none, Activation::gelu})
+      run_case(41, 130, 70, DType::bf16, DType::f32, act, true, 2, nullptr);
+    const fc::Blocking small{12, 16, 5};
+    run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small);
+  }
+  if (old) setenv("JAX_BRGEMM_FC_BF16", saved.c_str(), 1);
+  else unsetenv("JAX_BRGEMM_FC_BF16");
+  CHECK(fc::multiply_dtype(DType::f32) == DType::f32);
 }

@@ -1,0 +1,215 @@
+"""jb.dense against jnp: outputs and gradients over shapes, activations, dtypes, vmap, jit,
+NaN propagation and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_brgemm as jb
+
+ACTS = [None, "relu", "gelu", "sigmoid", "tanh"]
+REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,  # tanh approximation
+           "sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh}
+HI = jax.lax.Precision.HIGHEST
+
+
+def reference(x, kernel, bias=None, activation=None, dtype=None):
+    """What jb.dense computes, in float32 from the operands rounded to the compute dtype."""
+    if dtype is None:
+        dtype = jnp.result_type(*(a for a in (x, kernel, bias) if a is not None))
+    xf = x.astype(dtype).astype(jnp.float32)
+    kf = kernel.astype(dtype).astype(jnp.float32)
+    y = jnp.matmul(xf, kf, precision=HI)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return REF_ACT[activation](y).astype(dtype)
+
+
+def data(shape_x, c, k, dtype=jnp.float32, kernel_dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape_x + (c,), np.float32), dtype)
+    kernel = jnp.asarray(rng.standard_normal((c, k), np.float32) / np.sqrt(c), kernel_dtype)
+    bias = jnp.asarray(0.5 * rng.standard_normal((k,), np.float32), kernel_dtype)
+    return x, kernel, bias
+
+
+def loss(f, *args, **kw):
+    """A scalar with a non-trivial cotangent for every output element."""
+    def fn(*a):
+        y = f(*a, **kw).astype(jnp.float32)
+        return jnp.sum(jnp.sin(y) * jnp.linspace(0.5, 1.5, y.size).reshape(y.shape))
+    return fn
+
+
+def assert_close(got, want, tol):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
+
+
+def value_and_grads(f, argnums):
+    """jit(y, grads of loss(f)) in one compilation."""
+    def both(*args):
+        return f(*args), jax.grad(loss(f), argnums)(*args)
+    return jax.jit(both)
+
+
+def check(shape_x, c, k, act, use_bias, dtype, tol):
+    x, kernel, bias = data(shape_x, c, k, dtype, dtype)
+    b = bias if use_bias else None
+    argnums = (0, 1, 2) if use_bias else (0, 1)
+    y, g = value_and_grads(lambda x, w, b: jb.dense(x, w, b, activation=act), argnums)(x, kernel, b)
+    want, r = value_and_grads(lambda x, w, b: reference(x, w, b, act), argnums)(x, kernel, b)
+    assert y.dtype == dtype and y.shape == shape_x + (k,)
+    assert_close(y, want, tol)
+    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+        assert gi.dtype == arg.dtype and gi.shape == arg.shape
+        assert_close(gi, ri, tol)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_every_activation_fp32(act, use_bias):
+    check((37,), 70, 130, act, use_bias, jnp.float32, 2e-5)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_every_activation_bf16(act):
+    check((37,), 70, 130, act, True, jnp.bfloat16, 3e-2)
+
+
+@pytest.mark.parametrize("shape_x,c,k", [
+    ((1,), 1, 1),            # size 1 everywhere
+    ((), 5, 3),              # x of rank 1
+    ((2, 3, 5), 9, 2),       # leading dims fold into N
+    ((100,), 512, 70),       # several reduction blocks, edge column blocks
+    ((13,), 300, 257),       # sizes that are no multiple of any block
+    ((257,), 64, 64),
+])
+def test_shapes(shape_x, c, k):
+    check(shape_x, c, k, "tanh", True, jnp.float32, 2e-5)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
+       n=st.integers(1, 70), c=st.integers(1, 130), k=st.integers(1, 130),
+       act=st.sampled_from(ACTS), use_bias=st.booleans(), bf16=st.booleans())
+def test_hypothesis_shapes(lead, n, c, k, act, use_bias, bf16):
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    check(lead + (n,), c, k, act, use_bias, dtype, 3e-2 if bf16 else 3e-5)
+
+
+def test_bf16_compute_with_fp32_params():
+    """Flax's dtype=bf16, param_dtype=f32: bf16 output, fp32 kernel and bias gradients."""
+    x, kernel, bias = data((24,), 48, 40)
+    xb = x.astype(jnp.bfloat16)
+    f = lambda x, w, b: jb.dense(x, w, b, activation="relu", dtype=jnp.bfloat16)
+    y = jax.jit(f)(xb, kernel, bias)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, reference(xb, kernel, bias, "relu", jnp.bfloat16), 2e-2)
+    g = jax.jit(jax.grad(loss(f), (0, 1, 2)))(xb, kernel, bias)
+    assert [a.dtype for a in g] == [jnp.bfloat16, jnp.float32, jnp.float32]
+    r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "relu", jnp.bfloat16)), (0, 1, 2))(xb, kernel, bias)
+    for gi, ri in zip(g, r):
+        assert_close(gi, ri, 3e-2)
+    # mixed dtypes without dtype= promote like jnp: bf16 x with an fp32 kernel computes in fp32
+    assert jb.dense(xb, kernel, bias).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("mode", ["dot", "fp32"])
+def test_bf16_both_multiply_paths(mode, monkeypatch):
+    """bf16 multiplies run as bf16 dot products or widened to fp32 (measured per CPU)."""
+    monkeypatch.setenv("JAX_BRGEMM_FC_BF16", mode)
+    check((29,), 66, 75, "gelu", True, jnp.bfloat16, 3e-2)
+
+
+def test_vmap_folds_leading_batch():
+    x, kernel, bias = data((4, 9), 33, 20)
+    f = lambda x: jb.dense(x, kernel, bias, activation="sigmoid")
+    assert_close(jax.jit(jax.vmap(f))(x), reference(x, kernel, bias, "sigmoid"), 2e-5)
+    # gradients through vmap, w.r.t. the shared parameters (summed over the vmapped axis)
+    g = jax.grad(lambda w, b: jnp.sum(jax.vmap(lambda xi: jb.dense(xi, w, b, activation="tanh"))(x) ** 2),
+                 (0, 1))(kernel, bias)
+    r = jax.grad(lambda w, b: jnp.sum(reference(x, w, b, "tanh") ** 2), (0, 1))(kernel, bias)
+    for gi, ri in zip(g, r):
+        assert_close(gi, ri, 2e-5)
+
+
+def test_vmap_over_weights_and_per_example_grads():
+    xs, _, _ = data((3, 7), 10, 6, seed=1)
+    _, ks, bs = data((), 10, 6, seed=2)
+    ks, bs = jnp.stack([ks, 2 * ks, -ks]), jnp.stack([bs, 0 * bs, bs + 1])
+    y = jax.jit(jax.vmap(lambda x, w, b: jb.dense(x, w, b, activation="relu")))(xs, ks, bs)
+    want = jnp.stack([reference(xs[i], ks[i], bs[i], "relu") for i in range(3)])
+    assert_close(y, want, 2e-5)
+    # unbatched x, batched weights
+    y = jax.vmap(lambda w: jb.dense(xs[0], w))(ks)
+    assert_close(y, jnp.stack([reference(xs[0], ks[i]) for i in range(3)]), 2e-5)
+    # per-example gradients: vmap of grad
+    per = jax.jit(jax.vmap(jax.grad(lambda w, x: jnp.sum(jb.dense(x, w, activation="gelu") ** 2)),
+                           in_axes=(None, 0)))(ks[0], xs)
+    want = jnp.stack([jax.grad(lambda w: jnp.sum(reference(xs[i], w, None, "gelu") ** 2))(ks[0])
+                      for i in range(3)])
+    assert_close(per, want, 2e-5)
+
+
+def test_jacobians():
+    x, kernel, bias = data((3,), 5, 4)
+    f = lambda x: jb.dense(x, kernel, bias, activation="sigmoid")
+    assert_close(jax.jacrev(f)(x), jax.jacrev(lambda x: reference(x, kernel, bias, "sigmoid"))(x), 2e-5)
+
+
+def test_nan_propagates_like_xla():
+    x, kernel, bias = data((6,), 8, 20)
+    x = x.at[2, 3].set(jnp.nan)
+    for act in ACTS:
+        y = np.asarray(jb.dense(x, kernel, bias, activation=act))
+        want = np.asarray(reference(x, kernel, bias, act))
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()
+    inf_kernel = kernel.at[1, 5].set(jnp.inf)
+    y = np.asarray(jb.dense(jnp.abs(x[:2]), inf_kernel))
+    assert np.isposinf(y[:, 5]).all()
+    g = jax.grad(lambda w: jnp.sum(jb.dense(x, w, activation="tanh")))(kernel)
+    r = jax.grad(lambda w: jnp.sum(reference(x, w, None, "tanh")))(kernel)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+
+
+def test_dx_call_is_dropped_when_unused():
+    """Only the weight update runs when the input needs no gradient (a first layer)."""
+    x, kernel, bias = data((8,), 16, 12)
+    hlo = jax.jit(jax.grad(lambda w, b: jnp.sum(jb.dense(x, w, b, activation="relu")), (0, 1))).lower(
+        kernel, bias).compile().as_text()
+    assert "jb_fc_upd" in hlo and "jb_fc_bwd" not in hlo
+
+
+@pytest.mark.parametrize("args,kwargs,err,match", [
+    (((3, 4), (5, 6)), {}, ValueError, "features"),
+    (((3, 4), (4,)), {}, ValueError, r"\(C, K\)"),
+    (((3, 4), (4, 6, 1)), {}, ValueError, r"\(C, K\)"),
+    ((None, (4, 6)), {}, ValueError, "rank"),
+    (((3, 4), (4, 6), (5,)), {}, ValueError, "bias"),
+    (((3, 4), (4, 6), (1, 6)), {}, ValueError, "bias"),
+    (((3, 4), (4, 6)), {"activation": "swish"}, ValueError, "unknown activation"),
+    (((3, 4), (4, 6)), {"activation": jax.nn.relu}, TypeError, "activation"),
+    (((0, 4), (4, 6)), {}, ValueError, ">= 1"),
+    (((3, 0), (0, 6)), {}, ValueError, ">= 1"),
+    (((3, 4), (4, 0)), {}, ValueError, ">= 1"),
+    (((3, 4), (4, 6)), {"dtype": jnp.float16}, TypeError, "float32 or bfloat16"),
+])
+def test_bad_input(args, kwargs, err, match):
+    arrays = [jnp.zeros(()) if s is None else jnp.ones(s, jnp.float32) for s in args]
+    with pytest.raises(err, match=match):
+        jb.dense(*arrays, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])
+def test_unsupported_dtypes(dtype):
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        jb.dense(jnp.ones((2, 3), dtype), jnp.ones((3, 4)))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        jb.dense(jnp.ones((2, 3)), jnp.ones((3, 4), dtype))
