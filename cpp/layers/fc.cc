@@ -160,6 +160,61 @@ bool bf16_dot_is_slower(Isa isa) {
   return slower;
 }
 
+// Work items of the forward and backward: a weight panel (re-blocked by the item) and a
+// group of consecutive N-blocks computed with it. One group per panel when there are
+// enough panels to keep every thread busy; otherwise the N-blocks are split into as many
+// groups as needed (each re-blocking its own copy of the small panel).
+struct Groups {
+  Groups(int64_t panels, int64_t nblocks, int64_t threads) : panels_(panels), nblocks_(nblocks) {
+    const int64_t want = 4 * std::max<int64_t>(1, threads);
+    groups_ = std::max<int64_t>(1, std::min(nblocks, ceil_div(want, panels)));
+    per_ = ceil_div(nblocks, groups_);
+    groups_ = ceil_div(nblocks, per_);
+    concurrency = std::max<int64_t>(1, std::min(std::max<int64_t>(1, threads), items()));
+  }
+  int64_t items() const { return panels_ * groups_; }
+  int64_t panel(int64_t i) const { return i / groups_; }  // panel-major: neighbours share it
+  int64_t first(int64_t i) const { return i % groups_ * per_; }
+  int64_t last(int64_t i) const { return std::min(nblocks_, first(i) + per_); }
+  int64_t concurrency;  // items that can run at once: one panel buffer each
+
+ private:
+  int64_t panels_, nblocks_, groups_, per_;
+};
+
+// Panel buffers for the items running at once (at most one per thread): an item leases a
+// free one for its duration. Carved from the caller's scratch up front, so no worker ever
+// allocates (an exception there could not be reported).
+class PanelPool {
+ public:
+  PanelPool(char* base, size_t bytes, int64_t count)
+      : base_(base), bytes_((bytes + 63) / 64 * 64), busy_(size_t(count)) {}
+  class Lease {
+   public:
+    explicit Lease(PanelPool& pool) : pool_(pool) {
+      for (size_t i = 0;; i = (i + 1) % pool_.busy_.size()) {
+        bool expected = false;
+        if (pool_.busy_[i].compare_exchange_strong(expected, true, std::memory_order_acquire)) {
+          slot_ = i;
+          break;
+        }
+      }
+      data = pool_.base_ + slot_ * pool_.bytes_;
+    }
+    ~Lease() { pool_.busy_[slot_].store(false, std::memory_order_release); }
+    char* data;
+
+   private:
+    PanelPool& pool_;
+    size_t slot_ = 0;
+  };
+
+ private:
+  char* base_;
+  size_t bytes_;
+  std::vector<std::atomic<bool>> busy_;
+};
+
 // ---------------------------------------------------------------------------------------
 // Kernels for a grid of m x n output blocks of bm x bn: the full block and its edge
 // variants, built once before the parallel loop (the constructor may throw).
@@ -318,8 +373,12 @@ Blocking update_blocking(const Shape& s, int64_t threads) {
 
 // ---------------------------------------------------------------------------------------
 // Forward: y[n, k] = act(sum_c x[n, c] w[c, k] + b[k]).
-// Items: (N-block, K-block) output tiles; batch: the C-blocks. x is read in place (A, with
-// lda = C); w is re-blocked to [Kb][Cb][bc][bk] (VNNI pairs for bf16, cast on the way).
+// Work items: a K-block of the weights (the paper's [Kb][Cb][bc][bk] panel, VNNI pairs for
+// bf16, cast on the way) re-blocked into L2 by the item itself, then every (N-block,
+// K-block) output tile of its group of N-blocks: one BRGEMM over the C-blocks each, bias and
+// activation in the epilogue. x is read in place (A, lda = C). Re-blocking inside the item
+// keeps the panel in cache for its reuse across the N-blocks instead of a separate pass
+// through memory.
 
 void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
              const float* bias, void* y, void* z, const Blocking* force) {
@@ -343,34 +402,36 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
   d.act = gelu ? Activation::none : s.act;
   const BlockKernels kernels(d, s.n, s.k, b.rows, b.cols);
 
+  const Groups groups(kblk, nblk, ex.num_threads);
   const Upcast up(s.dt, kd, s.n, s.c);  // bf16 x for fp32 multiplies
-  const auto buf = Scratch::get<2>({size_t(kblk * cblk * blk) * ks, up.bytes()});
-  char* wb = buf[0];
-  const char* a = up.needed() ? buf[1] : static_cast<const char*>(x);
-  parallel_for(ex, kblk * cblk + up.items(), [&](int64_t i) {
-    if (i >= kblk * cblk) return up.run(i - kblk * cblk, x, buf[1]);
-    const int64_t kb = i / cblk, cb = i % cblk;
-    const int64_t k0 = kb * b.cols, c0 = cb * b.red;
-    reblock::pack(at(w, w_dt, c0 * s.k + k0), w_dt, s.k, false, b.red, std::min(b.cols, s.k - k0),
-                  b.red, b.cols, kd, vnni, wb + i * blk * ks);
-  });
+  const size_t panel = (size_t(cblk * blk) * ks + 63) / 64 * 64;
+  const auto buf = Scratch::get<2>({up.bytes(), panel * size_t(groups.concurrency)});
+  const char* a = up.needed() ? buf[0] : static_cast<const char*>(x);
+  if (up.needed()) parallel_for(ex, up.items(), [&](int64_t i) { up.run(i, x, buf[0]); });
+  PanelPool panels(buf[1], panel, groups.concurrency);
 
   char* out = static_cast<char*>(gelu ? z : y);
-  parallel_for(ex, nblk * kblk, [&](int64_t i) {
-    const int64_t kb = i / nblk, nb = i % nblk;  // K-block major: a weight panel is reused
-    const int64_t n0 = nb * b.rows, k0 = kb * b.cols;
-    const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.k - k0);
-    kernels(rows, cols).strided(a + n0 * s.c * ks, b.red, wb + kb * cblk * blk * ks, blk, cblk,
-                                out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
-    if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
-      with_type(s.dt, [&](auto ts) {
-        using T = decltype(ts);
-        for (int64_t r = 0; r < rows; ++r) {
-          const T* zr = static_cast<const T*>(z) + (n0 + r) * s.k + k0;
-          T* yr = static_cast<T*>(y) + (n0 + r) * s.k + k0;
-          for (int64_t j = 0; j < cols; ++j) yr[j] = from_f32<T>(gelu_f(to_f32(zr[j])));
-        }
-      });
+  parallel_for(ex, groups.items(), [&](int64_t i) {
+    const int64_t kb = groups.panel(i), k0 = kb * b.cols;
+    const int64_t cols = std::min(b.cols, s.k - k0);
+    const PanelPool::Lease wb(panels);
+    for (int64_t cb = 0; cb < cblk; ++cb)
+      reblock::pack(at(w, w_dt, cb * b.red * s.k + k0), w_dt, s.k, false, b.red, cols, b.red,
+                    b.cols, kd, vnni, wb.data + cb * blk * ks);
+    for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
+      const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
+      kernels(rows, cols).strided(a + n0 * s.c * ks, b.red, wb.data, blk, cblk,
+                                  out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
+      if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
+        with_type(s.dt, [&](auto ts) {
+          using T = decltype(ts);
+          for (int64_t r = 0; r < rows; ++r) {
+            const T* zr = static_cast<const T*>(z) + (n0 + r) * s.k + k0;
+            T* yr = static_cast<T*>(y) + (n0 + r) * s.k + k0;
+            for (int64_t j = 0; j < cols; ++j) yr[j] = from_f32<T>(gelu_f(to_f32(zr[j])));
+          }
+        });
+    }
   });
 }
 
@@ -397,8 +458,9 @@ void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* sa
 
 // ---------------------------------------------------------------------------------------
 // Backward by data: dx[n, c] = sum_k dz[n, k] w[c, k].
-// Items: (N-block, C-block) tiles of dx; batch: the K-blocks. dz is read in place (A,
-// lda = K); w is transposed while re-blocking to [Cb][Kb][bk][bc] (VNNI pairs of k).
+// The forward's skeleton with the roles of C and K swapped: an item re-blocks a C-block of
+// w transposed ([Cb][Kb][bk][bc], VNNI pairs of k) and computes the (N-block, C-block) tiles
+// of dx of its group, batch-reducing over the K-blocks. dz is read in place (A, lda = K).
 
 void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
               void* dx, const Blocking* force) {
@@ -420,24 +482,26 @@ void backward(const Executor& ex, const Shape& s, const void* dz, const void* w,
   d.c = s.dt;
   const BlockKernels kernels(d, s.n, s.c, b.rows, b.cols);
 
+  const Groups groups(cblk, nblk, ex.num_threads);
   const Upcast up(s.dt, kd, s.n, s.k);  // bf16 dz for fp32 multiplies
-  const auto buf = Scratch::get<2>({size_t(cblk * kblk * blk) * ks, up.bytes()});
-  char* wt = buf[0];
-  const char* a = up.needed() ? buf[1] : static_cast<const char*>(dz);
-  parallel_for(ex, cblk * kblk + up.items(), [&](int64_t i) {
-    if (i >= cblk * kblk) return up.run(i - cblk * kblk, dz, buf[1]);
-    const int64_t cb = i / kblk, kb = i % kblk;
-    const int64_t c0 = cb * b.cols, k0 = kb * b.red;
-    reblock::pack(at(w, w_dt, c0 * s.k + k0), w_dt, s.k, true, b.red, std::min(b.cols, s.c - c0),
-                  b.red, b.cols, kd, vnni, wt + i * blk * ks);
-  });
+  const size_t panel = (size_t(kblk * blk) * ks + 63) / 64 * 64;
+  const auto buf = Scratch::get<2>({up.bytes(), panel * size_t(groups.concurrency)});
+  const char* a = up.needed() ? buf[0] : static_cast<const char*>(dz);
+  if (up.needed()) parallel_for(ex, up.items(), [&](int64_t i) { up.run(i, dz, buf[0]); });
+  PanelPool panels(buf[1], panel, groups.concurrency);
 
-  parallel_for(ex, cblk * nblk, [&](int64_t i) {
-    const int64_t cb = i / nblk, nb = i % nblk;
-    const int64_t n0 = nb * b.rows, c0 = cb * b.cols;
-    const int64_t rows = std::min(b.rows, s.n - n0), cols = std::min(b.cols, s.c - c0);
-    kernels(rows, cols).strided(a + n0 * s.k * ks, b.red, wt + cb * kblk * blk * ks, blk, kblk,
-                                static_cast<char*>(dx) + (n0 * s.c + c0) * es);
+  parallel_for(ex, groups.items(), [&](int64_t i) {
+    const int64_t cb = groups.panel(i), c0 = cb * b.cols;
+    const int64_t cols = std::min(b.cols, s.c - c0);
+    const PanelPool::Lease wt(panels);
+    for (int64_t kb = 0; kb < kblk; ++kb)
+      reblock::pack(at(w, w_dt, c0 * s.k + kb * b.red), w_dt, s.k, true, b.red, cols, b.red,
+                    b.cols, kd, vnni, wt.data + kb * blk * ks);
+    for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
+      const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
+      kernels(rows, cols).strided(a + n0 * s.k * ks, b.red, wt.data, blk, kblk,
+                                  static_cast<char*>(dx) + (n0 * s.c + c0) * es);
+    }
   });
 }
 
