@@ -56,13 +56,14 @@ int64_t product(const std::vector<int64_t>& v) {
 }
 
 // Splits the M x N output into blocks: whole rows of N when N is small (the B panel is
-// then read once per block), and M blocks fine enough to give every thread work.
+// then read once per block), and M blocks fine enough to give every thread work, but no
+// finer than 16 rows (one AMX tile, more than one 12-row register tile).
 void choose_blocks(int64_t items, int64_t m, int64_t n, int64_t threads, int64_t* bm,
                    int64_t* bn) {
   *bn = n <= 256 ? n : 128;
   *bm = std::min<int64_t>(m, 96);
   const int64_t nblocks = (n + *bn - 1) / *bn;
-  while (*bm > 12 && items * nblocks * ((m + *bm - 1) / *bm) < 2 * threads) *bm = (*bm + 1) / 2;
+  while (*bm > 16 && items * nblocks * ((m + *bm - 1) / *bm) < threads) *bm = (*bm + 1) / 2;
 }
 
 ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
