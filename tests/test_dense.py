@@ -94,7 +94,7 @@ def test_shapes(shape_x, c, k):
     check(shape_x, c, k, "tanh", True, jnp.float32, 2e-5)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
        n=st.integers(1, 70), c=st.integers(1, 130), k=st.integers(1, 130),
        act=st.sampled_from(ACTS), use_bias=st.booleans(), bf16=st.booleans())
@@ -105,15 +105,17 @@ def test_hypothesis_shapes(lead, n, c, k, act, use_bias, bf16):
 
 def test_bf16_compute_with_fp32_params():
     """Flax's dtype=bf16, param_dtype=f32: bf16 output, fp32 kernel and bias gradients."""
+    # (tanh, not relu: relu's derivative jumps where a pre-activation sits at 0 within the
+    # rounding of a different summation order)
     x, kernel, bias = data((24,), 48, 40)
     xb = x.astype(jnp.bfloat16)
-    f = lambda x, w, b: jb.dense(x, w, b, activation="relu", dtype=jnp.bfloat16)
+    f = lambda x, w, b: jb.dense(x, w, b, activation="tanh", dtype=jnp.bfloat16)
     y = jax.jit(f)(xb, kernel, bias)
     assert y.dtype == jnp.bfloat16
-    assert_close(y, reference(xb, kernel, bias, "relu", jnp.bfloat16), 2e-2)
+    assert_close(y, reference(xb, kernel, bias, "tanh", jnp.bfloat16), 2e-2)
     g = jax.jit(jax.grad(loss(f), (0, 1, 2)))(xb, kernel, bias)
     assert [a.dtype for a in g] == [jnp.bfloat16, jnp.float32, jnp.float32]
-    r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "relu", jnp.bfloat16)), (0, 1, 2))(xb, kernel, bias)
+    r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "tanh", jnp.bfloat16)), (0, 1, 2))(xb, kernel, bias)
     for gi, ri in zip(g, r):
         assert_close(gi, ri, 3e-2)
     # mixed dtypes without dtype= promote like jnp: bf16 x with an fp32 kernel computes in fp32

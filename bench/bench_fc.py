@@ -1,0 +1,285 @@
+"""Fully-connected layer and MLP benchmark: jb.dense / jb.nn.Dense vs stock flax.linen.Dense
+(and PyTorch nn.Linear when torch is installed), side by side in one process.
+
+    python bench/bench_fc.py [--repeats 9] [--min-time 0.1] [--quick]
+
+Layer suite: C = K in {256, 512, 1024}, N in {64, 256, 1024}, ReLU layers with bias,
+fp32 and bf16 (bf16 compute with fp32 parameters, Flax's dtype=bfloat16):
+
+  fwd   y = relu(x W + b)
+  bwd   dx = (dy * relu'(y)) W^T          (stock: the ops XLA's autodiff emits)
+  upd   dW = x^T (dy * relu'(y)), db      (stock: idem)
+  step  fwd + bwd + upd: one jitted jax.grad of the layer w.r.t. x, W and b
+
+MLP suite: whole training steps (softmax cross-entropy, jax.grad, optax SGD with momentum,
+one jitted function) of models.MLP impl="brgemm" vs impl="xla" with the same parameters:
+N=256 784-1024-1024-1024-10 and N=64 with the same 1024-wide layers.
+
+GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
+Every contender is timed round-robin (common.interleaved); medians and min-max over
+`repeats` samples; the machine's peak is measured by the probe in the same run.
+Writes bench/results/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jax_brgemm as jb  # noqa: E402
+from jax_brgemm import models  # noqa: E402
+from jax_brgemm.ops import dense as D  # noqa: E402
+
+WIDTHS = (256, 512, 1024)
+BATCHES = (64, 256, 1024)
+PASSES = ("fwd", "bwd", "upd", "step")
+MLP_CASES = ((256, (1024, 1024, 1024)), (64, (1024, 1024, 1024)))
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    return torch
+
+
+# --- the FC layer -------------------------------------------------------------------------
+
+def layer_contenders(n, c, dtype, torch):
+    """{name: {pass: (fn, args)}} for one layer shape and dtype."""
+    rng = np.random.default_rng(n + c)
+    x = jnp.asarray(rng.standard_normal((n, c)), dtype)
+    w = jnp.asarray(rng.standard_normal((c, c)) / np.sqrt(c), jnp.float32)
+    b = jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((n, c)), dtype)
+    y = jb.dense(x, w, b, activation="relu", dtype=dtype)  # saved by the forward
+    params = {"params": {"kernel": w, "bias": b}}
+    stock = fnn.Dense(c, dtype=dtype)
+
+    def weighted(f):  # a scalar whose cotangent is dy
+        return lambda x, p: jnp.sum((f(x, p) * dy).astype(jnp.float32))
+
+    jb_layer = lambda x, p: jb.nn.Dense(c, activation="relu", dtype=dtype).apply(p, x)
+    xla_layer = lambda x, p: jax.nn.relu(stock.apply(p, x))
+    out = {
+        "jax_brgemm": {
+            "fwd": (jax.jit(jb_layer), (x, params)),
+            "bwd": (jax.jit(lambda dy, y, w: D._backward(D._act_grad(dy, y, D._RELU), w, (n, c))), (dy, y, w)),
+            "upd": (jax.jit(lambda x, dy, y, w: D._update(x, D._act_grad(dy, y, D._RELU), w, True)), (x, dy, y, w)),
+            "step": (jax.jit(jax.grad(weighted(jb_layer), (0, 1))), (x, params)),
+        },
+        "flax": {
+            "fwd": (jax.jit(xla_layer), (x, params)),
+            "bwd": (jax.jit(lambda dy, y, w: jnp.where(y > 0, dy, 0).astype(dtype) @ w.astype(dtype).T), (dy, y, w)),
+            "upd": (jax.jit(lambda x, dy, y: _xla_upd(x, jnp.where(y > 0, dy, 0).astype(dtype))), (x, dy, y)),
+            "step": (jax.jit(jax.grad(weighted(xla_layer), (0, 1))), (x, params)),
+        },
+    }
+    if torch is not None:
+        tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+        tx = torch.from_numpy(np.asarray(x, np.float32)).to(tdt)
+        tdy = torch.from_numpy(np.asarray(dy, np.float32)).to(tdt)
+        lin = torch.nn.Linear(c, c).to(tdt)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(np.asarray(w).T.copy()))
+            lin.bias.copy_(torch.from_numpy(np.asarray(b)))
+        ty = torch.relu(lin(tx)).detach()
+        tw = lin.weight.detach()
+
+        def t_fwd():
+            with torch.no_grad():
+                return torch.relu(lin(tx))
+
+        def t_bwd():
+            with torch.no_grad():
+                return (tdy * (ty > 0)) @ tw
+
+        def t_upd():
+            with torch.no_grad():
+                dz = tdy * (ty > 0)
+                return dz.t() @ tx, dz.sum(0)
+
+        txg = tx.clone().requires_grad_(True)
+
+        def t_step():
+            lin.zero_grad(set_to_none=True)
+            txg.grad = None
+            torch.relu(lin(txg)).backward(tdy)
+            return txg.grad
+
+        out["torch"] = {"fwd": (t_fwd, ()), "bwd": (t_bwd, ()), "upd": (t_upd, ()), "step": (t_step, ())}
+    return out
+
+
+def _xla_upd(x, dz):
+    return jnp.matmul(x.T, dz, preferred_element_type=jnp.float32), jnp.sum(dz.astype(jnp.float32), 0)
+
+
+# --- the MLP training step ------------------------------------------------------------------
+
+def mlp_contenders(n, features, dtype, torch):
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(rng.uniform(0, 1, (n, 28, 28)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, n))
+    opt = optax.sgd(0.01, momentum=0.9)
+    out = {}
+    params = None
+    for name, impl in (("jax_brgemm", "brgemm"), ("flax", "xla")):
+        model = models.MLP(features=features, num_classes=10, activation="relu", impl=impl, dtype=dtype)
+        if params is None:
+            params = model.init(jax.random.key(0), x)
+
+        def step(p, s, model=model):
+            def loss(p):
+                logits = model.apply(p, x).astype(jnp.float32)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            g = jax.grad(loss)(p)
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        out[name] = (jax.jit(step), (params, opt.init(params)))
+    if torch is not None:
+        tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+        layers, widths = [], (784, *features)
+        for a, b_ in zip(widths[:-1], widths[1:]):
+            layers += [torch.nn.Linear(a, b_), torch.nn.ReLU()]
+        net = torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 10)).to(tdt)
+        topt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        tx = torch.from_numpy(np.asarray(x).reshape(n, -1)).to(tdt)
+        tl = torch.from_numpy(np.asarray(labels)).long()
+
+        def t_step():
+            topt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(tx).float(), tl).backward()
+            topt.step()
+
+        out["torch"] = (t_step, ())
+    return out
+
+
+# --- running and reporting ----------------------------------------------------------------
+
+def summarize(samples, flops):
+    return {"seconds": {k: common.stats(v) for k, v in samples.items()},
+            "gflops": {k: flops / statistics.median(v) / 1e9 for k, v in samples.items()},
+            "gflops_range": {k: [flops / max(v) / 1e9, flops / min(v) / 1e9] for k, v in samples.items()}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--min-time", type=float, default=0.1)
+    p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
+    args = p.parse_args(argv)
+    torch = torch_or_none()
+
+    peak = common.measure_peak()
+    print(f"measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s "
+          f"({', '.join(f'{k} {v:.0f}' for k, v in peak.items() if k.startswith('bfloat16_'))}); "
+          f"kernel ISA {jb.isa()}; torch {'yes' if torch else 'not installed'}")
+
+    layer_rows = []
+    shapes = [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
+    for dname, dtype in DTYPES.items():
+        for n, c in shapes:
+            cont = layer_contenders(n, c, dtype, torch)
+            for pas in PASSES:
+                fns = {name: cont[name][pas][0] for name in cont}
+                fargs = {name: cont[name][pas][1] for name in cont}
+                samples = common.interleaved(fns, fargs, repeats=args.repeats, min_time=args.min_time)
+                flops = 2.0 * n * c * c * (3 if pas == "step" else 1)
+                row = {"dtype": dname, "n": n, "c": c, "k": c, "pass": pas, "flops": flops,
+                       **summarize(samples, flops)}
+                row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
+                row["peak_fraction_fp32"] = row["gflops"]["jax_brgemm"] / peak["float32"]
+                row["vs_flax"] = row["gflops"]["jax_brgemm"] / row["gflops"]["flax"]
+                if "torch" in row["gflops"]:
+                    row["vs_torch"] = row["gflops"]["jax_brgemm"] / row["gflops"]["torch"]
+                layer_rows.append(row)
+                print(f"{dname:8s} N={n:<5d} C=K={c:<5d} {pas:4s} " + "  ".join(
+                    f"{k} {row['gflops'][k]:7.1f}" for k in row["gflops"]) +
+                    f"  | {100 * row['peak_fraction']:5.1f}% of peak, {row['vs_flax']:.2f}x flax", flush=True)
+
+    mlp_rows = []
+    for dname, dtype in DTYPES.items():
+        for n, features in MLP_CASES:
+            cont = mlp_contenders(n, features, dtype, torch)
+            samples = common.interleaved({k: v[0] for k, v in cont.items()},
+                                         {k: v[1] for k, v in cont.items()},
+                                         repeats=args.repeats, min_time=args.min_time)
+            widths = (784, *features, 10)
+            flops = 6.0 * n * sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+            row = {"dtype": dname, "n": n, "widths": list(widths), "flops": flops, **summarize(samples, flops)}
+            med = {k: v["median"] for k, v in row["seconds"].items()}
+            row["vs_flax"] = med["flax"] / med["jax_brgemm"]
+            row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
+            if "torch" in med:
+                row["vs_torch"] = med["torch"] / med["jax_brgemm"]
+            mlp_rows.append(row)
+            print(f"MLP {dname:8s} N={n:<4d} {'-'.join(map(str, widths))}: " + "  ".join(
+                f"{k} {1e3 * med[k]:.2f} ms" for k in med) + f"  | {row['vs_flax']:.2f}x flax", flush=True)
+
+    common.write_results("fc", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
+                                "torch": bool(torch), "layer": layer_rows, "mlp": mlp_rows})
+    plots(layer_rows, mlp_rows, peak)
+    print(markdown(layer_rows, mlp_rows, peak))
+
+
+def plots(layer_rows, mlp_rows, peak):
+    steps = [r for r in layer_rows if r["pass"] == "step"]
+    names = list(steps[0]["gflops"])
+    label = lambda r: f"{r['dtype'][:4]} N{r['n']} C{r['c']}"
+    common.plot_bars("fc", [label(r) for r in steps], {n: [r["gflops"][n] for r in steps] for n in names},
+                     "GFLOP/s (median)", f"FC layer fwd+bwd+upd (one jax.grad), {jb.isa()}",
+                     hline=peak["float32"], hline_label="fp32 peak (probe)")
+    passes = [r for r in layer_rows if r["n"] == 256 and r["pass"] != "step"]
+    common.plot_bars("fc_passes", [f"{label(r)} {r['pass']}" for r in passes],
+                     {n: [r["gflops"][n] for r in passes] for n in names},
+                     "GFLOP/s (median)", "FC layer passes, N=256",
+                     hline=peak["float32"], hline_label="fp32 peak (probe)")
+    mnames = list(mlp_rows[0]["seconds"])
+    common.plot_bars("fc_mlp", [f"{r['dtype'][:4]} N{r['n']}" for r in mlp_rows],
+                     {n: [1e3 * r["seconds"][n]["median"] for r in mlp_rows] for n in mnames},
+                     "ms per training step (median, lower is better)",
+                     "MLP 784-1024-1024-1024-10 SGD step")
+
+
+def markdown(layer_rows, mlp_rows, peak):
+    names = list(layer_rows[0]["gflops"])
+    out = [f"Measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s.", "",
+           "| dtype | N | C=K | pass | " + " | ".join(f"{n} GFLOP/s" for n in names) +
+           " | % of peak | vs flax |" + (" vs torch |" if "torch" in names else ""),
+           "|" + "---|" * (len(names) + 6 + ("torch" in names))]
+    for r in layer_rows:
+        cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
+        out.append(f"| {r['dtype']} | {r['n']} | {r['c']} | {r['pass']} | " + " | ".join(cells) +
+                   f" | {100 * r['peak_fraction']:.0f}% | {r['vs_flax']:.2f}x |" +
+                   (f" {r['vs_torch']:.2f}x |" if "vs_torch" in r else ""))
+    mnames = list(mlp_rows[0]["seconds"])
+    out += ["", "| MLP step | N | " + " | ".join(f"{n} ms" for n in mnames) + " | vs flax |" +
+            (" vs torch |" if "torch" in mnames else ""), "|" + "---|" * (len(mnames) + 3 + ("torch" in mnames))]
+    for r in mlp_rows:
+        s = r["seconds"]
+        cells = [f"{1e3 * s[n]['median']:.2f} ({1e3 * s[n]['min']:.2f}-{1e3 * s[n]['max']:.2f})" for n in mnames]
+        out.append(f"| {r['dtype']} {'-'.join(map(str, r['widths']))} | {r['n']} | " + " | ".join(cells) +
+                   f" | {r['vs_flax']:.2f}x |" + (f" {r['vs_torch']:.2f}x |" if "vs_torch" in r else ""))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
