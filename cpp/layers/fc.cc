@@ -96,26 +96,43 @@ inline const void* at(const void* p, DType t, int64_t i) {
 }
 
 
-// A bf16 activation matrix (rows x cols) converted to fp32 in row chunks, when the
-// multiplies run in fp32; nothing otherwise. Chunks are work items of the packing loop.
-class Upcast {
+// The A operand of the forward and backward, an activation matrix (rows x cols): read in
+// place when the kernel can, else copied once (in row chunks, the work items of a parallel
+// loop): widened from bf16 for fp32 multiplies, and with rows padded by a cache line when
+// their stride is a multiple of 4 KiB (the rows of a register tile would all fall in one
+// L1 set and evict each other).
+class AOperand {
  public:
-  Upcast(DType from, DType to, int64_t rows, int64_t cols)
-      : on_(from != to), rows_(rows), cols_(cols),
-        chunk_(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols))) {}
-  bool needed() const { return on_; }
-  size_t bytes() const { return on_ ? size_t(rows_ * cols_) * sizeof(float) : 0; }
-  int64_t items() const { return on_ ? ceil_div(rows_, chunk_) : 0; }
+  AOperand(DType from, DType to, int64_t rows, int64_t cols)
+      : from_(from), to_(to), rows_(rows), cols_(cols) {
+    const int64_t es = int64_t(dtype_size(to));
+    ld_ = cols * es % 4096 == 0 ? cols + 64 / es : cols;
+    copy_ = from != to || ld_ != cols;
+    chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
+  }
+  bool copied() const { return copy_; }
+  int64_t ld() const { return ld_; }
+  size_t bytes() const { return copy_ ? size_t(rows_ * ld_) * dtype_size(to_) : 0; }
+  int64_t items() const { return copy_ ? ceil_div(rows_, chunk_) : 0; }
   void run(int64_t i, const void* src, char* dst) const {
-    const int64_t a = i * chunk_ * cols_, count = std::min(chunk_, rows_ - i * chunk_) * cols_;
-    const uint16_t* s = static_cast<const uint16_t*>(src) + a;
-    float* d = reinterpret_cast<float*>(dst) + a;
-    for (int64_t j = 0; j < count; ++j) d[j] = bf16_to_f32(s[j]);
+    const int64_t r1 = std::min(rows_, (i + 1) * chunk_);
+    for (int64_t r = i * chunk_; r < r1; ++r) {
+      const char* s = static_cast<const char*>(src) + r * cols_ * int64_t(dtype_size(from_));
+      char* d = dst + r * ld_ * int64_t(dtype_size(to_));
+      if (from_ == to_) {
+        std::memcpy(d, s, size_t(cols_) * dtype_size(to_));
+      } else {  // bf16 -> fp32
+        const uint16_t* sh = reinterpret_cast<const uint16_t*>(s);
+        float* df = reinterpret_cast<float*>(d);
+        for (int64_t j = 0; j < cols_; ++j) df[j] = bf16_to_f32(sh[j]);
+      }
+    }
   }
 
  private:
-  bool on_;
-  int64_t rows_, cols_, chunk_;
+  DType from_, to_;
+  int64_t rows_, cols_, ld_, chunk_;
+  bool copy_;
 };
 
 // Whether this CPU multiplies bf16 pairs (vdpbf16ps and friends) slower than it does fp32
@@ -376,9 +393,9 @@ Blocking update_blocking(const Shape& s, int64_t threads) {
 // Work items: a K-block of the weights (the paper's [Kb][Cb][bc][bk] panel, VNNI pairs for
 // bf16, cast on the way) re-blocked into L2 by the item itself, then every (N-block,
 // K-block) output tile of its group of N-blocks: one BRGEMM over the C-blocks each, bias and
-// activation in the epilogue. x is read in place (A, lda = C). Re-blocking inside the item
-// keeps the panel in cache for its reuse across the N-blocks instead of a separate pass
-// through memory.
+// activation in the epilogue. x is the A operand, in place (lda = C) unless AOperand copies
+// it. Re-blocking inside the item keeps the panel in cache for its reuse across the
+// N-blocks instead of a separate pass through memory.
 
 void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
              const float* bias, void* y, void* z, const Blocking* force) {
@@ -391,9 +408,10 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
   const int64_t nblk = ceil_div(s.n, b.rows), kblk = ceil_div(s.k, b.cols), cblk = s.c / b.red;
   const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
 
+  const AOperand aop(s.dt, kd, s.n, s.c);
   BrgemmDesc d;
   d.k = b.red;
-  d.lda = s.c;
+  d.lda = aop.ld();
   d.ldb = vnni ? 2 * b.cols : b.cols;
   d.ldc = s.k;
   d.ab = kd;
@@ -403,11 +421,10 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
   const BlockKernels kernels(d, s.n, s.k, b.rows, b.cols);
 
   const Groups groups(kblk, nblk, ex.num_threads);
-  const Upcast up(s.dt, kd, s.n, s.c);  // bf16 x for fp32 multiplies
   const size_t panel = (size_t(cblk * blk) * ks + 63) / 64 * 64;
-  const auto buf = Scratch::get<2>({up.bytes(), panel * size_t(groups.concurrency)});
-  const char* a = up.needed() ? buf[0] : static_cast<const char*>(x);
-  if (up.needed()) parallel_for(ex, up.items(), [&](int64_t i) { up.run(i, x, buf[0]); });
+  const auto buf = Scratch::get<2>({aop.bytes(), panel * size_t(groups.concurrency)});
+  const char* a = aop.copied() ? buf[0] : static_cast<const char*>(x);
+  if (aop.copied()) parallel_for(ex, aop.items(), [&](int64_t i) { aop.run(i, x, buf[0]); });
   PanelPool panels(buf[1], panel, groups.concurrency);
 
   char* out = static_cast<char*>(gelu ? z : y);
@@ -420,7 +437,7 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
                     b.cols, kd, vnni, wb.data + cb * blk * ks);
     for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
       const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
-      kernels(rows, cols).strided(a + n0 * s.c * ks, b.red, wb.data, blk, cblk,
+      kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, wb.data, blk, cblk,
                                   out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
       if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
         with_type(s.dt, [&](auto ts) {
@@ -460,7 +477,7 @@ void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* sa
 // Backward by data: dx[n, c] = sum_k dz[n, k] w[c, k].
 // The forward's skeleton with the roles of C and K swapped: an item re-blocks a C-block of
 // w transposed ([Cb][Kb][bk][bc], VNNI pairs of k) and computes the (N-block, C-block) tiles
-// of dx of its group, batch-reducing over the K-blocks. dz is read in place (A, lda = K).
+// of dx of its group, batch-reducing over the K-blocks. dz is the A operand (see AOperand).
 
 void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
               void* dx, const Blocking* force) {
@@ -473,9 +490,10 @@ void backward(const Executor& ex, const Shape& s, const void* dz, const void* w,
   const int64_t nblk = ceil_div(s.n, b.rows), cblk = ceil_div(s.c, b.cols), kblk = s.k / b.red;
   const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
 
+  const AOperand aop(s.dt, kd, s.n, s.k);
   BrgemmDesc d;
   d.k = b.red;
-  d.lda = s.k;
+  d.lda = aop.ld();
   d.ldb = vnni ? 2 * b.cols : b.cols;
   d.ldc = s.c;
   d.ab = kd;
@@ -483,11 +501,10 @@ void backward(const Executor& ex, const Shape& s, const void* dz, const void* w,
   const BlockKernels kernels(d, s.n, s.c, b.rows, b.cols);
 
   const Groups groups(cblk, nblk, ex.num_threads);
-  const Upcast up(s.dt, kd, s.n, s.k);  // bf16 dz for fp32 multiplies
   const size_t panel = (size_t(kblk * blk) * ks + 63) / 64 * 64;
-  const auto buf = Scratch::get<2>({up.bytes(), panel * size_t(groups.concurrency)});
-  const char* a = up.needed() ? buf[0] : static_cast<const char*>(dz);
-  if (up.needed()) parallel_for(ex, up.items(), [&](int64_t i) { up.run(i, dz, buf[0]); });
+  const auto buf = Scratch::get<2>({aop.bytes(), panel * size_t(groups.concurrency)});
+  const char* a = aop.copied() ? buf[0] : static_cast<const char*>(dz);
+  if (aop.copied()) parallel_for(ex, aop.items(), [&](int64_t i) { aop.run(i, dz, buf[0]); });
   PanelPool panels(buf[1], panel, groups.concurrency);
 
   parallel_for(ex, groups.items(), [&](int64_t i) {
@@ -499,7 +516,7 @@ void backward(const Executor& ex, const Shape& s, const void* dz, const void* w,
                     b.cols, kd, vnni, wt.data + kb * blk * ks);
     for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
       const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
-      kernels(rows, cols).strided(a + n0 * s.k * ks, b.red, wt.data, blk, kblk,
+      kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, wt.data, blk, kblk,
                                   static_cast<char*>(dx) + (n0 * s.c + c0) * es);
     }
   });

@@ -174,7 +174,8 @@ TEST(fc_all_passes_heuristic_blocking) {
   for (DType dt : {DType::f32, DType::bf16})
     for (Activation act : kActs)
       for (auto [n, c, k] : {std::array<int64_t, 3>{1, 1, 1}, {3, 5, 7}, {37, 70, 130},
-                             {64, 512, 96}, {130, 48, 10}})
+                             {64, 512, 96}, {130, 48, 10},
+                             {13, 1024, 20}, {9, 40, 1024}})  // 4 KiB rows: padded A copies
         run_case(n, c, k, dt, dt, act, true, 2, nullptr);
 }
 
@@ -233,6 +234,7 @@ TEST(fc_bf16_both_multiply_paths) {
     CHECK(fc::multiply_dtype(DType::bf16) == (mode[0] == 'd' ? DType::bf16 : DType::f32)) << mode;
     for (Activation act : {Activation::none, Activation::gelu})
       run_case(41, 130, 70, DType::bf16, DType::f32, act, true, 2, nullptr);
+    run_case(7, 1024, 36, DType::bf16, DType::f32, Activation::relu, true, 2, nullptr);
     const fc::Blocking small{12, 16, 5};
     run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small);
   }
