@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "brgemm/activation.h"
+#include "layers/eltwise.h"
 #include "layers/reblock.h"
 
 namespace jb::fc {
@@ -75,11 +75,6 @@ template <class T>
 inline float to_f32(T v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return bf16_to_f32(v);
-}
-template <class T>
-inline T from_f32(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return f32_to_bf16(v);
 }
 
 // Calls f with a value of the storage type of `t` (float or uint16_t), to instantiate
@@ -298,48 +293,6 @@ Blocking normalized(Blocking b, int64_t rows, int64_t cols) {
   return b;
 }
 
-// ---------------------------------------------------------------------------------------
-// Activation derivatives, from the saved output y or (gelu) the pre-activation z.
-
-inline float act_derivative(Activation act, float s) {
-  switch (act) {
-    case Activation::relu: return s > 0.0f ? 1.0f : 0.0f;
-    case Activation::sigmoid: return s * (1.0f - s);
-    case Activation::tanh: return (1.0f + s) * (1.0f - s);
-    case Activation::gelu: {
-      const float c = 0.7978845608028654f, a = 0.044715f;
-      const float t = tanh_f(c * (s + a * s * s * s));
-      return 0.5f * (1.0f + t) + 0.5f * s * (1.0f - t * t) * c * (1.0f + 3.0f * a * s * s);
-    }
-    default: return 1.0f;
-  }
-}
-
-template <class T>
-void act_grad_rows(Activation act, const T* dy, const T* s, T* dz, int64_t count) {
-  switch (act) {
-    case Activation::relu:  // a select, like jax.nn.relu's derivative: 0 where y is NaN
-      for (int64_t i = 0; i < count; ++i)
-        dz[i] = to_f32(s[i]) > 0.0f ? dy[i] : from_f32<T>(0.0f);
-      break;
-    case Activation::sigmoid:
-      for (int64_t i = 0; i < count; ++i) {
-        const float y = to_f32(s[i]);
-        dz[i] = from_f32<T>(to_f32(dy[i]) * (y * (1.0f - y)));
-      }
-      break;
-    case Activation::tanh:
-      for (int64_t i = 0; i < count; ++i) {
-        const float y = to_f32(s[i]);
-        dz[i] = from_f32<T>(to_f32(dy[i]) * ((1.0f + y) * (1.0f - y)));
-      }
-      break;
-    default:
-      for (int64_t i = 0; i < count; ++i)
-        dz[i] = from_f32<T>(to_f32(dy[i]) * act_derivative(act, to_f32(s[i])));
-  }
-}
-
 }  // namespace
 
 DType multiply_dtype(DType dt) {
@@ -440,14 +393,10 @@ void forward(const Executor& ex, const Shape& s, const void* x, const void* w, D
       kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, wb.data, blk, cblk,
                                   out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
       if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
-        with_type(s.dt, [&](auto ts) {
-          using T = decltype(ts);
-          for (int64_t r = 0; r < rows; ++r) {
-            const T* zr = static_cast<const T*>(z) + (n0 + r) * s.k + k0;
-            T* yr = static_cast<T*>(y) + (n0 + r) * s.k + k0;
-            for (int64_t j = 0; j < cols; ++j) yr[j] = from_f32<T>(gelu_f(to_f32(zr[j])));
-          }
-        });
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t off = (n0 + r) * s.k + k0;
+          eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off), static_cast<char*>(y) + off * es, cols);
+        }
     }
   });
 }
@@ -459,17 +408,11 @@ void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* sa
   const int64_t total = s.n * s.k;
   if (total <= 0) return;
   const int64_t chunk = std::max<int64_t>(4096, ceil_div(total, 8 * ex.num_threads));
+  const int64_t es = int64_t(dtype_size(s.dt));
   parallel_for(ex, ceil_div(total, chunk), [&](int64_t i) {
     const int64_t a = i * chunk, count = std::min(chunk, total - a);
-    with_type(s.dt, [&](auto ts) {
-      using T = decltype(ts);
-      if (s.act == Activation::none) {
-        std::memcpy(static_cast<T*>(dz) + a, static_cast<const T*>(dy) + a, count * sizeof(T));
-        return;
-      }
-      act_grad_rows(s.act, static_cast<const T*>(dy) + a, static_cast<const T*>(saved) + a,
-                    static_cast<T*>(dz) + a, count);
-    });
+    eltwise::act_grad(s.act, s.dt, at(dy, s.dt, a), saved ? at(saved, s.dt, a) : nullptr,
+                      static_cast<char*>(dz) + a * es, count);
   });
 }
 
