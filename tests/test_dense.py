@@ -215,3 +215,24 @@ def test_unsupported_dtypes(dtype):
         jb.dense(jnp.ones((2, 3), dtype), jnp.ones((3, 4)))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         jb.dense(jnp.ones((2, 3)), jnp.ones((3, 4), dtype))
+
+
+@pytest.mark.parametrize("target,args,outs,match", [
+    ("jb_fc_fwd", [(4, 8), (9, 5), (0,)], [((4, 5), "f32"), ((0,), "f32")], "w has shape"),
+    ("jb_fc_fwd", [(4, 8), (8, 5), (6,)], [((4, 5), "f32"), ((0,), "f32")], "bias has shape"),
+    ("jb_fc_fwd", [(4, 8), (8, 5), (0,)], [((4, 5), "bf16"), ((0,), "f32")], "float32 or all bfloat16"),
+    ("jb_fc_fwd", [(4, 8), (8, 5), (0,)], [((4, 5), "f32"), ((4, 5), "f32")], "z must be empty"),
+    ("jb_fc_bwd", [(4, 5), (8, 6)], [((4, 8), "f32")], "dz has shape"),
+    ("jb_fc_upd", [(4, 8), (3, 5)], [((8, 5), "f32"), ((5,), "f32")], "dz has shape"),
+    ("jb_fc_upd", [(4, 8), (4, 5)], [((8, 5), "f32"), ((4,), "f32")], "db"),
+    ("jb_fc_act_grad", [(4, 5), (4, 5)], [((4, 5), "f32")], "needs an activation"),
+])
+def test_ffi_handlers_validate(target, args, outs, match):
+    """Called directly with inconsistent buffers, the handlers return an error, not a crash."""
+    dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+    arrays = [jnp.ones(s, jnp.float32) for s in args]
+    structs = [jax.ShapeDtypeStruct(s, dt[d]) for s, d in outs]
+    call = jax.ffi.ffi_call(target, structs if len(structs) > 1 else structs[0])
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(*arrays, act=np.int32(0)) if "upd" not in target and "bwd" not in target
+                              else call(*arrays))

@@ -1,11 +1,16 @@
-// The fully-connected layer's three passes. Each pass has the same skeleton:
+// The fully-connected layer's three passes: loops around the BRGEMM kernel, nothing else.
 //
-//   1. re-block the operand(s) the kernel cannot read in place (weights, and for the update
-//      the transposed input and the blocked gradient) into scratch, in parallel;
-//   2. hand out output blocks as work items; each is one BRGEMM call, batch-reducing over
-//      the blocks of the reduced dimension, with the epilogue (bias, activation) fused.
+//   forward, backward  a work item re-blocks one weight panel (a K-block of w, or a C-block
+//                      of w^T) into L2 and computes the output blocks of its group of
+//                      N-blocks with it: one BRGEMM call each, batch-reducing over the
+//                      blocks of the reduced dimension, epilogue (bias, activation) fused.
+//   update             the transposed input and the blocked gradient are shared by all
+//                      items, so a first parallel loop re-blocks them; then every
+//                      (C-block, K-block) item owns its block of dw and reduces over the
+//                      whole batch in one BRGEMM call.
 //
-// Kernels are built once per pass (a full block and its edge variants), outside the hot loop.
+// Kernels are built once per pass (a full block and its edge variants), outside the hot
+// loop; scratch is allocated by the calling thread before any item runs.
 #include "layers/fc.h"
 
 #include <algorithm>
