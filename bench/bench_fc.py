@@ -50,6 +50,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def torch_or_none():
+    # torch's OpenMP threads spin after each call by default; sharing two cores with XLA's
+    # pool (and whatever else runs) that spinning starves everyone, torch included.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import torch
     except ImportError:
