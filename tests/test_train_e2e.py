@@ -216,9 +216,9 @@ def test_open_division_lifts_hyperparameter_constraints(xla_run, tmp_path):
     assert _checker(log)
 
 
-def test_aborted_run_exit_1_and_seed_from_system(tiny, capsys):
+def test_aborted_bfloat16_run_exit_1_and_seed_from_system(tiny, capsys):
     log_dir = tiny["root"] / "logs" / "never"
-    code = cli.main(["tiny_never", "--impl", "xla", "--max-epochs", "1",
+    code = cli.main(["tiny_never", "--impl", "xla", "--max-epochs", "1", "--dtype", "bfloat16",
                      "--data-dir", str(tiny["data"]), "--log-dir", str(log_dir)])
     out = capsys.readouterr().out
     assert code == 1
@@ -226,6 +226,8 @@ def test_aborted_run_exit_1_and_seed_from_system(tiny, capsys):
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
     assert [e["metadata"]["epoch_num"] for e in events if e["key"] == "eval_accuracy"] == [1]
     seed = next(e["value"] for e in events if e["key"] == "seed")
+    assert {"key": "lowest_numerical_precision_in_linear", "value": "bfloat16"}.items() <= \
+        next(e for e in events if e["key"] == "lowest_numerical_precision_in_linear").items()
     summary = json.loads((log_dir / "summary.json").read_text())
     assert summary["runs"][0]["seed"] == seed and summary["score"]["valid"] is False
     # Not reaching the target fails the checker, as with the official rules.

@@ -117,7 +117,7 @@ values = st.one_of(st.integers(-5, 5000), st.floats(-2, 2, allow_nan=False), st.
                    st.sampled_from(["sgd", "cosine", ""]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(x=values)
 def test_constraint_expressions_agree_with_checks(x):
     constraints = [Range(32, 4096, integer=True), Range(0, 1, lo_open=True), Range(0.8, 0.99),
