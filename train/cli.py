@@ -46,20 +46,11 @@ def _reference_result(bench: Benchmark, impl, division, dtype, log_dir: Path):
                 and sibling.get("division") == division and sibling.get("dtype") == dtype
                 and sibling["score"]["valid"]):
             return sibling["score"]["value"], f"xla runs in {log_dir.parent / 'xla'}"
-    ref = bench.reference()
-    if ref is None:
+    recorded = bench.reference_summary()
+    if recorded is None:
         return None, "none recorded"
-    result = scoring.reference_summary(ref, bench.target, bench.eval_every_epochs,
-                                       bench.num_runs)["result"]
-    return result.value, f"recorded xla reference runs (train/reference/{bench.name}.json)"
-
-
-def _rcp(bench: Benchmark) -> Optional[scoring.Rcp]:
-    ref = bench.reference()
-    if ref is None:
-        return None
-    return scoring.reference_summary(ref, bench.target, bench.eval_every_epochs,
-                                     bench.num_runs)["rcp"]
+    return (recorded["result"].value,
+            f"recorded xla reference runs (train/reference/{bench.name}.json)")
 
 
 def _clear_old_results(log_dir: Path):
@@ -120,7 +111,8 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     score = scoring.olympic_mean([r.time_to_train if r.converged else math.inf for r in results])
     ref_value, ref_source = _reference_result(bench, impl, division, dtype, log_dir)
     if division == "closed":
-        rcp = scoring.rcp_check(_rcp(bench), hp["global_batch_size"],
+        recorded = bench.reference_summary()
+        rcp = scoring.rcp_check(recorded and recorded["rcp"], hp["global_batch_size"],
                                 [r.epochs if r.converged else math.inf for r in results])
     else:
         rcp = {"status": "n/a", "message": "RCPs apply to the closed division only"}

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from . import data
+from . import data, scoring
 from .hparams import OneOf, Range
 
 REFERENCE_DIR = Path(__file__).parent / "reference"
@@ -55,6 +55,15 @@ class Benchmark:
         """The recorded reference runs (reference/<name>.json), if any."""
         path = REFERENCE_DIR / f"{self.name}.json"
         return json.loads(path.read_text()) if path.exists() else None
+
+    def reference_summary(self) -> Optional[dict]:
+        """What the recorded runs give for the current target: epochs and time to
+        target per run, the reference result and the RCP (scoring.reference_summary)."""
+        reference = self.reference()
+        if reference is None:
+            return None
+        return scoring.reference_summary(reference, self.target, self.eval_every_epochs,
+                                         self.num_runs)
 
 
 def _mlp_model(impl, dtype):
