@@ -246,7 +246,8 @@ def main(argv=None):
 def plots(layer_rows, mlp_rows, peak):
     steps = [r for r in layer_rows if r["pass"] == "step"]
     names = list(steps[0]["gflops"])
-    label = lambda r: f"{r['dtype'][:4]} N{r['n']} C{r['c']}"
+    short = {"float32": "f32", "bfloat16": "bf16"}
+    label = lambda r: f"{short[r['dtype']]} N{r['n']} C{r['c']}"
     common.plot_bars("fc", [label(r) for r in steps], {n: [r["gflops"][n] for r in steps] for n in names},
                      "GFLOP/s (median)", f"FC layer fwd+bwd+upd (one jax.grad), {jb.isa()}",
                      hline=peak["float32"], hline_label="fp32 peak (probe)")
@@ -256,7 +257,7 @@ def plots(layer_rows, mlp_rows, peak):
                      "GFLOP/s (median)", "FC layer passes, N=256",
                      hline=peak["float32"], hline_label="fp32 peak (probe)")
     mnames = list(mlp_rows[0]["seconds"])
-    common.plot_bars("fc_mlp", [f"{r['dtype'][:4]} N{r['n']}" for r in mlp_rows],
+    common.plot_bars("fc_mlp", [f"{short[r['dtype']]} N{r['n']}" for r in mlp_rows],
                      {n: [1e3 * r["seconds"][n]["median"] for r in mlp_rows] for n in mnames},
                      "ms per training step (median, lower is better)",
                      "MLP 784-1024-1024-1024-10 SGD step")
