@@ -110,18 +110,18 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   // bf16: pack every distinct B matrix (not every broadcast copy) into VNNI-2 pairs.
   const char* b_data = static_cast<const char*>(b.untyped_data());
   int64_t b_matrix = k * n, ldb = n;
-  std::unique_ptr<uint16_t[]> packed;
+  // Kept per calling thread and reused: no allocation and page faults on every call.
+  thread_local std::vector<uint16_t> packed;
   Leading b_lead = lb.value();
   if (ab == DType::bf16) {
     const int64_t count = static_cast<int64_t>(b.element_count()) / std::max<int64_t>(1, k * n);
     b_matrix = (k + 1) / 2 * 2 * n;
     ldb = 2 * n;
-    packed.reset(new uint16_t[std::max<int64_t>(1, count * b_matrix)]);
+    if (packed.size() < size_t(count * b_matrix)) packed.resize(size_t(count * b_matrix));
+    uint16_t* dst = packed.data();
     const auto* src = static_cast<const uint16_t*>(b.untyped_data());
-    parallel_for(ex, count, [&](int64_t i) {
-      pack_vnni2(src + i * k * n, k, n, n, packed.get() + i * b_matrix);
-    });
-    b_data = reinterpret_cast<const char*>(packed.get());
+    parallel_for(ex, count, [&](int64_t i) { pack_vnni2(src + i * k * n, k, n, n, dst + i * b_matrix); });
+    b_data = reinterpret_cast<const char*>(dst);
     for (int64_t& s : b_lead.stride) s = s / std::max<int64_t>(1, k * n) * b_matrix;
   }
 
