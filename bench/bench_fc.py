@@ -95,8 +95,8 @@ def layer_contenders(n, c, dtype, torch):
     }
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
-        tx = torch.from_numpy(np.asarray(x, np.float32)).to(tdt)
-        tdy = torch.from_numpy(np.asarray(dy, np.float32)).to(tdt)
+        tx = torch.from_numpy(np.array(x, np.float32)).to(tdt)
+        tdy = torch.from_numpy(np.array(dy, np.float32)).to(tdt)
         lin = torch.nn.Linear(c, c).to(tdt)
         with torch.no_grad():
             lin.weight.copy_(torch.from_numpy(np.asarray(w).T.copy()))
@@ -163,8 +163,8 @@ def mlp_contenders(n, features, dtype, torch):
             layers += [torch.nn.Linear(a, b_), torch.nn.ReLU()]
         net = torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 10)).to(tdt)
         topt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        tx = torch.from_numpy(np.asarray(x).reshape(n, -1)).to(tdt)
-        tl = torch.from_numpy(np.asarray(labels)).long()
+        tx = torch.from_numpy(np.array(x).reshape(n, -1)).to(tdt)
+        tl = torch.from_numpy(np.array(labels)).long()
 
         def t_step():
             topt.zero_grad(set_to_none=True)
