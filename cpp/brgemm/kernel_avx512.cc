@@ -22,6 +22,8 @@ struct Avx512 {
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
       const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
+      // Unrolled by 2: the A row addresses computed for one k serve the next as well.
+#pragma GCC unroll 2
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
         // B rows arrive from L2: ask for them a few rows ahead.
 #pragma GCC unroll 16

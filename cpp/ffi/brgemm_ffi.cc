@@ -63,7 +63,7 @@ void choose_blocks(int64_t items, int64_t m, int64_t n, int64_t threads, int64_t
   *bn = n <= 256 ? n : 128;
   *bm = std::min<int64_t>(m, 96);
   const int64_t nblocks = (n + *bn - 1) / *bn;
-  while (*bm > 16 && items * nblocks * ((m + *bm - 1) / *bm) < threads) *bm = (*bm + 1) / 2;
+  while (*bm > 16 && items * nblocks * ((m + *bm - 1) / *bm) < 4 * threads) *bm = (*bm + 1) / 2;
 }
 
 ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
