@@ -55,15 +55,24 @@ int64_t product(const std::vector<int64_t>& v) {
   return p;
 }
 
-// Splits the M x N output into blocks: whole rows of N when N is small (the B panel is
-// then read once per block), and M blocks fine enough to give every thread work, but no
-// finer than 16 rows (one AMX tile, more than one 12-row register tile).
-void choose_blocks(int64_t items, int64_t m, int64_t n, int64_t threads, int64_t* bm,
-                   int64_t* bn) {
+// Splits the M x N output into blocks for the threads: whole rows of N when N is small
+// (the B panel is then read once per block), M blocks of at most 96 rows in multiples of
+// `tile` rows (32 for AMX macro tiles; 4 for register tiles, which take any height), and
+// a block count that the threads share evenly (or at least 4 per thread). Too few rows to
+// split: split N instead, in whole AMX tile columns.
+void choose_blocks(int64_t items, int64_t m, int64_t n, int64_t threads, int64_t tile,
+                   int64_t* bm, int64_t* bn) {
+  auto round_up = [](int64_t x, int64_t r) { return (x + r - 1) / r * r; };
   *bn = n <= 256 ? n : 128;
-  *bm = std::min<int64_t>(m, 96);
+  if (items * ((m + 95) / 96) < threads && n >= 64 && m < 2 * tile)  // too few rows to split
+    *bn = round_up((n + threads - 1) / threads, 16);
   const int64_t nblocks = (n + *bn - 1) / *bn;
-  while (*bm > 16 && items * nblocks * ((m + *bm - 1) / *bm) < 4 * threads) *bm = (*bm + 1) / 2;
+  int64_t mblocks = (m + 95) / 96;
+  auto total = [&] { return items * nblocks * mblocks; };
+  while (total() % threads != 0 && total() < 4 * threads &&
+         round_up((m + mblocks) / (mblocks + 1), tile) < m)
+    ++mblocks;
+  *bm = std::min(m, round_up((m + mblocks - 1) / mblocks, tile));
 }
 
 ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -126,7 +135,7 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   }
 
   int64_t bm, bn;
-  choose_blocks(items, m, n, ex.num_threads, &bm, &bn);
+  choose_blocks(items, m, n, ex.num_threads, ab == DType::bf16 ? 32 : 4, &bm, &bn);
   const int64_t mblocks = (m + bm - 1) / bm, nblocks = (n + bn - 1) / bn;
 
   BrgemmDesc desc;
