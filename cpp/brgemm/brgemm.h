@@ -72,20 +72,34 @@ class Brgemm {
 // ((k + 1) / 2) * 2 * n values.
 void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst);
 
-inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+static inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
-// bf16 <-> fp32, round to nearest even, NaN stays NaN.
-inline float bf16_to_f32(uint16_t h) {
+// bf16 <-> fp32, round to nearest even, NaN stays NaN. Static: every ISA unit compiles
+// its own copy with its own flags, so the linker cannot hand an AVX-512 build of these to
+// the portable path.
+static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;
   __builtin_memcpy(&f, &u, 4);
   return f;
 }
-inline uint16_t f32_to_bf16(float f) {
+static inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   __builtin_memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp32 or bf16 (uint16_t) element <-> fp32, for loops templated on the storage type.
+template <class T>
+static inline float to_f32(T v) {
+  if constexpr (sizeof(T) == 4) return v;
+  else return bf16_to_f32(v);
+}
+template <class T>
+static inline T from_f32(float v) {
+  if constexpr (sizeof(T) == 4) return v;
+  else return f32_to_bf16(v);
 }
 
 namespace detail {

@@ -11,17 +11,6 @@ namespace jb::eltwise {
 
 namespace {
 
-template <class T>
-inline float load(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return bf16_to_f32(v);
-}
-template <class T>
-inline T store(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return f32_to_bf16(v);
-}
-
 // d/dz of the tanh-approximated gelu.
 inline float gelu_grad(float z) {
   const float c = 0.7978845608028654f, a = 0.044715f;
@@ -38,16 +27,16 @@ JB_INLINE void activate_loop(Activation act, const T* z, T* y, int64_t n) {
       for (int64_t i = 0; i < n; ++i) y[i] = z[i];
       break;
     case Activation::relu:
-      for (int64_t i = 0; i < n; ++i) y[i] = store<T>(relu_f(load(z[i])));
+      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(relu_f(to_f32(z[i])));
       break;
     case Activation::gelu:
-      for (int64_t i = 0; i < n; ++i) y[i] = store<T>(gelu_f(load(z[i])));
+      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(gelu_f(to_f32(z[i])));
       break;
     case Activation::sigmoid:
-      for (int64_t i = 0; i < n; ++i) y[i] = store<T>(sigmoid_f(load(z[i])));
+      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(sigmoid_f(to_f32(z[i])));
       break;
     case Activation::tanh:
-      for (int64_t i = 0; i < n; ++i) y[i] = store<T>(tanh_f(load(z[i])));
+      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(tanh_f(to_f32(z[i])));
       break;
   }
 }
@@ -59,21 +48,21 @@ JB_INLINE void grad_loop(Activation act, const T* dy, const T* s, T* dz, int64_t
       for (int64_t i = 0; i < n; ++i) dz[i] = dy[i];
       break;
     case Activation::relu:
-      for (int64_t i = 0; i < n; ++i) dz[i] = load(s[i]) > 0.0f ? dy[i] : store<T>(0.0f);
+      for (int64_t i = 0; i < n; ++i) dz[i] = to_f32(s[i]) > 0.0f ? dy[i] : from_f32<T>(0.0f);
       break;
     case Activation::gelu:
-      for (int64_t i = 0; i < n; ++i) dz[i] = store<T>(load(dy[i]) * gelu_grad(load(s[i])));
+      for (int64_t i = 0; i < n; ++i) dz[i] = from_f32<T>(to_f32(dy[i]) * gelu_grad(to_f32(s[i])));
       break;
     case Activation::sigmoid:
       for (int64_t i = 0; i < n; ++i) {
-        const float y = load(s[i]);
-        dz[i] = store<T>(load(dy[i]) * (y * (1.0f - y)));
+        const float y = to_f32(s[i]);
+        dz[i] = from_f32<T>(to_f32(dy[i]) * (y * (1.0f - y)));
       }
       break;
     case Activation::tanh:
       for (int64_t i = 0; i < n; ++i) {
-        const float y = load(s[i]);
-        dz[i] = store<T>(load(dy[i]) * ((1.0f + y) * (1.0f - y)));
+        const float y = to_f32(s[i]);
+        dz[i] = from_f32<T>(to_f32(dy[i]) * ((1.0f + y) * (1.0f - y)));
       }
       break;
   }

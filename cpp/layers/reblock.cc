@@ -17,16 +17,6 @@ namespace jb::reblock {
 
 namespace {
 
-template <class T>
-inline float to_f32(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return bf16_to_f32(v);
-}
-template <class T>
-inline T from_f32(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return f32_to_bf16(v);
-}
 template <class S, class D>
 inline D convert(S v) {
   if constexpr (std::is_same_v<S, D>) return v;
