@@ -18,7 +18,7 @@ struct Avx2 {
   static void tile_f32(const TileArgs& t) {
     __m256 acc[MR][NV];
     const __m256i last = tail_mask(t.tail);
-    init<MR, NV>(acc, last, t);
+    init<MR, NV>(acc, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
       const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
@@ -43,7 +43,7 @@ struct Avx2 {
     __m256 acc[MR][NV];
     const __m256i last = tail_mask(t.tail);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
-    init<MR, NV>(acc, last, t);
+    init<MR, NV>(acc, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const uint16_t* a = static_cast<const uint16_t*>(t.a[bi]) + t.a_off;
       const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
@@ -81,7 +81,7 @@ struct Avx2 {
   }
 
   template <int MR, int NV>
-  static void init(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
+  static void init(__m256 (&acc)[MR][NV], const TileArgs& t) {
     if (!t.accumulate) {
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
@@ -100,7 +100,6 @@ struct Avx2 {
     for (int i = 0; i < MR; ++i)
       #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_load_ps(&tile[i][8 * j]);
-    (void)last;
   }
 
   template <int MR, int NV>

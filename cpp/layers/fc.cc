@@ -319,20 +319,22 @@ Saved saved_for(Activation act) {
   }
 }
 
-Blocking forward_blocking(const Shape& s, int64_t threads) {
+// Forward (N x K output, reducing C) and backward (N x C output, reducing K) block alike.
+static Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced,
+                                    int64_t threads) {
   Blocking b;
-  b.cols = std::min(s.k, kCols);
-  b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
-  b.red = reduction_block(s.c, multiply_dtype(s.dt) == DType::bf16);
+  b.cols = std::min(out_cols, kCols);
+  b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
+  b.red = reduction_block(reduced, multiply_dtype(s.dt) == DType::bf16);
   return b;
 }
 
+Blocking forward_blocking(const Shape& s, int64_t threads) {
+  return activation_blocking(s, s.k, s.c, threads);
+}
+
 Blocking backward_blocking(const Shape& s, int64_t threads) {
-  Blocking b;
-  b.cols = std::min(s.c, kCols);
-  b.rows = split_rows(s.n, ceil_div(s.c, b.cols), threads);
-  b.red = reduction_block(s.k, multiply_dtype(s.dt) == DType::bf16);
-  return b;
+  return activation_blocking(s, s.c, s.k, threads);
 }
 
 Blocking update_blocking(const Shape& s, int64_t threads) {
