@@ -264,7 +264,9 @@ class BlockKernels {
 
 constexpr int64_t kRowQuantum = 12;  // a multiple of every ISA's register-tile height
 constexpr int64_t kMaxRows = 96;
-constexpr int64_t kCols = 64;        // one AVX-512 register tile row (4 vectors)
+// Output block width. Weight panels are this wide: 512 contiguous bytes per fp32 row pack
+// about 1.5x faster than 256 (measured), and the update streams its dw in wider blocks.
+constexpr int64_t kCols = 128;
 constexpr int64_t kItemsPerThread = 8;
 
 // Rows per output block: whole register tiles, at most kMaxRows, and fine enough that
@@ -324,6 +326,9 @@ static Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t re
                                     int64_t threads) {
   Blocking b;
   b.cols = std::min(out_cols, kCols);
+  // Too few rows to split: narrower panels, so that every thread still gets several items.
+  if (s.n <= kRowQuantum && ceil_div(out_cols, b.cols) < kItemsPerThread * threads)
+    b.cols = std::min(out_cols, kCols / 2);
   b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
   b.red = reduction_block(reduced, multiply_dtype(s.dt) == DType::bf16);
   return b;
@@ -498,28 +503,23 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
   const int64_t nblk = ceil_div(s.n, b.red);
   const int64_t blk_a = b.rows * b.red, blk_b = reblock::block_elems(b.red, b.cols, vnni);
 
-  // A large dw (beyond what caches keep until the optimizer reads it) is computed block by
-  // block into an L1 tile and streamed out with non-temporal stores: its lines are then
-  // never fetched just to be overwritten. Measured: 5-10 % on the update inside a training
-  // step; a small dw, likely still cached when it is read, is written in place.
+  // A large dw (beyond what caches keep until the optimizer reads it) is written with
+  // non-temporal stores straight from the register tiles: its lines are never fetched
+  // just to be overwritten, and the writes drain while the next tiles compute.
   const size_t ws = dtype_size(dw_dt);
-  const bool nt = size_t(s.c * s.k) * ws >= (size_t(1) << 20);
   BrgemmDesc d;
   d.k = b.red;
   d.lda = b.red;
   d.ldb = vnni ? 2 * b.cols : b.cols;
-  d.ldc = nt ? b.cols : s.k;
+  d.ldc = s.k;
   d.ab = kd;
   d.c = dw_dt;
+  d.stream = size_t(s.c * s.k) * ws >= (size_t(1) << 20);
   const BlockKernels kernels(d, s.c, s.k, b.rows, b.cols);
 
-  const int64_t concurrency = std::max<int64_t>(1, std::min(ex.num_threads, cblk * kblk));
-  const size_t tile = nt ? (size_t(b.rows * b.cols) * ws + 63) / 64 * 64 : 0;
-  const auto buf = Scratch::get<3>({size_t(cblk * nblk * blk_a) * ks,
-                                    size_t(kblk * nblk * blk_b) * ks, tile * size_t(concurrency)});
+  const auto buf = Scratch::get<2>({size_t(cblk * nblk * blk_a) * ks, size_t(kblk * nblk * blk_b) * ks});
   char* xt = buf[0];
   char* dzb = buf[1];
-  PanelPool tiles(buf[2], tile, concurrency);
   parallel_for(ex, cblk * nblk + kblk, [&](int64_t i) {
     if (i < cblk * nblk) {  // x^T block (cb, nb)
       const int64_t cb = i / nblk, nb = i % nblk;
@@ -550,16 +550,8 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
     const int64_t cb = i / kblk, kb = i % kblk;  // C-block major: an x^T panel is reused
     const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
     const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-    char* out = static_cast<char*>(dw) + (c0 * s.k + k0) * ws;
-    if (!nt) {
-      kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a,
-                                  dzb + kb * nblk * blk_b * ks, blk_b, nblk, out);
-      return;
-    }
-    const PanelPool::Lease t(tiles);
-    kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a,
-                                dzb + kb * nblk * blk_b * ks, blk_b, nblk, t.data);
-    reblock::stream_rows(t.data, b.cols * ws, rows, cols * ws, out, s.k * ws);
+    kernels(rows, cols).strided(xt + cb * nblk * blk_a * ks, blk_a, dzb + kb * nblk * blk_b * ks,
+                                blk_b, nblk, static_cast<char*>(dw) + (c0 * s.k + k0) * ws);
   });
 }
 

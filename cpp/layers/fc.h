@@ -48,7 +48,7 @@ struct Blocking {
   int64_t rows = 0, cols = 0, red = 0;
 };
 
-// The heuristic: output blocks of whole register tiles (rows a multiple of 12, 64 columns),
+// The heuristic: output blocks of whole register tiles (rows a multiple of 12, 128 columns),
 // rows split finely enough that every thread gets several items even for small N, and a
 // reduction block that divides the reduced size.
 Blocking forward_blocking(const Shape& s, int64_t threads);

@@ -174,16 +174,6 @@ JB_AVX512 void simd(const S* src, int64_t ld, bool trans, int64_t rows, int64_t 
   *cols_done = j_end;
 }
 
-// Streaming copy of one row: 64-byte aligned full lines with non-temporal stores.
-JB_AVX512 void stream_row(const char* src, char* dst, int64_t bytes) {
-  int64_t i = 0;
-  const int64_t head = std::min<int64_t>(bytes, (64 - int64_t(reinterpret_cast<uintptr_t>(dst) % 64)) % 64);
-  std::memcpy(dst, src, size_t(head));
-  for (i = head; i + 64 <= bytes; i += 64)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
-  std::memcpy(dst + i, src + i, size_t(bytes - i));
-}
-
 #endif  // JB_X86
 
 template <class S, class D>
@@ -206,20 +196,6 @@ void pack_typed(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols
 }
 
 }  // namespace
-
-void stream_rows(const void* src, int64_t src_ld, int64_t rows, int64_t row_bytes, void* dst,
-                 int64_t dst_ld) {
-  const char* s = static_cast<const char*>(src);
-  char* d = static_cast<char*>(dst);
-#if defined(JB_X86)
-  if (best_isa() >= Isa::avx512) {
-    for (int64_t r = 0; r < rows; ++r) stream_row(s + r * src_ld, d + r * dst_ld, row_bytes);
-    _mm_sfence();
-    return;
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dst_ld, s + r * src_ld, size_t(row_bytes));
-}
 
 void pack(const void* src, DType src_dt, int64_t ld, bool trans, int64_t rows, int64_t cols,
           int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst) {

@@ -23,11 +23,4 @@ inline int64_t block_elems(int64_t prows, int64_t pcols, bool vnni) {
 void pack(const void* src, DType src_dt, int64_t ld, bool trans, int64_t rows, int64_t cols,
           int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst);
 
-// Copies rows x row_bytes from src (row stride src_ld bytes) to dst (dst_ld bytes) with
-// streaming (non-temporal) stores where the ISA and alignment allow, for outputs written
-// once and read much later. Ends with a store fence: the rows are visible to other threads
-// once it returns.
-void stream_rows(const void* src, int64_t src_ld, int64_t rows, int64_t row_bytes, void* dst,
-                 int64_t dst_ld);
-
 }  // namespace jb::reblock

@@ -86,22 +86,3 @@ TEST(reblock_matches_naive_on_every_path) {
   else unsetenv("JAX_BRGEMM_ISA");
 }
 
-TEST(stream_rows_copies_any_alignment) {
-  std::vector<uint8_t> src(64 * 300), dst(64 * 400 + 64);
-  for (size_t i = 0; i < src.size(); ++i) src[i] = uint8_t(i * 7 + 3);
-  for (int64_t off : {0, 4, 60, 64}) {
-    for (int64_t bytes : {0, 4, 60, 64, 68, 200, 256}) {
-      std::fill(dst.begin(), dst.end(), 0xEE);
-      jb::reblock::stream_rows(src.data(), 300, 50, bytes, dst.data() + off, 400);
-      bool ok = true;
-      for (int64_t r = 0; r < 50; ++r)
-        for (int64_t b = -1; b <= bytes; ++b) {
-          const int64_t d = off + r * 400 + b;
-          if (d < 0) continue;
-          const uint8_t want = b >= 0 && b < bytes ? src[size_t(r * 300 + b)] : 0xEE;
-          ok = ok && dst[size_t(d)] == want;
-        }
-      CHECK(ok) << "offset " << off << " bytes " << bytes;
-    }
-  }
-}
