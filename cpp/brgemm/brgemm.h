@@ -35,10 +35,6 @@ struct BrgemmDesc {
   bool accumulate = false;            // beta = 1 (true) or 0 (false)
   bool bias = false;                  // add an fp32 bias of n values (per column)
   Activation act = Activation::none;  // applied last, on the fp32 tile
-  // A hint for large outputs read much later: write C with non-temporal stores, so its
-  // lines are neither fetched first nor kept in cache, and the writes drain while the
-  // next tiles compute. Ignored where a kernel has no such stores.
-  bool stream = false;
 };
 
 // Executes one whole C block; `a` and `b` are the batch's address arrays.

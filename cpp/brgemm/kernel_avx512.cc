@@ -119,14 +119,9 @@ struct Avx512 {
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
         #pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j) {
-          float* dst = static_cast<float*>(t.c) + i * t.ldc + 16 * j;
-          const bool full = j < NV - 1 || t.tail == 16;
-          if (t.stream && full && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
-            _mm512_stream_ps(dst, acc[i][j]);
-          else
-            _mm512_mask_storeu_ps(dst, j < NV - 1 ? __mmask16(0xffff) : last, acc[i][j]);
-        }
+        for (int j = 0; j < NV; ++j)
+          _mm512_mask_storeu_ps(static_cast<float*>(t.c) + i * t.ldc + 16 * j,
+                                j < NV - 1 ? __mmask16(0xffff) : last, acc[i][j]);
       return;
     }
     alignas(64) float tile[MR][NV * 16];
@@ -138,16 +133,9 @@ struct Avx512 {
   }
 };
 
-// Non-temporal stores are weakly ordered: fence them before the caller hands C on.
-void run_avx512(const BrgemmDesc& d, const void* const* a, const void* const* b,
-                int64_t batch, void* c, const float* bias) {
-  run_tiles<Avx512>(d, a, b, batch, c, bias);
-  if (d.stream) _mm_sfence();
-}
-
 }  // namespace
 
-BrgemmFn detail::brgemm_avx512() { return &run_avx512; }
+BrgemmFn detail::brgemm_avx512() { return &run_tiles<Avx512>; }
 
 // Interleaves rows 2p and 2p + 1, 32 columns per step: lanes 2i, 2i + 1 of the output
 // take element i of each row (vpermt2w), masked at the row end.

@@ -27,7 +27,6 @@ struct TileArgs {
   const float* bias;  // bias of the tile's first column, or null
   int tail;           // valid lanes in the tile's last vector (1..VL)
   bool accumulate;
-  bool stream;
   DType cdt;
   Activation act;
 };
@@ -86,7 +85,7 @@ void run_tiles(const BrgemmDesc& d, const void* const* a, const void* const* b,
     const TileFn* row = tiles_for<K>(nv, bf16, std::make_integer_sequence<int, K::NV_MAX>());
     TileArgs t{a, b, batch, d.k, d.lda, d.ldb, 0, bf16 ? 2 * j0 : j0, nullptr, d.ldc,
                bias ? bias + j0 : nullptr, int(cols - int64_t(nv - 1) * vl), d.accumulate,
-               d.stream, d.c, d.act};
+               d.c, d.act};
     for (int64_t i0 = 0; i0 < d.m; i0 += mr) {
       const int rows = int(std::min<int64_t>(mr, d.m - i0));
       t.a_off = i0 * d.lda;

@@ -194,33 +194,6 @@ TEST(tile_edges_and_k_remainders) {
         }
 }
 
-TEST(streamed_stores_write_what_regular_stores_write) {
-  // 64-byte aligned rows take the non-temporal path; a tail column and an odd leading
-  // dimension take the regular one. Both must leave exactly the same C.
-  std::mt19937 rng(5);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (Isa isa : isas())
-    for (int64_t ldc : {96, 83}) {
-      const int64_t m = 29, n = 80, k = 33, batch = 3;
-      std::vector<float> a(batch * m * k), b(batch * k * n);
-      for (float& x : a) x = dist(rng);
-      for (float& x : b) x = dist(rng);
-      float* c[2];
-      for (float*& p : c) {
-        p = static_cast<float*>(std::aligned_alloc(64, (size_t(m * ldc) * sizeof(float) + 63) / 64 * 64));
-        std::fill(p, p + m * ldc, 3.f);
-      }
-      for (int streamed = 0; streamed < 2; ++streamed) {
-        BrgemmDesc d;
-        d.m = m, d.n = n, d.k = k, d.lda = k, d.ldb = n, d.ldc = ldc;
-        d.stream = streamed;
-        Brgemm(d, isa).strided(a.data(), m * k, b.data(), k * n, batch, c[streamed]);
-      }
-      CHECK(std::equal(c[0], c[0] + m * ldc, c[1])) << isa_name(isa) << " ldc=" << ldc;
-      for (float* p : c) std::free(p);
-    }
-}
-
 TEST(nan_propagates) {
   for (Isa isa : isas()) {
     BrgemmDesc d;

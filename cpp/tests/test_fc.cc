@@ -176,7 +176,7 @@ TEST(fc_all_passes_heuristic_blocking) {
       for (auto [n, c, k] : {std::array<int64_t, 3>{1, 1, 1}, {3, 5, 7}, {37, 70, 130},
                              {64, 512, 96}, {130, 48, 10},
                              {13, 1024, 20}, {9, 40, 1024},  // 4 KiB rows: padded A copies
-                             {3, 1024, 520}})                 // dw >= 1 MiB: streamed out
+                             {3, 1024, 520}})                 // dw of 2 MiB
         run_case(n, c, k, dt, dt, act, true, 2, nullptr);
 }
 
