@@ -537,11 +537,15 @@ void update(const Executor& ex, const Shape& s, const void* x, const void* dz, v
     if (db)
       with_type(s.dt, [&](auto ts) {
         using T = decltype(ts);
-        const T* src = static_cast<const T*>(dz) + k0;
-        std::vector<float> acc(size_t(cols), 0.0f);
-        for (int64_t n = 0; n < s.n; ++n)
-          for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(src[n * s.k + j]);
-        std::memcpy(db + k0, acc.data(), size_t(cols) * sizeof(float));
+        constexpr int64_t kChunk = 64;  // columns summed at once, on the stack: no allocation
+        for (int64_t j0 = 0; j0 < cols; j0 += kChunk) {
+          const int64_t width = std::min(kChunk, cols - j0);
+          const T* src = static_cast<const T*>(dz) + k0 + j0;
+          float acc[kChunk] = {};
+          for (int64_t n = 0; n < s.n; ++n)
+            for (int64_t j = 0; j < width; ++j) acc[j] += to_f32(src[n * s.k + j]);
+          std::memcpy(db + k0 + j0, acc, size_t(width) * sizeof(float));
+        }
       });
   });
 
