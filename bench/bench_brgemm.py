@@ -81,8 +81,8 @@ def main(argv=None):
                 if isinstance(fn, tuple):  # torch: its own tensors, same values
                     import torch
                     torch_fn, tdtype = fn
-                    tA = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(tdtype) for a in As]
-                    tB = [torch.from_numpy(np.asarray(b.astype(jnp.float32))).to(tdtype) for b in Bs]
+                    tA = [torch.from_numpy(np.array(a.astype(jnp.float32))).to(tdtype) for a in As]
+                    tB = [torch.from_numpy(np.array(b.astype(jnp.float32))).to(tdtype) for b in Bs]
                     fns[name], fargs[name] = torch_fn, (tA, tB)
                 else:
                     fns[name], fargs[name] = fn, (As, Bs)
