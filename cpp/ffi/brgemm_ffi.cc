@@ -21,9 +21,13 @@ using ffi_util::invalid;
 // Element strides of one operand over the output's leading dims (0 where broadcast).
 struct Leading {
   std::vector<int64_t> stride;
-  int64_t offset(const std::vector<int64_t>& index) const {
+  // Offset of output item l (row-major over the output's leading dims `lead`).
+  int64_t offset(int64_t l, const std::vector<int64_t>& lead) const {
     int64_t off = 0;
-    for (size_t d = 0; d < index.size(); ++d) off += index[d] * stride[d];
+    for (int64_t d = int64_t(lead.size()) - 1; d >= 0; --d) {
+      off += l % lead[d] * stride[d];
+      l /= lead[d];
+    }
     return off;
   }
 };
@@ -162,24 +166,19 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
 
   parallel_for(ex, items * mblocks * nblocks, [&](int64_t w) {
     const int64_t jb = w % nblocks, ib = w / nblocks % mblocks, l = w / nblocks / mblocks;
-    std::vector<int64_t> index(out_lead.size());
-    for (int64_t d = int64_t(out_lead.size()) - 1, r = l; d >= 0; --d) {
-      index[d] = r % out_lead[d];
-      r /= out_lead[d];
-    }
     const int64_t i0 = ib * bm, j0 = jb * bn;
     BrgemmDesc edge = desc;
     edge.m = std::min(bm, m - i0);
     edge.n = std::min(bn, n - j0);
     char* o = o_data + (l * m * n + i0 * n + j0) * cs;
     if (c_data) {  // out = c, then accumulate: c may be broadcast, so copy the block
-      const char* cb = c_data + (c_lead.offset(index) + i0 * n + j0) * cs;
+      const char* cb = c_data + (c_lead.offset(l, out_lead) + i0 * n + j0) * cs;
       if (cb != o)
         for (int64_t i = 0; i < edge.m; ++i) std::memcpy(o + i * n * cs, cb + i * n * cs, edge.n * cs);
     }
     const Brgemm kernel = edge.m == bm && edge.n == bn ? *full : Brgemm(edge, full->isa());
-    const char* a0 = a_data + (a_lead.offset(index) + i0 * k) * es;
-    const char* b0 = b_data + (b_lead.offset(index) + j0 * (ab == DType::bf16 ? 2 : 1)) * es;
+    const char* a0 = a_data + (a_lead.offset(l, out_lead) + i0 * k) * es;
+    const char* b0 = b_data + (b_lead.offset(l, out_lead) + j0 * (ab == DType::bf16 ? 2 : 1)) * es;
     kernel.strided(a0, m * k, b0, b_matrix, batch, o);
   });
   return ffi::Error::Success();
