@@ -354,6 +354,92 @@ Blocking update_blocking(const Shape& s, int64_t threads) {
 }
 
 // ---------------------------------------------------------------------------------------
+// The skeleton the forward and the backward share: an N x `out_cols` output reducing over
+// `reduced`. The A operand is an activation matrix (N x reduced), read in place or copied
+// once (AOperand). Work items are a weight panel of `cols` output columns, re-blocked by
+// the item into a leased buffer (reduced / red blocks of red x cols), and the group of
+// N-blocks computed with it.
+
+namespace {
+
+class PanelPass {
+ public:
+  PanelPass(const Executor& ex, const Shape& s, Blocking chosen, int64_t out_cols, int64_t reduced,
+            const void* a_src, bool bias, Activation act)
+      : b(fixed(chosen, s.n, out_cols, reduced)),
+        kd(multiply_dtype(s.dt)),
+        vnni(kd == DType::bf16),
+        ks(dtype_size(kd)),
+        blk(reblock::block_elems(b.red, b.cols, vnni)),
+        n_(s.n),
+        out_cols_(out_cols),
+        rblk_(reduced / b.red),
+        aop_(s.dt, kd, s.n, reduced),
+        kernels_(desc(s.dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols),
+        groups_(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), ex.num_threads),
+        panel_bytes_((size_t(rblk_ * blk) * ks + 63) / 64 * 64),
+        buf_(Scratch::get<2>({aop_.bytes(), panel_bytes_ * size_t(groups_.concurrency)})),
+        a_(aop_.copied() ? buf_[0] : static_cast<const char*>(a_src)),
+        panels_(buf_[1], panel_bytes_, groups_.concurrency) {
+    if (aop_.copied()) parallel_for(ex, aop_.items(), [&](int64_t i) { aop_.run(i, a_src, buf_[0]); });
+  }
+
+  // For every item: pack(c0, cols, r, dst) re-blocks reduction block r of the panel of output
+  // columns [c0, c0 + cols) into dst; then tile(n0, rows, c0, cols, multiply) computes each
+  // output block, where multiply(out, bias) is its BRGEMM call.
+  template <class Pack, class Tile>
+  void run(const Executor& ex, Pack&& pack, Tile&& tile) {
+    parallel_for(ex, groups_.items(), [&](int64_t i) {
+      const int64_t c0 = groups_.panel(i) * b.cols, cols = std::min(b.cols, out_cols_ - c0);
+      const PanelPool::Lease panel(panels_);
+      for (int64_t r = 0; r < rblk_; ++r) pack(c0, cols, r, panel.data + r * blk * ks);
+      for (int64_t nb = groups_.first(i); nb < groups_.last(i); ++nb) {
+        const int64_t n0 = nb * b.rows, rows = std::min(b.rows, n_ - n0);
+        tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
+          kernels_(rows, cols).strided(a_ + n0 * aop_.ld() * ks, b.red, panel.data, blk, rblk_, out, bias);
+        });
+      }
+    });
+  }
+
+  const Blocking b;  // the block of the reduced dimension divides it
+  const DType kd;    // the multiply dtype
+  const bool vnni;
+  const size_t ks;    // bytes of a kd element
+  const int64_t blk;  // elements of one re-blocked reduction block
+
+ private:
+  static Blocking fixed(Blocking b, int64_t n, int64_t out_cols, int64_t reduced) {
+    b = normalized(b, n, out_cols);
+    if (b.red <= 0 || reduced % b.red) b.red = reduced;
+    return b;
+  }
+  BrgemmDesc desc(DType out_dt, int64_t out_cols, bool bias, Activation act) const {
+    BrgemmDesc d;
+    d.k = b.red;
+    d.lda = aop_.ld();
+    d.ldb = vnni ? 2 * b.cols : b.cols;
+    d.ldc = out_cols;
+    d.ab = kd;
+    d.c = out_dt;
+    d.bias = bias;
+    d.act = act;
+    return d;
+  }
+
+  const int64_t n_, out_cols_, rblk_;
+  const AOperand aop_;
+  const BlockKernels kernels_;
+  const Groups groups_;
+  const size_t panel_bytes_;
+  const std::array<char*, 2> buf_;
+  const char* const a_;
+  PanelPool panels_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
 // Forward: y[n, k] = act(sum_c x[n, c] w[c, k] + b[k]).
 // Work items: a K-block of the weights (the paper's [Kb][Cb][bc][bk] panel, VNNI pairs for
 // bf16, cast on the way) re-blocked into L2 by the item itself, then every (N-block,
@@ -365,52 +451,26 @@ Blocking update_blocking(const Shape& s, int64_t threads) {
 void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
              const float* bias, void* y, void* z, const Blocking* force) {
   if (s.n <= 0 || s.k <= 0) return;
-  Blocking b = normalized(force ? *force : forward_blocking(s, ex.num_threads), s.n, s.k);
-  if (b.red <= 0 || s.c % b.red) b.red = s.c;
-  const DType kd = multiply_dtype(s.dt);
-  const bool vnni = kd == DType::bf16, gelu = s.act == Activation::gelu;
-  const size_t es = dtype_size(s.dt), ks = dtype_size(kd);
-  const int64_t nblk = ceil_div(s.n, b.rows), kblk = ceil_div(s.k, b.cols), cblk = s.c / b.red;
-  const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
-
-  const AOperand aop(s.dt, kd, s.n, s.c);
-  BrgemmDesc d;
-  d.k = b.red;
-  d.lda = aop.ld();
-  d.ldb = vnni ? 2 * b.cols : b.cols;
-  d.ldc = s.k;
-  d.ab = kd;
-  d.c = s.dt;
-  d.bias = bias != nullptr;
-  d.act = gelu ? Activation::none : s.act;
-  const BlockKernels kernels(d, s.n, s.k, b.rows, b.cols);
-
-  const Groups groups(kblk, nblk, ex.num_threads);
-  const size_t panel = (size_t(cblk * blk) * ks + 63) / 64 * 64;
-  const auto buf = Scratch::get<2>({aop.bytes(), panel * size_t(groups.concurrency)});
-  const char* a = aop.copied() ? buf[0] : static_cast<const char*>(x);
-  if (aop.copied()) parallel_for(ex, aop.items(), [&](int64_t i) { aop.run(i, x, buf[0]); });
-  PanelPool panels(buf[1], panel, groups.concurrency);
-
+  const bool gelu = s.act == Activation::gelu;
+  PanelPass pass(ex, s, force ? *force : forward_blocking(s, ex.num_threads), s.k, s.c, x,
+                 bias != nullptr, gelu ? Activation::none : s.act);
+  const Blocking& b = pass.b;
+  const size_t es = dtype_size(s.dt);
   char* out = static_cast<char*>(gelu ? z : y);
-  parallel_for(ex, groups.items(), [&](int64_t i) {
-    const int64_t kb = groups.panel(i), k0 = kb * b.cols;
-    const int64_t cols = std::min(b.cols, s.k - k0);
-    const PanelPool::Lease wb(panels);
-    for (int64_t cb = 0; cb < cblk; ++cb)
-      reblock::pack(at(w, w_dt, cb * b.red * s.k + k0), w_dt, s.k, false, b.red, cols, b.red,
-                    b.cols, kd, vnni, wb.data + cb * blk * ks);
-    for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
-      const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
-      kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, wb.data, blk, cblk,
-                                  out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
-      if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t off = (n0 + r) * s.k + k0;
-          eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off), static_cast<char*>(y) + off * es, cols);
-        }
-    }
-  });
+  pass.run(
+      ex,
+      [&](int64_t k0, int64_t cols, int64_t cb, char* dst) {
+        reblock::pack(at(w, w_dt, cb * b.red * s.k + k0), w_dt, s.k, false, b.red, cols, b.red,
+                      b.cols, pass.kd, pass.vnni, dst);
+      },
+      [&](int64_t n0, int64_t rows, int64_t k0, int64_t cols, auto&& multiply) {
+        multiply(out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
+        if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t off = (n0 + r) * s.k + k0;
+            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off), static_cast<char*>(y) + off * es, cols);
+          }
+      });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -437,44 +497,19 @@ void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* sa
 void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
               void* dx, const Blocking* force) {
   if (s.n <= 0 || s.c <= 0) return;
-  Blocking b = normalized(force ? *force : backward_blocking(s, ex.num_threads), s.n, s.c);
-  if (b.red <= 0 || s.k % b.red) b.red = s.k;
-  const DType kd = multiply_dtype(s.dt);
-  const bool vnni = kd == DType::bf16;
-  const size_t es = dtype_size(s.dt), ks = dtype_size(kd);
-  const int64_t nblk = ceil_div(s.n, b.rows), cblk = ceil_div(s.c, b.cols), kblk = s.k / b.red;
-  const int64_t blk = reblock::block_elems(b.red, b.cols, vnni);
-
-  const AOperand aop(s.dt, kd, s.n, s.k);
-  BrgemmDesc d;
-  d.k = b.red;
-  d.lda = aop.ld();
-  d.ldb = vnni ? 2 * b.cols : b.cols;
-  d.ldc = s.c;
-  d.ab = kd;
-  d.c = s.dt;
-  const BlockKernels kernels(d, s.n, s.c, b.rows, b.cols);
-
-  const Groups groups(cblk, nblk, ex.num_threads);
-  const size_t panel = (size_t(kblk * blk) * ks + 63) / 64 * 64;
-  const auto buf = Scratch::get<2>({aop.bytes(), panel * size_t(groups.concurrency)});
-  const char* a = aop.copied() ? buf[0] : static_cast<const char*>(dz);
-  if (aop.copied()) parallel_for(ex, aop.items(), [&](int64_t i) { aop.run(i, dz, buf[0]); });
-  PanelPool panels(buf[1], panel, groups.concurrency);
-
-  parallel_for(ex, groups.items(), [&](int64_t i) {
-    const int64_t cb = groups.panel(i), c0 = cb * b.cols;
-    const int64_t cols = std::min(b.cols, s.c - c0);
-    const PanelPool::Lease wt(panels);
-    for (int64_t kb = 0; kb < kblk; ++kb)
-      reblock::pack(at(w, w_dt, c0 * s.k + kb * b.red), w_dt, s.k, true, b.red, cols, b.red,
-                    b.cols, kd, vnni, wt.data + kb * blk * ks);
-    for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
-      const int64_t n0 = nb * b.rows, rows = std::min(b.rows, s.n - n0);
-      kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, wt.data, blk, kblk,
-                                  static_cast<char*>(dx) + (n0 * s.c + c0) * es);
-    }
-  });
+  PanelPass pass(ex, s, force ? *force : backward_blocking(s, ex.num_threads), s.c, s.k, dz,
+                 false, Activation::none);
+  const Blocking& b = pass.b;
+  const size_t es = dtype_size(s.dt);
+  pass.run(
+      ex,
+      [&](int64_t c0, int64_t cols, int64_t kb, char* dst) {
+        reblock::pack(at(w, w_dt, c0 * s.k + kb * b.red), w_dt, s.k, true, b.red, cols, b.red,
+                      b.cols, pass.kd, pass.vnni, dst);
+      },
+      [&](int64_t n0, int64_t, int64_t c0, int64_t, auto&& multiply) {
+        multiply(static_cast<char*>(dx) + (n0 * s.c + c0) * es, nullptr);
+      });
 }
 
 // ---------------------------------------------------------------------------------------
