@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import flax.linen as fnn
 import jax
@@ -35,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402

@@ -25,5 +25,4 @@ if [ "$(cat .venv/.jax_brgemm-stamp 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q ".[test,train,bench]"
   echo "$stamp" > .venv/.jax_brgemm-stamp
 fi
-# -P: the source folder jax_brgemm/ (no compiled extension) must not shadow the install.
-echo "setup: jax_brgemm installed in .venv (kernel ISA: $(.venv/bin/python -P -c 'import jax_brgemm; print(jax_brgemm.isa())'))"
+echo "setup: jax_brgemm installed in .venv (kernel ISA: $(.venv/bin/python -c 'import jax_brgemm; print(jax_brgemm.isa())'))"
