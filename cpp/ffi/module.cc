@@ -23,4 +23,15 @@ NB_MODULE(_jax_brgemm, m) {
   });
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
         "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
+  m.def("isa_names", [] {
+    nb::list names;
+    for (jb::Isa isa : {jb::Isa::amx, jb::Isa::avx512, jb::Isa::avx2, jb::Isa::generic})
+      names.append(jb::isa_name(isa));
+    return names;
+  }, "The ISA names JAX_BRGEMM_ISA accepts, best first.");
+  m.def("activations", [] {
+    nb::dict codes;
+    for (const auto& a : jb::kActivationNames) codes[a.name] = static_cast<int>(a.act);
+    return codes;
+  }, "The fused activations: name -> the code the FFI handlers take as `act`.");
 }

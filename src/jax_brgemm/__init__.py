@@ -1,9 +1,9 @@
 """jax_brgemm: batch-reduce GEMM kernels as differentiable XLA CPU custom calls."""
 
-from jax_brgemm._native import isa
+from jax_brgemm._native import export_safety_checks, isa
 from jax_brgemm.ops.brgemm import brgemm
 from jax_brgemm.ops.dense import dense
 from jax_brgemm import nn
 
-__all__ = ["brgemm", "dense", "isa", "nn"]
+__all__ = ["brgemm", "dense", "export_safety_checks", "isa", "nn"]
 __version__ = "0.1.0"
