@@ -353,3 +353,13 @@ def test_forward_mode_is_one_clear_error(transform):
            "hessian": lambda: jax.hessian(f)(x)}[transform]
     with pytest.raises(TypeError, match=FORWARD_MODE):
         run()
+
+
+def test_activation_table_comes_from_cpp():
+    """Names and codes are C++'s (jb::kActivationNames); every name has its jnp twin."""
+    from jax_brgemm import _activations, _native
+
+    codes = _native.ACTIVATION_CODES
+    assert set(codes) == {"none"} | set(_activations.FUNCTIONS) == {"none"} | set(jb.nn.ACTIVATIONS)
+    assert len(set(codes.values())) == len(codes) and codes["none"] == 0
+    assert set(ACTS) == {None} | set(_activations.FUNCTIONS)

@@ -114,6 +114,8 @@ class Dense(Module):
                 # without a rounding to the computation dtype in between.
                 dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype))
                 if dtype in check.KERNEL_DTYPES:
+                    kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES
+                                    else jnp.asarray(a, dtype) for a in (kernel, bias))
                     return dense(jnp.asarray(inputs, dtype), kernel, bias,
                                  activation=self.activation, dtype=dtype)
             else:
