@@ -7,7 +7,11 @@
 namespace nb = nanobind;
 
 // Every handler defined with XLA_FFI_DEFINE_HANDLER_SYMBOL in cpp/ffi/*.cc.
-#define JB_FFI_TARGETS(X) X(jb_brgemm) X(jb_brgemm_acc) X(jb_peak_probe) X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd)
+// One layer's targets per line.
+#define JB_FFI_TARGETS(X)                                  \
+  X(jb_brgemm) X(jb_brgemm_acc)                            \
+  X(jb_peak_probe)                                         \
+  X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd)
 
 #define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JB_FFI_TARGETS(JB_DECLARE)
