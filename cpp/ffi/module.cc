@@ -11,7 +11,8 @@ namespace nb = nanobind;
 #define JB_FFI_TARGETS(X)                                  \
   X(jb_brgemm) X(jb_brgemm_acc)                            \
   X(jb_peak_probe)                                         \
-  X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd)
+  X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd) \
+  /* a new layer's line goes above */
 
 #define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);
 JB_FFI_TARGETS(JB_DECLARE)
