@@ -1,6 +1,6 @@
-"""Loads the native extension once: registers its XLA FFI targets with JAX, reads the kernel
-ISA (so a bad ``JAX_BRGEMM_ISA`` fails here, at import, not inside a compiled program) and
-the table of fused activations."""
+"""Loads the native extension once: registers its XLA FFI targets with JAX, decides the
+dispatch (so a bad ``JAX_BRGEMM_ISA`` or ``JAX_BRGEMM_BF16`` fails here, at import, not
+inside a compiled program) and reads the table of fused activations."""
 
 from __future__ import annotations
 
@@ -25,10 +25,14 @@ except ValueError as e:  # should the extension read the variable while it loads
     raise
 
 _ISA_NAMES = tuple(_jax_brgemm.isa_names())
+# Decides the dispatch (ISA, bf16 multiply path) once, now: a bad JAX_BRGEMM_ISA or
+# JAX_BRGEMM_BF16 is a ValueError at import, not an error inside a compiled program.
 try:
     _ISA = _jax_brgemm.isa()
 except ValueError as e:
-    raise _bad_isa(e) from None
+    if "JAX_BRGEMM_ISA" in str(e):
+        raise _bad_isa(e) from None
+    raise ValueError(str(e)) from None  # JAX_BRGEMM_BF16's message names it
 
 #: name -> code of every activation the kernels fuse ("none" included), from C++.
 ACTIVATION_CODES: dict[str, int] = dict(_jax_brgemm.activations())
