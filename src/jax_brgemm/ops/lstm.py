@@ -90,10 +90,9 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
         c0 = jnp.zeros((n, k), jnp.float32)
         h0 = jnp.zeros((n, k), dtype)
     else:
-        try:
-            c0, h0 = initial_carry
-        except (TypeError, ValueError):
-            raise ValueError("lstm: initial_carry must be a pair (c0, h0)") from None
+        if not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2:
+            raise ValueError("lstm: initial_carry must be a pair (c0, h0) of (N, K) arrays")
+        c0, h0 = initial_carry
         c0 = _as_array(c0, "initial_carry[0] (c0)", any_float=True)
         h0 = _as_array(h0, "initial_carry[1] (h0)", any_float=True)
         for name, a in (("c0", c0), ("h0", h0)):
