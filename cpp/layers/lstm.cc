@@ -94,7 +94,9 @@ JB_INLINE void cell_fwd_loop(const CellFwd& a) {
     float* cn = a.cn + r * a.ldc;
     Ty* y = static_cast<Ty*>(a.y) + r * a.ldy;
     Th* h = a.h ? static_cast<Th*>(a.h) + r * a.ldh : nullptr;
+    // No loop-carried dependencies: c_t may overwrite c_{t-1} in place, element by element.
     if (h) {
+#pragma GCC ivdep
       for (int64_t j = 0; j < cols; ++j) {
         const float c = gi[k + j] * cp[j] + gi[j] * gi[2 * k + j];
         const float hv = gi[3 * k + j] * tanh_f(c);
@@ -103,6 +105,7 @@ JB_INLINE void cell_fwd_loop(const CellFwd& a) {
         h[j] = from_f32<Th>(hv);
       }
     } else {
+#pragma GCC ivdep
       for (int64_t j = 0; j < cols; ++j) {
         const float c = gi[k + j] * cp[j] + gi[j] * gi[2 * k + j];
         cn[j] = c;
@@ -145,6 +148,8 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
     Tx* da = static_cast<Tx*>(a.da) + r * a.ldda;
     Tk* dak = static_cast<Tk*>(a.dak) + r * a.lddak;
     float* db = a.db;
+    // Every array is distinct but dc, which is updated element by element in place.
+#pragma GCC ivdep
     for (int64_t j = 0; j < cols; ++j) {
       float dh = to_f32(dy[j]);
       if (dhr) dh += dhr[j];
