@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
+from jax_brgemm.ops.dense import _bwd_call, _upd_call
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 # jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
@@ -141,17 +142,6 @@ def _bptt(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
         wh, gates, cs, c0, dy, dc_t, dh_t, time_major=time_major)
 
 
-def _fc_backward(dz, w, rows, cols, dtype):
-    return jax.ffi.ffi_call("jb_fc_bwd", jax.ShapeDtypeStruct((rows, cols), dtype),
-                            vmap_method="sequential")(dz, w)
-
-
-def _fc_update(a, dz, w_shape, w_dtype):
-    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((0,), jnp.float32)
-    return jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="sequential")(a, dz)[0]
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _lstm(x, wi, wh, b, c0, h0, time_major):
     y, c_t, h_t, _, _ = _forward(x, wi, wh, b, c0, h0, time_major, save=False)
@@ -172,13 +162,13 @@ def _lstm_bwd(time_major, res, g):
     c, k = wi.shape[0], wh.shape[0]
     rows = x.shape[0] * x.shape[1]
     da2 = da.reshape(rows, 4 * k)
-    dx = _fc_backward(da2, wi, rows, c, dt).reshape(x.shape)
-    dwi = _fc_update(x.reshape(rows, c), da2, wi.shape, wi.dtype)
+    dx = _bwd_call(da2, wi).reshape(x.shape)
+    dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
     # h_{t-1} for every step, in x's row order.
     t_axis = 0 if time_major else 1
     h_prev = jnp.concatenate([jnp.expand_dims(h0, t_axis),
                               jax.lax.slice_in_dim(y, 0, y.shape[t_axis] - 1, axis=t_axis)], axis=t_axis)
-    dwh = _fc_update(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype)
+    dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
     return dx, dwi, dwh, db, dc0, dh0
 
 
