@@ -5,11 +5,13 @@ public switch ``impl="brgemm" | "xla"`` names a set of them::
 
     LAYERS["brgemm"].dense is jax_brgemm.nn.Dense
     LAYERS["xla"].dense is flax.linen.Dense
+    LAYERS["brgemm"].lstm is jax_brgemm.nn.LSTM
+    LAYERS["xla"].lstm is stock_lstm      # flax.linen.RNN(flax.linen.OptimizedLSTMCell)
 
 Both sets create identical parameters. ``activated`` applies an activation after a layer:
 fused into it when the layer class has an ``activation`` field (jax_brgemm's modules), as
-a separate function after it otherwise (flax.linen's). Conv and LSTM models follow the same
-pattern (a ``conv`` / ``lstm`` entry in ``Layers``).
+a separate function after it otherwise (flax.linen's). Conv models follow the same pattern
+(a ``conv`` entry in ``Layers``).
 """
 
 from __future__ import annotations
@@ -35,14 +37,32 @@ class Layers:
 
     Attributes:
       dense: a ``flax.linen.Dense``-compatible module class.
+      lstm: ``lstm(features, **fields)`` -> a module with the fields and the call of
+        ``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` (``time_major``,
+        ``return_carry``, ``reverse``, ``keep_order``, ``dtype``, ``param_dtype``, ``name``)
+        and its parameters: ``jax_brgemm.nn.LSTM`` or ``stock_lstm``.
     """
 
     dense: type
+    lstm: Callable[..., nn.Module]
+
+
+_CELL_FIELDS = ("dtype", "param_dtype", "kernel_init", "recurrent_kernel_init", "bias_init",
+                "carry_init")
+
+
+def stock_lstm(features: int, **fields) -> nn.RNN:
+    """``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` built from
+    ``jax_brgemm.nn.LSTM``'s fields: the cell's (dtype, initializers) go to the cell, the
+    rest (time_major, return_carry, reverse, keep_order, name) to the RNN."""
+    cell = {k: fields.pop(k) for k in _CELL_FIELDS if k in fields}
+    # parent=None: the RNN adopts the cell (as 'cell'), not the module building the model.
+    return nn.RNN(nn.OptimizedLSTMCell(features, parent=None, **cell), **fields)
 
 
 LAYERS: dict[str, Layers] = {
-    "brgemm": Layers(dense=jbnn.Dense),
-    "xla": Layers(dense=nn.Dense),
+    "brgemm": Layers(dense=jbnn.Dense, lstm=jbnn.LSTM),
+    "xla": Layers(dense=nn.Dense, lstm=stock_lstm),
 }
 
 
