@@ -226,8 +226,9 @@ def test_rnn_unsupported_run_stock_and_say_why():
         b = relu_cell.apply(pr, x)
         c = gru.apply(pg, x)
     _close(a, rnn.apply(p, x, seq_lengths=lengths), 0)
-    _close(b, relu_cell.apply(pr, x), 0)
-    _close(c, gru.apply(pg, x), 0)
+    # the stock LSTMCell / GRUCell run their Dense layers, which run on the kernels
+    _close(b, relu_cell.apply(pr, x), 2e-5)
+    _close(c, gru.apply(pg, x), 2e-5)
     reasons = [c.reason for c in acc.calls if c.layer == "RNN"]
     assert reasons == ["seq_lengths with return_carry (each sequence's own last carry)",
                        "gate_fn / activation_fn other than sigmoid / tanh", "cell GRUCell"]

@@ -155,7 +155,13 @@ def _rnn(module: nn.RNN, args, kwargs):
         return None, "seq_lengths with return_carry (each sequence's own last carry)"
     if not hasattr(inputs, "ndim") or inputs.ndim < 3:
         return None, "inputs without a batch dim"
-    params = module.variables.get("params", {}).get("cell", {})
+    # The cell's own scope: 'cell' under the RNN when the RNN adopted it (an RNN built
+    # outside a module), or the cell's name in the enclosing module (built inside a compact
+    # method, as in the Flax examples).
+    try:
+        params = cell.variables.get("params", {}) if cell.scope is not None else {}
+    except Exception:  # an unbound cell  # noqa: BLE001
+        params = {}
     names = [f"{kind}{gate}" for kind in "ih" for gate in "ifgo"]
     if any(n not in params or "kernel" not in params[n] for n in names) or any(
             "bias" not in params[f"h{g}"] for g in "ifgo") or any("bias" in params[f"i{g}"]
