@@ -29,6 +29,8 @@ from jax_brgemm.ops.dense import _bwd_call, _upd_call
 
 # jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
 _AUTOMATIC = 0
+# The weight gradients as one update pass over [x | h_prev] (True) or two (see _lstm_bwd).
+_JOINT_UPDATE = True
 
 
 def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None):
@@ -158,7 +160,7 @@ def _forward_vmappable(time_major, save):
 
     @jax.custom_batching.custom_vmap
     def fwd(x, wi, wh, b, c0, h0):
-        return call(x, wi, wh, b, c0, h0)
+        return tuple(call(x, wi, wh, b, c0, h0))
 
     @fwd.def_vmap
     def fwd_vmap(size, in_batched, x, wi, wh, b, c0, h0):
@@ -172,7 +174,7 @@ def _forward_vmappable(time_major, save):
                     _unfold(h_t, size, False),
                     _unfold(gates, size, True) if save else jnp.zeros((size, 0), gates.dtype),
                     _unfold(cs, size, True) if save else jnp.zeros((size, 0), cs.dtype))
-        return outs, [True] * 5
+        return tuple(outs), (True,) * 5
 
     return fwd
 
@@ -196,12 +198,12 @@ def _bptt_vmappable(time_major):
 
     @jax.custom_batching.custom_vmap
     def bptt(wh, gates, cs, c0, dy, dc_t, dh_t):
-        return call(wh, gates, cs, c0, dy, dc_t, dh_t)
+        return tuple(call(wh, gates, cs, c0, dy, dc_t, dh_t))
 
     @bptt.def_vmap
     def bptt_vmap(size, in_batched, wh, gates, cs, c0, dy, dc_t, dh_t):
         if in_batched[0]:
-            return _sequential(bptt, (wh, gates, cs, c0, dy, dc_t, dh_t), in_batched, size), [True] * 4
+            return tuple(_sequential(bptt, (wh, gates, cs, c0, dy, dc_t, dh_t), in_batched, size)), (True,) * 4
         # db sums over the mini-batch: folded, it is the sum over the mapped axis too, so
         # the folded call cannot give each mapped element its own; it runs per element.
         # The gate gradients (the expensive part) come from one folded call, and db from
@@ -214,7 +216,7 @@ def _bptt_vmappable(time_major):
                                _fold(dh_t, in_batched[6], size, False))
         da = _unfold(da, size, time_major)
         db = jnp.sum(da.astype(jnp.float32), axis=(1, 2))
-        return (da, db, _unfold(dc0, size, False), _unfold(dh0, size, False)), [True] * 4
+        return (da, db, _unfold(dc0, size, False), _unfold(dh0, size, False)), (True,) * 4
 
     return bptt
 
@@ -240,12 +242,19 @@ def _lstm_bwd(time_major, res, g):
     rows = x.shape[0] * x.shape[1]
     da2 = da.reshape(rows, 4 * k)
     dx = _bwd_call(da2, wi).reshape(x.shape)
-    dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
     # h_{t-1} for every step, in x's row order.
     t_axis = 0 if time_major else 1
     h_prev = jnp.concatenate([jnp.expand_dims(h0, t_axis),
                               jax.lax.slice_in_dim(y, 0, y.shape[t_axis] - 1, axis=t_axis)], axis=t_axis)
-    dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
+    if _JOINT_UPDATE:
+        # dW and dR in one pass: [x_t | h_{t-1}]^T @ da_t summed over every step, one
+        # GEMM with reduction over all rows and C + K output rows; da is read once.
+        xh = jnp.concatenate([x.reshape(rows, c), h_prev.reshape(rows, k)], axis=-1)
+        dwr = _upd_call(xh, da2, (c + k, 4 * k), wi.dtype, False)[0]
+        dwi, dwh = dwr[:c], dwr[c:]
+    else:
+        dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
+        dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
     return dx, dwi, dwh, db, dc0, dh0
 
 
