@@ -9,10 +9,13 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
   gate gradient ``da``, the bias gradient and the initial carry's gradients.
-* The remaining gradients are three big fully-connected passes over all steps at once
-  (``cpp/layers/fc``): ``dx = da @ kernel_i.T``, ``dkernel_i = x.T @ da`` and
-  ``dkernel_h = h_prev.T @ da``. XLA drops the ones nobody needs (e.g. ``dx`` of a first
-  layer).
+* The remaining gradients are two big fully-connected passes over all steps at once
+  (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
+  pass, ``[dkernel_i; dkernel_h] = [x | h_prev].T @ da`` (reduction over every step and row,
+  ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first layer).
+
+Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
+each kind for the whole map); mapped weights run one element at a time (``lax.map``).
 """
 
 from __future__ import annotations
