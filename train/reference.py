@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     parser.add_argument("benchmark", choices=sorted(SUITE))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the first run (default: system randomness)")
+                        help="seed of the first run (default: system randomness); the logs "
+                             "then say open division (closed-division runs use system seeds)")
     parser.add_argument("--data-dir")
     parser.add_argument("--log-dir", help="default runs/BENCHMARK/reference")
     parser.add_argument("--summarize", action="store_true",
@@ -94,7 +95,11 @@ def main(argv=None) -> int:
             return 2
     else:
         log_dir = Path(args.log_dir or Path("runs") / bench.name / "reference")
-        reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
+        try:
+            reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
+        except (cli.UsageError, data.DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     reference["summary"] = summarize(bench, reference)
     if not args.summarize:
         path.write_text(json.dumps(reference, indent=1) + "\n")
