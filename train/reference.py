@@ -47,13 +47,17 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
     paths = data.locate(bench.dataset, data_dir)
     # Closed-division hyperparameters; a fixed seed makes the logs say open (seed rule).
     division = "closed" if seed is None else "open"
+    run_seeds = cli.seeds(seed, runs, division)
     cfg = loop.RunConfig(bench=bench, impl="xla", division=division, dtype="float32",
-                         hparams=hp, max_epochs=bench.max_epochs,
-                         config_filename=f"train/reference/{bench.name}.json", target=None)
+                         hparams=hp, max_epochs=bench.max_epochs, config_filename="config.json",
+                         target=None)
     log_dir = cli.new_set_dir(log_dir)
+    (log_dir / "config.json").write_text(json.dumps(
+        {"benchmark": bench.name, "impl": "xla", "division": division, "dtype": "float32",
+         "max_epochs": bench.max_epochs, "hparams": hp, "reference_runs": runs}, indent=2) + "\n")
     progress = Progress(runs, f"{bench.name}/reference")
     curves = []
-    for i, (run_seed, source) in enumerate(cli.seeds(seed, runs, division)):
+    for i, (run_seed, source) in enumerate(run_seeds):
         result = loop.run(cfg, i, run_seed, source, paths, log_dir / f"result_{i}.txt", progress)
         curves.append({"seed": run_seed,
                        "accuracies": [e["accuracy"] for e in result.evals],
