@@ -1,5 +1,4 @@
-// ISA dispatch, validation, and the stride- and offset-based front doors, which turn
-// their batch into the address form the register tiles consume.
+// Dispatch (decided once per process), kernel selection and validation.
 #include "brgemm/brgemm.h"
 
 #include <cstdlib>
@@ -11,7 +10,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 namespace jb {
 
@@ -44,14 +42,32 @@ Isa detect_isa() {
   return Isa::generic;
 }
 
+bool amd_cpu() {
+#if defined(JB_X86)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  return std::strcmp(vendor, "AuthenticAMD") == 0;
+#else
+  return false;
+#endif
+}
+
 // JAX_BRGEMM_ISA may only lower the ISA: asking for more than the CPU has is ignored.
-Isa requested_isa(Isa supported) {
-  const char* env = std::getenv("JAX_BRGEMM_ISA");
+Isa requested_isa(Isa supported, const char* env) {
   if (!env || !*env) return supported;
   for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::amx})
     if (std::strcmp(env, isa_name(isa)) == 0) return isa < supported ? isa : supported;
   throw std::invalid_argument(std::string("JAX_BRGEMM_ISA=") + env +
                               " is not one of amx, avx512, avx2, generic");
+}
+
+Dispatch detect_dispatch() {
+  return make_dispatch(requested_isa(detect_isa(), std::getenv("JAX_BRGEMM_ISA")),
+                       std::getenv("JAX_BRGEMM_BF16"));
 }
 
 // AMX tiles multiply bf16 only (and need an even k: a tile row holds whole k pairs);
@@ -72,27 +88,6 @@ void check(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("brgemm: ") + what);
 }
 
-// Batches up to this size keep their address arrays on the stack.
-constexpr int64_t kStackBatch = 256;
-
-template <class AddrOf>
-void run_addressed(const Brgemm& kernel, int64_t batch, void* c, const float* bias,
-                   AddrOf addr_of) {
-  const void* stack_a[kStackBatch];
-  const void* stack_b[kStackBatch];
-  std::vector<const void*> heap_a, heap_b;
-  const void** a = stack_a;
-  const void** b = stack_b;
-  if (batch > kStackBatch) {
-    heap_a.resize(batch);
-    heap_b.resize(batch);
-    a = heap_a.data();
-    b = heap_b.data();
-  }
-  for (int64_t i = 0; i < batch; ++i) addr_of(i, a[i], b[i]);
-  kernel(a, b, batch, c, bias);
-}
-
 }  // namespace
 
 const char* isa_name(Isa isa) {
@@ -104,9 +99,23 @@ const char* isa_name(Isa isa) {
   }
 }
 
-Isa best_isa() {
-  static const Isa supported = detect_isa();
-  return requested_isa(supported);
+Dispatch make_dispatch(Isa isa, const char* bf16_override) {
+  Dispatch d;
+  d.isa = isa;
+  const std::string mode = bf16_override ? bf16_override : "";
+  if (mode == "dot") d.bf16_multiply = DType::bf16;
+  else if (mode == "fp32") d.bf16_multiply = DType::f32;
+  else if (mode.empty() || mode == "auto")
+    d.bf16_multiply = isa == Isa::amx || (isa == Isa::avx512 && amd_cpu()) ? DType::bf16 : DType::f32;
+  else
+    throw std::invalid_argument("JAX_BRGEMM_BF16=" + mode + " is not one of auto, dot, fp32");
+  return d;
+}
+
+const Dispatch& dispatch() {
+  // A bad override throws from the initializer, so every call reports it again.
+  static const Dispatch d = detect_dispatch();
+  return d;
 }
 
 Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_for(isa, d)) {
@@ -114,29 +123,13 @@ Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_f
   check(d.lda >= d.k, "lda < k");
   check(d.ldb >= (d.ab == DType::bf16 ? 2 * d.n : d.n), "ldb too small for n");
   check(d.ldc >= d.n, "ldc < n");
+  check(d.static_batch >= 0 && (d.static_batch == 0 || (d.static_offs_a && d.static_offs_b)),
+        "static offsets need both tables");
 }
 
-void Brgemm::strided(const void* a, int64_t stride_a, const void* b, int64_t stride_b,
-                     int64_t batch, void* c, const float* bias) const {
-  const size_t es = dtype_size(desc_.ab);
-  run_addressed(*this, batch, c, bias, [&](int64_t i, const void*& ai, const void*& bi) {
-    ai = static_cast<const char*>(a) + i * stride_a * es;
-    bi = static_cast<const char*>(b) + i * stride_b * es;
-  });
-}
-
-void Brgemm::offsets(const void* a, const int64_t* offs_a, const void* b,
-                     const int64_t* offs_b, int64_t batch, void* c, const float* bias) const {
-  const size_t es = dtype_size(desc_.ab);
-  run_addressed(*this, batch, c, bias, [&](int64_t i, const void*& ai, const void*& bi) {
-    ai = static_cast<const char*>(a) + offs_a[i] * es;
-    bi = static_cast<const char*>(b) + offs_b[i] * es;
-  });
-}
-
-void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst) {
+void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst, Isa isa) {
 #if defined(JB_X86)
-  if (best_isa() >= Isa::avx512) return detail::pack_vnni2_avx512(src, k, n, ld, dst);
+  if (isa >= Isa::avx512) return detail::pack_vnni2_avx512(src, k, n, ld, dst);
 #endif
   for (int64_t p = 0; p < (k + 1) / 2; ++p) {
     const uint16_t* r0 = src + 2 * p * ld;

@@ -22,10 +22,52 @@ enum class DType : uint8_t { f32, bf16 };
 // avx512 = F/BW/VL/DQ + BF16; amx = avx512 + AMX-BF16 tiles (used for bf16 operands).
 enum class Isa : uint8_t { generic, avx2, avx512, amx };
 enum class Activation : uint8_t { none, relu, gelu, sigmoid, tanh };
+// The activations by name, for the Python side (exported by cpp/ffi/module.cc): the one
+// place that maps names to codes.
+struct ActivationName {
+  const char* name;
+  Activation act;
+};
+inline constexpr ActivationName kActivationNames[] = {
+    {"none", Activation::none}, {"relu", Activation::relu}, {"gelu", Activation::gelu},
+    {"sigmoid", Activation::sigmoid}, {"tanh", Activation::tanh}};
 
-// The best ISA this CPU supports, lowered by JAX_BRGEMM_ISA=amx|avx512|avx2|generic.
-Isa best_isa();
 const char* isa_name(Isa isa);
+
+// Every choice that changes numerics or speed by CPU, decided once per process
+// (deterministically: CPUID and environment overrides, never a timing), then passed down.
+struct Dispatch {
+  Isa isa = Isa::generic;
+  // The dtype the layers multiply bf16 operands in (accumulation is fp32 either way):
+  // bf16 where the CPU's bf16 dot product is at least as fast as its fp32 FMA (AMX tiles;
+  // vdpbf16ps on AMD Zen 4), else fp32: bf16 widened exactly (Intel's vdpbf16ps issues at
+  // half the FMA rate; AVX2 and the portable path widen anyway).
+  DType bf16_multiply = DType::f32;
+};
+
+// The process's dispatch: the best ISA this CPU supports, lowered by
+// JAX_BRGEMM_ISA=amx|avx512|avx2|generic, and the bf16 multiply path, forced by
+// JAX_BRGEMM_BF16=dot|fp32 ("auto" or unset: the rule above). Read on first use (the
+// extension calls it at import); throws std::invalid_argument for a bad value, every time.
+const Dispatch& dispatch();
+inline Isa best_isa() { return dispatch().isa; }
+// The rule above for a given ISA and override ("", "auto", "dot", "fp32"), for tests.
+Dispatch make_dispatch(Isa isa, const char* bf16_override);
+
+// Where the kernel finds matrix i of one operand of the batch: addr[i] (address kind), or
+// base + (offs ? offs[i] : i) * scale bytes (offset kinds: scale = element size; stride
+// kind: scale = stride in bytes), plus a constant shift in bytes. The kernel walks it
+// itself: no per-call address arrays.
+struct BatchWalk {
+  const void* const* addr = nullptr;
+  const char* base = nullptr;
+  const int64_t* offs = nullptr;
+  int64_t scale = 0;
+  int64_t shift = 0;
+  const char* at(int64_t i) const {
+    return (addr ? static_cast<const char*>(addr[i]) : base + (offs ? offs[i] : i) * scale) + shift;
+  }
+};
 
 struct BrgemmDesc {
   int64_t m = 0, n = 0, k = 0;
@@ -35,10 +77,16 @@ struct BrgemmDesc {
   bool accumulate = false;            // beta = 1 (true) or 0 (false)
   bool bias = false;                  // add an fp32 bias of n values (per column)
   Activation act = Activation::none;  // applied last, on the fp32 tile
+  // Static-offsets batch kind (Brgemm::static_offsets): a fixed table of `batch` element
+  // offsets per operand, built once by a layer's plan, which owns it for as long as the
+  // kernel is used. Null for the other kinds, which take their batch per call.
+  const int64_t* static_offs_a = nullptr;
+  const int64_t* static_offs_b = nullptr;
+  int64_t static_batch = 0;
 };
 
-// Executes one whole C block; `a` and `b` are the batch's address arrays.
-using BrgemmFn = void (*)(const BrgemmDesc& d, const void* const* a, const void* const* b,
+// Executes one whole C block.
+using BrgemmFn = void (*)(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b,
                           int64_t batch, void* c, const float* bias);
 
 class Brgemm {
@@ -47,21 +95,36 @@ class Brgemm {
   explicit Brgemm(const BrgemmDesc& desc, Isa isa = best_isa());
 
   // Address-based batch: A_i = a[i], B_i = b[i].
-  void operator()(const void* const* a, const void* const* b, int64_t batch, void* c,
-                  const float* bias = nullptr) const {
-    fn_(desc_, a, b, batch, c, bias);
+  void addresses(const void* const* a, const void* const* b, int64_t batch, void* c,
+                 const float* bias = nullptr) const {
+    fn_(desc_, BatchWalk{a}, BatchWalk{b}, batch, c, bias);
   }
   // Stride-based batch: A_i = a + i * stride_a, B_i = b + i * stride_b (elements).
   void strided(const void* a, int64_t stride_a, const void* b, int64_t stride_b,
-               int64_t batch, void* c, const float* bias = nullptr) const;
+               int64_t batch, void* c, const float* bias = nullptr) const {
+    fn_(desc_, walk(a, nullptr, stride_a), walk(b, nullptr, stride_b), batch, c, bias);
+  }
   // Offset-based batch: A_i = a + offs_a[i], B_i = b + offs_b[i] (elements).
   void offsets(const void* a, const int64_t* offs_a, const void* b, const int64_t* offs_b,
-               int64_t batch, void* c, const float* bias = nullptr) const;
+               int64_t batch, void* c, const float* bias = nullptr) const {
+    fn_(desc_, walk(a, offs_a, 1), walk(b, offs_b, 1), batch, c, bias);
+  }
+  // Static-offsets batch: the descriptor's own offset tables.
+  void static_offsets(const void* a, const void* b, void* c, const float* bias = nullptr) const {
+    offsets(a, desc_.static_offs_a, b, desc_.static_offs_b, desc_.static_batch, c, bias);
+  }
 
   const BrgemmDesc& desc() const { return desc_; }
   Isa isa() const { return isa_; }
 
  private:
+  BatchWalk walk(const void* base, const int64_t* offs, int64_t unit) const {
+    BatchWalk w;
+    w.base = static_cast<const char*>(base);
+    w.offs = offs;
+    w.scale = unit * int64_t(desc_.ab == DType::f32 ? 4 : 2);
+    return w;
+  }
   BrgemmDesc desc_;
   Isa isa_;
   BrgemmFn fn_;
@@ -70,7 +133,8 @@ class Brgemm {
 // Packs a row-major bf16 k x n matrix (leading dimension ld) into the VNNI-2 layout above
 // with ldb = 2 * n, zero-padding the last pair when k is odd. dst holds
 // ((k + 1) / 2) * 2 * n values.
-void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst);
+void pack_vnni2(const uint16_t* src, int64_t k, int64_t n, int64_t ld, uint16_t* dst,
+                Isa isa = best_isa());
 
 static inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 

@@ -3,14 +3,15 @@
 // (16 rows x 32 k) and two B tiles (16 VNNI pair rows x 16 columns) per 32-wide k step.
 // B's VNNI-2 layout is exactly the AMX B-tile layout, so B is read in place.
 //
-// Tiles accumulate into C itself (fp32) or an fp32 copy of it (bf16 C); a k remainder
-// (K % 32) is finished by the AVX-512 bf16 kernel accumulating onto that, and only then
-// do bias, activation and the conversion to C's dtype run, once.
+// Each macro tile accumulates into C itself (fp32, no epilogue) or into a 32 x 32 fp32 tile
+// on the stack; a k remainder (K % 32) is finished by the AVX-512 bf16 kernel accumulating
+// onto that, and only then do bias, activation and the conversion to C's dtype run, once.
+// Nothing is allocated.
 // Compiled with -mamx-tile -mamx-bf16 (+ AVX-512); only called when CPUID and the OS
 // (arch_prctl XTILEDATA permission) allow AMX.
 #include <immintrin.h>
 
-#include <vector>
+#include <cstring>
 
 #include "brgemm/tile.h"
 
@@ -42,7 +43,7 @@ TileConfig config_for(int rows0, int rows1, int cols0, int cols1) {
 // over k32 k's. Edge tiles are configured with fewer rows / columns, so their loads and
 // stores touch only the valid part of s.
 template <bool TWO_ROWS, bool TWO_COLS>
-void macro_tile(const void* const* a, const void* const* b, int64_t batch, int64_t k32,
+void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k32,
                 int64_t lda, int64_t ldb, int64_t i0, int64_t j0, float* s, int64_t lds, bool acc) {
   const int64_t sb = lds * 4;
   if (acc) {
@@ -57,8 +58,8 @@ void macro_tile(const void* const* a, const void* const* b, int64_t batch, int64
     if (TWO_ROWS && TWO_COLS) _tile_zero(3);
   }
   for (int64_t bi = 0; bi < batch; ++bi) {
-    const uint16_t* ai = static_cast<const uint16_t*>(a[bi]) + i0 * lda;
-    const uint16_t* bp = static_cast<const uint16_t*>(b[bi]) + 2 * j0;
+    const uint16_t* ai = reinterpret_cast<const uint16_t*>(a.at(bi)) + i0 * lda;
+    const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.at(bi)) + 2 * j0;
     for (int64_t k = 0; k < k32; k += 32) {
       _tile_loadd(4, ai + k, lda * 2);
       if (TWO_ROWS) _tile_loadd(5, ai + 16 * lda + k, lda * 2);
@@ -78,75 +79,84 @@ void macro_tile(const void* const* a, const void* const* b, int64_t batch, int64
 
 using MacroFn = decltype(&macro_tile<true, true>);
 
-void run_amx_bf16(const BrgemmDesc& d, const void* const* a, const void* const* b,
-                  int64_t batch, void* c, const float* bias) {
-  const int64_t m = d.m, n = d.n, k32 = d.k / 32 * 32;
-  // fp32 C is accumulated in place; a bf16 C goes through an fp32 copy, so that rounding
-  // happens once, after the whole reduction.
-  const bool direct = d.c == DType::f32;
-  thread_local std::vector<float> scratch;
-  float* s = static_cast<float*>(c);
-  int64_t lds = d.ldc;
-  if (!direct) {
-    scratch.resize(size_t(m * n));
-    s = scratch.data();
-    lds = n;
-    if (d.accumulate)
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) s[i * n + j] = bf16_to_f32(static_cast<const uint16_t*>(c)[i * d.ldc + j]);
+// Bias, activation and the conversion to C's dtype of a finished fp32 tile s.
+void finish(const BrgemmDesc& d, float* s, int64_t lds, int rows, int cols, const float* bias,
+            char* c) {
+  for (int i = 0; i < rows; ++i) {
+    float* row = s + i * lds;
+    if (bias)
+      for (int j = 0; j < cols; ++j) row[j] += bias[j];
+    apply_activation(d.act, row, cols);
+    if (d.c == DType::f32) {
+      std::memcpy(reinterpret_cast<float*>(c) + i * d.ldc, row, size_t(cols) * sizeof(float));
+    } else {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(c) + i * d.ldc;
+      for (int j = 0; j < cols; ++j) dst[j] = f32_to_bf16(row[j]);
+    }
   }
-  bool acc = d.accumulate;  // whether s already holds a partial sum
+}
 
-  if (k32 > 0) {
-    static constexpr MacroFn kMacro[2][2] = {{macro_tile<false, false>, macro_tile<false, true>},
-                                             {macro_tile<true, false>, macro_tile<true, true>}};
-    int last[4] = {-1, -1, -1, -1};
-    for (int64_t j0 = 0; j0 < n; j0 += 32) {
-      const int cols = int(std::min<int64_t>(32, n - j0));
-      const int cols0 = std::min(cols, 16), cols1 = cols - cols0;
-      for (int64_t i0 = 0; i0 < m; i0 += 32) {
-        const int rows = int(std::min<int64_t>(32, m - i0));
-        const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
+void run_amx_bf16(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int64_t batch,
+                  void* c, const float* bias) {
+  const int64_t k32 = d.k / 32 * 32;
+  // fp32 C without an epilogue or remainder is accumulated in place; everything else goes
+  // through a stack tile, so that rounding and the epilogue happen once, after the whole
+  // reduction.
+  const bool direct = d.c == DType::f32 && k32 == d.k && !bias && d.act == Activation::none && k32 > 0;
+  static constexpr MacroFn kMacro[2][2] = {{macro_tile<false, false>, macro_tile<false, true>},
+                                           {macro_tile<true, false>, macro_tile<true, true>}};
+  alignas(64) float tile[32 * 32];
+  int last[4] = {-1, -1, -1, -1};
+  for (int64_t j0 = 0; j0 < d.n; j0 += 32) {
+    const int cols = int(std::min<int64_t>(32, d.n - j0));
+    const int cols0 = std::min(cols, 16), cols1 = cols - cols0;
+    for (int64_t i0 = 0; i0 < d.m; i0 += 32) {
+      const int rows = int(std::min<int64_t>(32, d.m - i0));
+      const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
+      char* cij = static_cast<char*>(c) + (i0 * d.ldc + j0) * int64_t(dtype_size(d.c));
+      float* s = direct ? reinterpret_cast<float*>(cij) : tile;
+      const int64_t lds = direct ? d.ldc : 32;
+      bool acc = d.accumulate;  // whether s holds a partial sum
+      if (acc && !direct)
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < cols; ++j)
+            s[i * lds + j] = d.c == DType::f32 ? reinterpret_cast<const float*>(cij)[i * d.ldc + j]
+                                               : bf16_to_f32(reinterpret_cast<const uint16_t*>(cij)[i * d.ldc + j]);
+      if (k32 > 0) {
         const int shape[4] = {rows0, rows1, cols0, cols1};
         if (!std::equal(shape, shape + 4, last)) {  // edges need their own tile shapes
           const TileConfig cfg = config_for(rows0, rows1, cols0, cols1);
           _tile_loadconfig(&cfg);
           std::copy(shape, shape + 4, last);
         }
-        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s + i0 * lds + j0, lds, acc);
+        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s, lds, acc);
+        acc = true;
+      }
+      if (direct) continue;
+      // The k remainder, bias, activation and the store to C, by the AVX-512 kernel on
+      // this tile's rows and columns (k = 0 with no remainder: bias and activation only).
+      BrgemmDesc rest = d;
+      rest.m = rows;
+      rest.n = cols;
+      rest.k = d.k - k32;
+      BatchWalk ra = a, rb = b;
+      ra.shift += (i0 * d.lda + k32) * 2;
+      rb.shift += ((k32 / 2) * d.ldb + 2 * j0) * 2;
+      if (acc) {  // continue from the fp32 tile
+        rest.lda = d.lda;
+        rest.ldc = lds;
+        rest.c = DType::f32;
+        rest.accumulate = true;
+        rest.bias = false;
+        rest.act = Activation::none;
+        if (rest.k > 0) detail::brgemm_avx512()(rest, ra, rb, batch, s, nullptr);
+        finish(d, s, lds, rows, cols, bias ? bias + j0 : nullptr, cij);
+      } else {  // nothing accumulated yet (k < 32): the AVX-512 kernel does the whole block
+        detail::brgemm_avx512()(rest, ra, rb, batch, cij, bias ? bias + j0 : nullptr);
       }
     }
-    _tile_release();
-    acc = true;
   }
-
-  BrgemmDesc rest = d;  // the k remainder, bias and activation, on s (fp32)
-  rest.k = d.k - k32;
-  rest.ldc = lds;
-  rest.c = DType::f32;
-  rest.accumulate = acc;
-  if (!acc && rest.k == 0)  // k == 0: an empty sum
-    for (int64_t i = 0; i < m; ++i) std::fill(s + i * lds, s + i * lds + n, 0.f);
-  if (rest.k > 0) {
-    std::vector<const void*> ra(batch), rb(batch);
-    for (int64_t i = 0; i < batch; ++i) {
-      ra[i] = static_cast<const uint16_t*>(a[i]) + k32;
-      rb[i] = static_cast<const uint16_t*>(b[i]) + (k32 / 2) * d.ldb;
-    }
-    detail::brgemm_avx512()(rest, ra.data(), rb.data(), batch, s, bias);
-  } else if (bias || d.act != Activation::none) {
-    for (int64_t i = 0; i < m; ++i) {
-      float* row = s + i * lds;
-      if (bias)
-        for (int64_t j = 0; j < n; ++j) row[j] += bias[j];
-      apply_activation(d.act, row, n);
-    }
-  }
-  if (!direct)
-    for (int64_t i = 0; i < m; ++i) {
-      uint16_t* dst = static_cast<uint16_t*>(c) + i * d.ldc;
-      for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16(s[i * n + j]);
-    }
+  if (k32 > 0) _tile_release();
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ struct Avx2 {
     const __m256i last = tail_mask(t.tail);
     init<MR, NV>(acc, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
-      const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
-      const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
+      const float* a = reinterpret_cast<const float*>(t.a.at(bi)) + t.a_off;
+      const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
         __m256 bv[NV];
         #pragma GCC unroll 16
@@ -45,8 +45,8 @@ struct Avx2 {
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     init<MR, NV>(acc, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
-      const uint16_t* a = static_cast<const uint16_t*>(t.a[bi]) + t.a_off;
-      const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(t.b.at(bi)) + t.b_off;
       for (int64_t k = 0; k < t.k; k += 2, b += t.ldb) {
         const bool pair = k + 1 < t.k;  // odd k: the last row has no partner
         __m256 even[NV], odd[NV];

@@ -20,8 +20,8 @@ struct Avx512 {
     const __mmask16 last = tail_mask(t.tail);
     init<MR, NV>(acc, last, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
-      const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
-      const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
+      const float* a = reinterpret_cast<const float*>(t.a.at(bi)) + t.a_off;
+      const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
       // Unrolled by 2: the A row addresses computed for one k serve the next as well.
 #pragma GCC unroll 2
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
@@ -51,8 +51,8 @@ struct Avx512 {
     init<MR, NV>(acc, last, t);
     const int64_t pairs = t.k / 2;
     for (int64_t bi = 0; bi < t.batch; ++bi) {
-      const uint16_t* a = static_cast<const uint16_t*>(t.a[bi]) + t.a_off;
-      const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(t.b.at(bi)) + t.b_off;
       for (int64_t p = 0; p < pairs; ++p, b += t.ldb) {
         __m512i bv[NV];
 #pragma GCC unroll 16

@@ -23,8 +23,8 @@ struct Generic {
     if (t.accumulate) load_c<MR, W>(acc, cols, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       if constexpr (BF16) {
-        const uint16_t* a = static_cast<const uint16_t*>(t.a[bi]) + t.a_off;
-        const uint16_t* b = static_cast<const uint16_t*>(t.b[bi]) + t.b_off;
+        const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(t.b.at(bi)) + t.b_off;
         for (int64_t k = 0; k < t.k; ++k) {
           // VNNI-2: row k of B is the (k % 2) half of pair row k / 2.
           const uint16_t* bk = b + (k / 2) * t.ldb + (k % 2);
@@ -36,8 +36,8 @@ struct Generic {
           }
         }
       } else {
-        const float* a = static_cast<const float*>(t.a[bi]) + t.a_off;
-        const float* b = static_cast<const float*>(t.b[bi]) + t.b_off;
+        const float* a = reinterpret_cast<const float*>(t.a.at(bi)) + t.a_off;
+        const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
         for (int64_t k = 0; k < t.k; ++k) {
           float bv[W] = {};
           for (int j = 0; j < cols; ++j) bv[j] = b[k * t.ldb + j];

@@ -18,8 +18,7 @@ namespace {
 
 // One register tile of C: rows [i0, i0 + MR), columns [j0, j0 + NV * VL) of the C block.
 struct TileArgs {
-  const void* const* a;
-  const void* const* b;
+  BatchWalk a, b;
   int64_t batch, k, lda, ldb;
   int64_t a_off, b_off;  // element offsets of the tile inside every A_i / B_i
   void* c;               // tile origin in C
@@ -73,8 +72,8 @@ const TileFn* tiles_for(int nv, bool bf16, std::integer_sequence<int, NV...>) {
 // Covers the C block with register tiles: up to NV_MAX vectors wide, MR(NV) rows high;
 // edge tiles use fewer rows and a masked last vector, never padding copies.
 template <class K>
-void run_tiles(const BrgemmDesc& d, const void* const* a, const void* const* b,
-               int64_t batch, void* c, const float* bias) {
+void run_tiles(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int64_t batch,
+               void* c, const float* bias) {
   constexpr int vl = K::VL;
   const bool bf16 = d.ab == DType::bf16;
   const size_t csize = dtype_size(d.c);

@@ -13,7 +13,6 @@
 // activations are not, the items fold into the mini-batch: one layer call with N' = items
 // * N instead of a loop.
 #include <algorithm>
-#include <exception>
 #include <string>
 #include <vector>
 
@@ -26,98 +25,17 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_util::dims_str;
 using ffi_util::invalid;
-
-// How one operand is laid out over the output's leading dims.
-struct Lead {
-  std::vector<int64_t> stride;  // elements per step of each leading dim; 0 where broadcast
-  bool shared = true;           // broadcast over every leading dim (one matrix for all items)
-  bool dense = true;            // one distinct, contiguous matrix per item
-};
-
-struct Items {
-  std::vector<int64_t> dims;  // the output's leading dims
-  int64_t count = 1;
-
-  int64_t offset(const Lead& l, int64_t item) const {
-    int64_t off = 0;
-    for (int64_t d = int64_t(dims.size()) - 1; d >= 0; --d) {
-      off += item % dims[d] * l.stride[d];
-      item /= dims[d];
-    }
-    return off;
-  }
-};
-
-Items items_of(ffi::AnyBuffer::Dimensions out, size_t inner) {
-  Items it;
-  it.dims.assign(out.begin(), out.end() - inner);
-  for (int64_t d : it.dims) it.count *= d;
-  return it;
-}
-
-// Checks that `dims` is (lead.., inner...) with `inner` trailing dims equal to `want`
-// and lead broadcasting to the items' dims; returns its strides.
-ffi::ErrorOr<Lead> operand(const char* op, const char* name, ffi::AnyBuffer::Dimensions dims,
-                           const std::vector<int64_t>& want, const Items& items) {
-  const size_t inner = want.size();
-  auto shape_error = [&] {
-    std::string w = "(..., ";
-    for (size_t i = 0; i < inner; ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-    return ffi::Unexpected(invalid(std::string(op) + ": " + name + " has shape " + dims_str(dims) +
-                                   ", expected " + w + ")"));
-  };
-  if (dims.size() < inner || dims.size() - inner > items.dims.size()) return shape_error();
-  for (size_t i = 0; i < inner; ++i)
-    if (dims[dims.size() - inner + i] != want[i]) return shape_error();
-  int64_t matrix = 1;
-  for (int64_t w : want) matrix *= w;
-  const size_t rank = dims.size() - inner;
-  Lead l;
-  l.stride.assign(items.dims.size(), 0);
-  int64_t stride = matrix;
-  for (size_t d = 0; d < items.dims.size(); ++d) {
-    const size_t od = items.dims.size() - 1 - d;
-    const int64_t size = d < rank ? dims[rank - 1 - d] : 1;
-    if (size != items.dims[od] && size != 1)
-      return ffi::Unexpected(invalid(std::string(op) + ": the leading dims of " + name + " " +
-                                     dims_str(dims) + " do not broadcast to the output's"));
-    if (size == 1 && items.dims[od] != 1) l.dense = false;
-    if (size != 1) l.shared = false;
-    l.stride[od] = size == 1 ? 0 : stride;
-    stride *= size;
-  }
-  return l;
-}
+using ffi_util::guarded;
+using ffi_util::Items;
+using ffi_util::items_of;
+using ffi_util::operand;
+using ffi_util::ptr;
 
 ffi::ErrorOr<Activation> activation(const char* op, int32_t code) {
   if (code < 0 || code > int32_t(Activation::tanh))
     return ffi::Unexpected(invalid(std::string(op) + ": unknown activation code " + std::to_string(code)));
   return Activation(code);
 }
-
-// Runs a layer call, turning exceptions (bad sizes, out of memory, a bad JAX_BRGEMM_ISA)
-// into an ffi::Error instead of letting them cross the C boundary.
-template <class F>
-ffi::Error guarded(const char* op, F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
-}
-
-const char* ptr(const ffi::AnyBuffer& b, int64_t elems) {
-  return static_cast<const char*>(b.untyped_data()) + elems * int64_t(ffi::ByteWidth(b.element_type()));
-}
-char* ptr(ffi::Result<ffi::AnyBuffer>& b, int64_t elems) {
-  return static_cast<char*>(b->untyped_data()) + elems * int64_t(ffi::ByteWidth(b->element_type()));
-}
-
-#define JB_TRY(var, expr)              \
-  auto var##_or = (expr);              \
-  if (!var##_or.has_value()) return var##_or.error(); \
-  const auto& var = var##_or.value()
 
 // ----------------------------------------------------------------------------------------
 
@@ -155,15 +73,16 @@ ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   if (c == 0) return invalid("jb_fc_fwd: x has no features (C = 0)");
 
   const Executor ex = ffi_util::executor(pool);
+  const Dispatch& dp = dispatch();
   const auto* bias_f = static_cast<const float*>(bias.untyped_data());
   return guarded(op, [&] {
     if (lw.shared && lb.shared && lx.dense) {  // one layer over all items
-      fc::forward(ex, {items.count * n, c, k, dt, act}, x.untyped_data(), w.untyped_data(), w_dt,
+      fc::forward(ex, dp, {items.count * n, c, k, dt, act}, x.untyped_data(), w.untyped_data(), w_dt,
                   has_bias ? bias_f : nullptr, y->untyped_data(), gelu ? z->untyped_data() : nullptr);
       return;
     }
     for (int64_t i = 0; i < items.count; ++i)
-      fc::forward(ex, {n, c, k, dt, act}, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)),
+      fc::forward(ex, dp, {n, c, k, dt, act}, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)),
                   w_dt, has_bias ? bias_f + items.offset(lb, i) : nullptr, ptr(y, i * n * k),
                   gelu ? ptr(z, i * n * k) : nullptr);
   });
@@ -186,14 +105,15 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   JB_TRY(ls, operand(op, "saved", saved.dimensions(), {n, k}, items));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
+  const Dispatch& dp = dispatch();
   return guarded(op, [&] {
     if (ldy.dense && ls.dense) {
-      fc::act_grad(ex, {items.count * n, 0, k, dt, act}, dy.untyped_data(), saved.untyped_data(),
+      fc::act_grad(ex, dp, {items.count * n, 0, k, dt, act}, dy.untyped_data(), saved.untyped_data(),
                    dz->untyped_data());
       return;
     }
     for (int64_t i = 0; i < items.count; ++i)
-      fc::act_grad(ex, {n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
+      fc::act_grad(ex, dp, {n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
                    ptr(saved, items.offset(ls, i)), ptr(dz, i * n * k));
   });
 }
@@ -215,14 +135,15 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
   const Executor ex = ffi_util::executor(pool);
+  const Dispatch& dp = dispatch();
   return guarded(op, [&] {
     if (lw.shared && lz.dense) {
-      fc::backward(ex, {items.count * n, c, k, dt, Activation::none}, dz.untyped_data(),
+      fc::backward(ex, dp, {items.count * n, c, k, dt, Activation::none}, dz.untyped_data(),
                    w.untyped_data(), w_dt, dx->untyped_data());
       return;
     }
     for (int64_t i = 0; i < items.count; ++i)
-      fc::backward(ex, {n, c, k, dt, Activation::none}, ptr(dz, items.offset(lz, i)),
+      fc::backward(ex, dp, {n, c, k, dt, Activation::none}, ptr(dz, items.offset(lz, i)),
                    ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c));
   });
 }
@@ -250,16 +171,15 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
     return invalid("jb_fc_upd: db " + dims_str(bd) + " must be dw's shape without C, or empty");
   if (items.count == 0 || c == 0 || k == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
+  const Dispatch& dp = dispatch();
   auto* db_f = static_cast<float*>(db->untyped_data());
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, {n, c, k, dt, Activation::none}, ptr(x, items.offset(lx, i)),
+      fc::update(ex, dp, {n, c, k, dt, Activation::none}, ptr(x, items.offset(lx, i)),
                  ptr(dz, items.offset(lz, i)), ptr(dw, i * c * k), w_dt,
                  has_db ? db_f + i * k : nullptr);
   });
 }
-
-#undef JB_TRY
 
 }  // namespace
 

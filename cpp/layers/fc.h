@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "brgemm/brgemm.h"
+#include "layers/common/blocking.h"
 #include "parallel/parallel_for.h"
 
 namespace jb::fc {
@@ -30,45 +31,37 @@ struct Shape {
   Activation act = Activation::none;
 };
 
-// The dtype the kernels multiply in for operands stored in dt: dt itself, except that
-// bf16 operands are widened to fp32 (exactly) where this CPU's bf16 dot product is slower
-// than its fp32 FMA (measured once). JAX_BRGEMM_FC_BF16=dot|fp32 forces a choice, "auto"
-// (the default) measures. Accumulation is fp32 either way.
-DType multiply_dtype(DType dt);
-
 // What the forward leaves for the backward besides x and w: the output y when the
 // derivative is a function of it (relu, sigmoid, tanh), the pre-activation z for gelu,
 // nothing without an activation.
 enum class Saved : uint8_t { none, output, preactivation };
 Saved saved_for(Activation act);
 
-// Block sizes of one pass: rows and columns of an output block, and the block of the
-// reduced dimension (one BRGEMM batch element).
-struct Blocking {
-  int64_t rows = 0, cols = 0, red = 0;
-};
+// The heuristic: output blocks of whole register tiles (rows a multiple of 12, 128
+// columns), rows split finely enough that every thread gets several items even for small
+// N, and a reduction block that divides the reduced size (even for bf16 multiplies).
+Blocking forward_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
+Blocking backward_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
+Blocking update_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 
-// The heuristic: output blocks of whole register tiles (rows a multiple of 12, 128 columns),
-// rows split finely enough that every thread gets several items even for small N, and a
-// reduction block that divides the reduced size.
-Blocking forward_blocking(const Shape& s, int64_t threads);
-Blocking backward_blocking(const Shape& s, int64_t threads);
-Blocking update_blocking(const Shape& s, int64_t threads);
+// Every pass finds its plan (blocking, kernels, work split, scratch sizes) in a cache keyed
+// by the shape, dtypes, thread count and dispatch: built on the first call, reused after.
+// `force` overrides the blocking heuristic (tests use it to exercise edge blocks).
 
 // y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
-// `force` overrides the heuristic (tests use it to exercise edge blocks).
-void forward(const Executor& ex, const Shape& s, const void* x, const void* w, DType w_dt,
-             const float* bias, void* y, void* z, const Blocking* force = nullptr);
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+             DType w_dt, const float* bias, void* y, void* z, const Blocking* force = nullptr);
 
 // dz = dy * act'(saved), element-wise (all in dt). Not needed without an activation.
-void act_grad(const Executor& ex, const Shape& s, const void* dy, const void* saved, void* dz);
+void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
+              const void* saved, void* dz);
 
 // dx = dz @ w^T.
-void backward(const Executor& ex, const Shape& s, const void* dz, const void* w, DType w_dt,
-              void* dx, const Blocking* force = nullptr);
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force = nullptr);
 
 // dw = x^T @ dz (written in dw_dt) and, when db is not null, db = sum over the batch of dz.
-void update(const Executor& ex, const Shape& s, const void* x, const void* dz, void* dw,
-            DType dw_dt, float* db, const Blocking* force = nullptr);
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
 
 }  // namespace jb::fc

@@ -29,7 +29,7 @@ double ref_act(Activation act, double x) {
   }
 }
 
-enum class Kind { address, stride, offset };
+enum class Kind { address, stride, offset, static_offset };
 
 struct Case {
   int64_t batch, m, n, k;
@@ -103,6 +103,16 @@ void run_case(Isa isa, const Case& t, std::mt19937& rng) {
   BrgemmDesc d;
   d.m = t.m, d.n = t.n, d.k = t.k, d.lda = lda, d.ldb = ldb, d.ldc = ldc;
   d.ab = t.ab, d.c = t.c, d.accumulate = t.accumulate, d.bias = t.bias, d.act = t.act;
+  std::vector<int64_t> soa(t.batch), sob(t.batch);  // static tables, rotated by one
+  for (int64_t i = 0; i < t.batch; ++i) {
+    const int64_t j = (i + 1) % t.batch;
+    soa[i] = j * a_size, sob[i] = j * b_size;
+  }
+  if (t.kind == Kind::static_offset) {
+    d.static_offs_a = soa.data();
+    d.static_offs_b = sob.data();
+    d.static_batch = t.batch;
+  }
   const Brgemm kernel(d, isa);
   const float* bias_ptr = t.bias ? bias.data() : nullptr;
   const int64_t stride_a = a_size, stride_b = b_size;
@@ -124,9 +134,12 @@ void run_case(Isa isa, const Case& t, std::mt19937& rng) {
         pa[i] = static_cast<const char*>(a_base) + i * stride_a * es;
         pb[i] = static_cast<const char*>(b_base) + i * stride_b * es;
       }
-      kernel(pa.data(), pb.data(), t.batch, c, bias_ptr);
+      kernel.addresses(pa.data(), pb.data(), t.batch, c, bias_ptr);
       break;
     }
+    case Kind::static_offset:
+      kernel.static_offsets(a_base, b_base, c, bias_ptr);
+      break;
   }
 
   const double rel = (t.c == DType::bf16 ? 1.0 / 128 : 1e-5);
@@ -164,7 +177,7 @@ TEST(every_isa_kind_dtype_and_shape) {
           const int64_t k = sizes[(m * 7 + n * 3 + cases) % 10];
           const Case t{1 + (cases % 4) * 3, m, n, k, ab,
                        (cases % 5 == 4 && ab == DType::bf16) ? DType::bf16 : DType::f32,
-                       cases % 3 == 1, cases % 2 == 0, Activation(cases % 5), Kind(cases % 3)};
+                       cases % 3 == 1, cases % 2 == 0, Activation(cases % 5), Kind(cases % 4)};
           run_case(isa, t, rng);
           ++cases;
         }
@@ -175,7 +188,7 @@ TEST(large_k_and_batch_keep_accumulating) {
   std::mt19937 rng(7);
   for (Isa isa : isas())
     for (DType ab : {DType::f32, DType::bf16})
-      for (Kind kind : {Kind::address, Kind::stride, Kind::offset})
+      for (Kind kind : {Kind::address, Kind::stride, Kind::offset, Kind::static_offset})
         run_case(isa, {300, 13, 40, 129, ab, DType::f32, true, true, Activation::none, kind}, rng);
 }
 

@@ -13,6 +13,7 @@
 
 #include "check.h"
 #include "layers/fc.h"
+#include <stdexcept>
 
 namespace {
 
@@ -92,7 +93,7 @@ bool close(const Tensor& got, const std::vector<double>& want, double tol, const
 }
 
 void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation act, bool bias,
-              int64_t threads, const fc::Blocking* force) {
+              int64_t threads, const jb::Blocking* force, const jb::Dispatch& dp = jb::dispatch()) {
   std::mt19937 rng(unsigned(n * 131 + c * 17 + k));
   TestPool pool;
   const jb::Executor ex = pool.executor(threads);
@@ -118,7 +119,7 @@ void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation 
       y_ref[i * k + j] = act_ref(act, acc);
     }
   Tensor y(dt, n * k), z(dt, n * k);
-  fc::forward(ex, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
+  fc::forward(ex, dp, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
               act == Activation::gelu ? z.data() : nullptr, force);
   const double tol = dt == DType::bf16 ? 2e-2 : 1e-4;
   close(y, y_ref, tol, "y");
@@ -128,7 +129,7 @@ void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation 
   Tensor dz(dt, n * k);
   const fc::Saved saved = fc::saved_for(act);
   const void* sv = saved == fc::Saved::output ? y.data() : saved == fc::Saved::preactivation ? z.data() : nullptr;
-  fc::act_grad(ex, s, dy.data(), sv, dz.data());
+  fc::act_grad(ex, dp, s, dy.data(), sv, dz.data());
   std::vector<double> dz_ref(n * k);
   for (int64_t i = 0; i < n * k; ++i) dz_ref[i] = dy.f[i] * act_grad_ref(act, z_ref[i]);
   // relu's derivative flips where z rounds to the other side of 0: compare on the kernel's own dz.
@@ -144,7 +145,7 @@ void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation 
       dx_ref[i * c + q] = acc;
     }
   Tensor dx(dt, n * c);
-  fc::backward(ex, s, dz.data(), w.data(), w_dt, dx.data(), force);
+  fc::backward(ex, dp, s, dz.data(), w.data(), w_dt, dx.data(), force);
   close(dx, dx_ref, tol, "dx");
 
   // update: dw = x^T dz (in w's dtype), db = sum dz
@@ -156,7 +157,7 @@ void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation 
     }
   Tensor dw(w_dt, c * k);
   std::vector<float> db(k, -1.0f);
-  fc::update(ex, s, x.data(), dz.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
+  fc::update(ex, dp, s, x.data(), dz.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
   close(dw, dw_ref, w_dt == DType::bf16 ? 2e-2 : 1e-4, "dw");
   if (bias) {
     Tensor dbt(DType::f32, k);
@@ -189,27 +190,27 @@ TEST(fc_forced_small_blocks_and_edges) {
   // Many blocks of every kind: edge rows and columns, several reduction blocks (the
   // reduction block of bf16 odd on purpose: VNNI pairs padded per block), zero padding of
   // the update's batch blocks.
-  const fc::Blocking blockings[] = {{5, 7, 3}, {12, 16, 8}, {1, 1, 1}, {24, 64, 6}};
+  const jb::Blocking blockings[] = {{5, 7, 3}, {12, 16, 8}, {1, 1, 1}, {24, 64, 6}};
   for (const auto& bl : blockings)
     for (DType dt : {DType::f32, DType::bf16})
       for (Activation act : {Activation::none, Activation::relu, Activation::gelu})
         run_case(23, 24, 19, dt, dt, act, act != Activation::relu, 1, &bl);
-  const fc::Blocking odd{6, 16, 5};
+  const jb::Blocking odd{6, 16, 5};
   run_case(17, 25, 35, DType::bf16, DType::bf16, Activation::sigmoid, true, 3, &odd);
 }
 
 TEST(fc_blocking_parallelizes_small_batches) {
   for (int64_t n : {1, 8, 64, 256, 1024}) {
     fc::Shape s{n, 1024, 1024, DType::f32, Activation::none};
-    const fc::Blocking b = fc::forward_blocking(s, 2);
+    const jb::Blocking b = fc::forward_blocking(s, 2, jb::dispatch());
     const int64_t items = (n + b.rows - 1) / b.rows * ((1024 + b.cols - 1) / b.cols);
     CHECK(items >= 16) << "n=" << n << " gives only " << items << " forward items";
     CHECK(b.rows <= n && b.rows >= 1) << "rows=" << b.rows;
     CHECK(1024 % b.red == 0) << "red=" << b.red;
   }
   fc::Shape s{256, 784, 1024, DType::bf16, Activation::none};
-  CHECK(784 % fc::forward_blocking(s, 2).red == 0);
-  CHECK(fc::update_blocking(s, 2).red % 2 == 0);
+  CHECK(784 % fc::forward_blocking(s, 2, jb::dispatch()).red == 0);
+  CHECK(fc::update_blocking(s, 2, jb::dispatch()).red % 2 == 0);
 }
 
 TEST(fc_nan_propagates) {
@@ -218,7 +219,7 @@ TEST(fc_nan_propagates) {
   fc::Shape s{4, 8, 20, DType::f32, Activation::none};
   std::vector<float> x(4 * 8, 1.0f), w(8 * 20, 1.0f), y(4 * 20);
   x[1 * 8 + 3] = NAN;
-  fc::forward(ex, s, x.data(), w.data(), DType::f32, nullptr, y.data(), nullptr);
+  fc::forward(ex, jb::dispatch(), s, x.data(), w.data(), DType::f32, nullptr, y.data(), nullptr);
   for (int j = 0; j < 20; ++j) {
     CHECK(std::isnan(y[1 * 20 + j])) << "row 1 col " << j;
     CHECK(y[0 * 20 + j] == 8.0f) << "row 0 col " << j << " = " << y[j];
@@ -226,20 +227,40 @@ TEST(fc_nan_propagates) {
 }
 
 TEST(fc_bf16_both_multiply_paths) {
-  // bf16 operands multiply either with bf16 dot products or widened to fp32 FMAs (chosen
-  // by measurement); both paths must agree with the reference.
-  const char* old = std::getenv("JAX_BRGEMM_FC_BF16");
-  const std::string saved = old ? old : "";
+  // bf16 operands multiply either with bf16 dot products or widened to fp32 FMAs (decided
+  // once per process from the CPU); both paths must agree with the reference.
   for (const char* mode : {"dot", "fp32"}) {
-    setenv("JAX_BRGEMM_FC_BF16", mode, 1);
-    CHECK(fc::multiply_dtype(DType::bf16) == (mode[0] == 'd' ? DType::bf16 : DType::f32)) << mode;
+    const jb::Dispatch dp = jb::make_dispatch(jb::best_isa(), mode);
+    CHECK(jb::multiply_dtype(DType::bf16, dp) == (mode[0] == 'd' ? DType::bf16 : DType::f32)) << mode;
+    CHECK(jb::multiply_dtype(DType::f32, dp) == DType::f32) << mode;
     for (Activation act : {Activation::none, Activation::gelu})
-      run_case(41, 130, 70, DType::bf16, DType::f32, act, true, 2, nullptr);
-    run_case(7, 1024, 36, DType::bf16, DType::f32, Activation::relu, true, 2, nullptr);
-    const fc::Blocking small{12, 16, 5};
-    run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small);
+      run_case(41, 130, 70, DType::bf16, DType::f32, act, true, 2, nullptr, dp);
+    run_case(7, 1024, 36, DType::bf16, DType::f32, Activation::relu, true, 2, nullptr, dp);
+    const jb::Blocking small{12, 16, 5};
+    run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small, dp);
   }
-  if (old) setenv("JAX_BRGEMM_FC_BF16", saved.c_str(), 1);
-  else unsetenv("JAX_BRGEMM_FC_BF16");
-  CHECK(fc::multiply_dtype(DType::f32) == DType::f32);
+}
+
+TEST(fc_every_isa) {
+  // The layer on every kernel variant this CPU can run, with the default multiply path.
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    const jb::Dispatch dp = jb::make_dispatch(isa, "");
+    for (DType dt : {DType::f32, DType::bf16})
+      run_case(29, 66, 75, dt, DType::f32, Activation::gelu, true, 2, nullptr, dp);
+    const jb::Blocking small{12, 16, 6};
+    run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small, dp);
+  }
+}
+
+TEST(dispatch_rejects_bad_overrides) {
+  bool threw = false;
+  try {
+    jb::make_dispatch(jb::Isa::generic, "fast");
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  CHECK(jb::make_dispatch(jb::Isa::generic, "").bf16_multiply == DType::f32);
+  CHECK(jb::make_dispatch(jb::Isa::amx, "auto").bf16_multiply == DType::bf16);
 }

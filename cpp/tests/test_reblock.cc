@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "check.h"
-#include "layers/reblock.h"
+#include "layers/common/reblock.h"
 
 namespace {
 
@@ -39,27 +39,25 @@ std::vector<uint8_t> naive(const std::vector<float>& srcf, DType sdt, int64_t ld
 
 std::vector<uint8_t> packed(const std::vector<float>& srcf, DType sdt, int64_t ld, bool trans,
                             int64_t rows, int64_t cols, int64_t prows, int64_t pcols, DType ddt,
-                            bool vnni) {
+                            bool vnni, jb::Isa isa) {
   std::vector<uint16_t> src16(srcf.size());
   for (size_t i = 0; i < srcf.size(); ++i) src16[i] = jb::f32_to_bf16(srcf[i]);
   const void* src = sdt == DType::f32 ? static_cast<const void*>(srcf.data()) : src16.data();
   const int64_t n = jb::reblock::block_elems(prows, pcols, vnni && ddt == DType::bf16);
   std::vector<uint8_t> out(size_t(n) * jb::dtype_size(ddt), 0xAB);  // garbage: padding must be written
-  jb::reblock::pack(src, sdt, ld, trans, rows, cols, prows, pcols, ddt, vnni, out.data());
+  jb::reblock::pack(src, sdt, ld, trans, rows, cols, prows, pcols, ddt, vnni, out.data(), isa);
   return out;
 }
 
 }  // namespace
 
 TEST(reblock_matches_naive_on_every_path) {
-  const char* old = std::getenv("JAX_BRGEMM_ISA");
-  const std::string saved = old ? old : "";
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-3, 3);
   const int64_t sizes[][4] = {{32, 16, 32, 16}, {64, 48, 64, 64}, {33, 17, 34, 32},
                               {5, 3, 8, 16}, {1, 1, 2, 2}, {96, 64, 96, 64}, {31, 47, 32, 48}};
-  for (const char* isa : {"amx", "avx512", "avx2", "generic"}) {
-    setenv("JAX_BRGEMM_ISA", isa, 1);
+  for (jb::Isa isa : {jb::Isa::amx, jb::Isa::avx512, jb::Isa::avx2, jb::Isa::generic}) {
+    if (isa > jb::best_isa()) continue;
     for (const auto& sz : sizes) {
       const int64_t rows = sz[0], cols = sz[1], prows = sz[2], pcols = sz[3];
       for (bool trans : {false, true}) {
@@ -74,15 +72,13 @@ TEST(reblock_matches_naive_on_every_path) {
           for (DType ddt : {DType::f32, DType::bf16})
             for (bool vnni : {false, true}) {
               const auto want = naive(src, sdt, ld, trans, rows, cols, prows, pcols, ddt, vnni);
-              const auto got = packed(src, sdt, ld, trans, rows, cols, prows, pcols, ddt, vnni);
-              CHECK(got == want) << isa << " rows=" << rows << " cols=" << cols << " prows=" << prows
+              const auto got = packed(src, sdt, ld, trans, rows, cols, prows, pcols, ddt, vnni, isa);
+              CHECK(got == want) << jb::isa_name(isa) << " rows=" << rows << " cols=" << cols << " prows=" << prows
                                  << " pcols=" << pcols << " trans=" << trans << " src="
                                  << int(sdt) << " dst=" << int(ddt) << " vnni=" << vnni;
             }
       }
     }
   }
-  if (old) setenv("JAX_BRGEMM_ISA", saved.c_str(), 1);
-  else unsetenv("JAX_BRGEMM_ISA");
 }
 

@@ -2,7 +2,7 @@
 // paths (function-level target attributes, taken only when the kernel ISA in use is
 // avx512 or amx) for the heavy cases: VNNI pair interleaving and transposition, as 16 x 16
 // transposes of 32-bit words. Both paths produce the same bits.
-#include "layers/reblock.h"
+#include "layers/common/reblock.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -178,7 +178,7 @@ JB_AVX512 void simd(const S* src, int64_t ld, bool trans, int64_t rows, int64_t 
 
 template <class S, class D>
 void pack_typed(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols, int64_t prows,
-                int64_t pcols, bool vnni, D* dst) {
+                int64_t pcols, bool vnni, D* dst, Isa isa) {
   const int64_t total = block_elems(prows, pcols, vnni);
   if (rows < (vnni ? (prows + 1) / 2 * 2 : prows) || cols < pcols)
     std::memset(dst, 0, size_t(total) * sizeof(D));
@@ -187,7 +187,7 @@ void pack_typed(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols
   // The plain bf16 transposed tiles store pairs of columns: pcols must be even for the
   // 32-bit stores to stay aligned to word rows.
   const bool bf16_plain_t = std::is_same_v<D, uint16_t> && trans && !vnni;
-  if (best_isa() >= Isa::avx512 && !(bf16_plain_t && pcols % 2))
+  if (isa >= Isa::avx512 && !(bf16_plain_t && pcols % 2))
     simd<S, D>(src, ld, trans, rows, cols, pcols, vnni, dst, &rd, &cd);
 #endif
   // The rest: rows [rd, rows) of every column, and columns [cd, cols) of rows [0, rd).
@@ -198,13 +198,13 @@ void pack_typed(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols
 }  // namespace
 
 void pack(const void* src, DType src_dt, int64_t ld, bool trans, int64_t rows, int64_t cols,
-          int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst) {
+          int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst, Isa isa) {
   vnni = vnni && dst_dt == DType::bf16;
   auto go = [&](auto s, auto d) {
     using S = decltype(s);
     using D = decltype(d);
     pack_typed(static_cast<const S*>(src), ld, trans, rows, cols, prows, pcols, vnni,
-               static_cast<D*>(dst));
+               static_cast<D*>(dst), isa);
   };
   if (src_dt == DType::f32) {
     if (dst_dt == DType::f32) go(float{}, float{});

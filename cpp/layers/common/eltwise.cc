@@ -1,7 +1,7 @@
 // One templated loop per operation, instantiated twice: for the baseline ISA and, through a
 // function-level target attribute, for AVX-512 (taken when the kernels use avx512 or amx).
 // The loops are branch-free so the compiler vectorizes them for either target.
-#include "layers/eltwise.h"
+#include "layers/common/eltwise.h"
 
 #include <type_traits>
 
@@ -89,19 +89,12 @@ JB_AVX512 void grad_avx512(Activation act, const void* dy, const void* s, void* 
 }
 #endif
 
-bool use_avx512() {
-#if defined(JB_X86)
-  return best_isa() >= Isa::avx512;
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
-void activate(Activation act, DType dt, const void* z, void* y, int64_t n) {
+void activate(Activation act, DType dt, const void* z, void* y, int64_t n, Isa isa) {
 #if defined(JB_X86)
-  if (use_avx512()) {
+  if (isa >= Isa::avx512) {
     dt == DType::f32 ? activate_avx512<float>(act, z, y, n) : activate_avx512<uint16_t>(act, z, y, n);
     return;
   }
@@ -109,9 +102,10 @@ void activate(Activation act, DType dt, const void* z, void* y, int64_t n) {
   dt == DType::f32 ? activate_base<float>(act, z, y, n) : activate_base<uint16_t>(act, z, y, n);
 }
 
-void act_grad(Activation act, DType dt, const void* dy, const void* saved, void* dz, int64_t n) {
+void act_grad(Activation act, DType dt, const void* dy, const void* saved, void* dz, int64_t n,
+              Isa isa) {
 #if defined(JB_X86)
-  if (use_avx512()) {
+  if (isa >= Isa::avx512) {
     dt == DType::f32 ? grad_avx512<float>(act, dy, saved, dz, n)
                      : grad_avx512<uint16_t>(act, dy, saved, dz, n);
     return;

@@ -19,8 +19,8 @@ inline int64_t block_elems(int64_t prows, int64_t pcols, bool vnni) {
 // element (r, j) is src[r * ld + j], or src[j * ld + r] when `trans`. dst is plain
 // row-major, or with `vnni` (bf16 dst only) VNNI-2 pairs of rows: element (r, j) at
 // [(r / 2) * 2 * pcols + 2 * j + r % 2]. fp32 <-> bf16 conversion rounds to nearest even
-// (NaN stays NaN), bit-identical on every ISA; the AVX-512 paths only make it faster.
+// (NaN stays NaN), bit-identical on every ISA; `isa` >= avx512 only makes it faster.
 void pack(const void* src, DType src_dt, int64_t ld, bool trans, int64_t rows, int64_t cols,
-          int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst);
+          int64_t prows, int64_t pcols, DType dst_dt, bool vnni, void* dst, Isa isa);
 
 }  // namespace jb::reblock

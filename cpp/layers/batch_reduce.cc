@@ -1,0 +1,102 @@
+#include "layers/batch_reduce.h"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "layers/common/blocking.h"
+#include "layers/common/kernels.h"
+#include "layers/common/plan_cache.h"
+#include "layers/common/scratch.h"
+
+namespace jb::batch_reduce {
+
+namespace {
+
+struct Plan {
+  Plan(const Dispatch& dp, const Shape& s, int64_t threads) {
+    const bool bf16 = s.ab == DType::bf16;
+    // AMX blocks are whole 32-row macro tiles; register tiles take any height.
+    const int64_t tile = bf16 && dp.isa == Isa::amx ? 32 : 4;
+    choose_blocks(s.items, s.m, s.n, threads, tile);
+    mblocks = ceil_div(s.m, bm);
+    nblocks = ceil_div(s.n, bn);
+    packed_matrix = bf16 ? (s.k + 1) / 2 * 2 * s.n : s.k * s.n;
+    BrgemmDesc d;
+    d.k = s.k;
+    d.lda = s.k;
+    d.ldb = bf16 ? 2 * s.n : s.n;
+    d.ldc = s.n;
+    d.ab = s.ab;
+    d.c = s.out;
+    d.accumulate = s.accumulate;
+    kernels.emplace(d, s.m, s.n, bm, bn, dp.isa);
+  }
+
+  // Splits the M x N output into blocks for the threads: whole rows of N when N is small
+  // (the B panel is then read once per block), M blocks of at most 96 rows in multiples
+  // of `tile` rows, and a block count that the threads share evenly (or at least 4 per
+  // thread). Too few rows to split: split N instead, in whole AMX tile columns.
+  void choose_blocks(int64_t items, int64_t m, int64_t n, int64_t threads, int64_t tile) {
+    bn = n <= 256 ? n : 128;
+    if (items * ceil_div(m, 96) < threads && n >= 64 && m < 2 * tile)  // too few rows
+      bn = round_up(ceil_div(n, threads), 16);
+    const int64_t nb = ceil_div(n, bn);
+    int64_t mb = ceil_div(m, 96);
+    auto total = [&] { return items * nb * mb; };
+    while (total() % threads != 0 && total() < 4 * threads && round_up((m + mb) / (mb + 1), tile) < m)
+      ++mb;
+    bm = std::min(m, round_up(ceil_div(m, mb), tile));
+  }
+
+  int64_t bm = 0, bn = 0, mblocks = 0, nblocks = 0, packed_matrix = 0;
+  std::optional<KernelSet> kernels;
+};
+
+PlanCache<11, Plan> plans;
+
+}  // namespace
+
+void run(const Executor& ex, const Dispatch& dp, const Shape& s, const void* a, const void* b,
+         const void* c, void* out, const ItemOffsets& offs) {
+  if (s.items <= 0 || s.m <= 0 || s.n <= 0) return;
+  const auto plan = plans.get({s.items, s.batch, s.m, s.k, s.n, int64_t(s.ab), int64_t(s.out),
+                               s.accumulate, s.b_matrices, ex.num_threads, int64_t(dp.isa)},
+                              [&] { return Plan(dp, s, ex.num_threads); });
+  const Plan& p = *plan;
+  const size_t es = dtype_size(s.ab), cs = dtype_size(s.out);
+  const int64_t matrix = std::max<int64_t>(1, s.k * s.n);  // k = 0: only c (or zeros)
+
+  // bf16: every distinct B matrix packed once into VNNI-2 pairs, in the caller's scratch.
+  const char* bp = static_cast<const char*>(b);
+  if (s.ab == DType::bf16) {
+    char* packed = Scratch::get<1>({size_t(s.b_matrices * p.packed_matrix) * es})[0];
+    const auto* src = static_cast<const uint16_t*>(b);
+    parallel_for(ex, s.b_matrices, [&](int64_t i) {
+      pack_vnni2(src + i * matrix, s.k, s.n, s.n,
+                 reinterpret_cast<uint16_t*>(packed) + i * p.packed_matrix, dp.isa);
+    });
+    bp = packed;
+  }
+  const char* ap = static_cast<const char*>(a);
+  const char* cp = static_cast<const char*>(c);
+  char* op = static_cast<char*>(out);
+  const int64_t b_cols = s.ab == DType::bf16 ? 2 : 1;  // a VNNI pair row holds 2 per column
+
+  parallel_for(ex, s.items * p.mblocks * p.nblocks, [&](int64_t w) {
+    const int64_t jb = w % p.nblocks, ib = w / p.nblocks % p.mblocks, l = w / p.nblocks / p.mblocks;
+    const int64_t i0 = ib * p.bm, j0 = jb * p.bn;
+    const int64_t rows = std::min(p.bm, s.m - i0), cols = std::min(p.bn, s.n - j0);
+    char* o = op + (l * s.m * s.n + i0 * s.n + j0) * cs;
+    if (cp) {  // out = c, then accumulate: c may be broadcast, so copy the block
+      const char* cb = cp + (offs.c[l] + i0 * s.n + j0) * cs;
+      if (cb != o)
+        for (int64_t i = 0; i < rows; ++i) std::memcpy(o + i * s.n * cs, cb + i * s.n * cs, size_t(cols) * cs);
+    }
+    const char* a0 = ap + (offs.a[l] + i0 * s.k) * es;
+    const char* b0 = bp + (offs.b[l] / matrix * p.packed_matrix + j0 * b_cols) * es;
+    (*p.kernels)(rows, cols).strided(a0, s.m * s.k, b0, p.packed_matrix, s.batch, o);
+  });
+}
+
+}  // namespace jb::batch_reduce

@@ -1,0 +1,29 @@
+#include "layers/common/blocking.h"
+
+namespace jb {
+
+namespace {
+constexpr int64_t kMaxRows = 96;
+}  // namespace
+
+int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads) {
+  if (m <= kRowQuantum) return m;
+  int64_t nb = ceil_div(m, kMaxRows);
+  int64_t rows = round_up(ceil_div(m, nb), kRowQuantum);
+  while (rows > kRowQuantum && ceil_div(m, rows) * col_blocks < kItemsPerThread * threads) {
+    ++nb;
+    rows = round_up(ceil_div(m, nb), kRowQuantum);
+  }
+  return std::min(rows, m);
+}
+
+int64_t reduction_block(int64_t size, bool even) {
+  constexpr int64_t kTarget = 256, kMin = 32;
+  if (size <= kTarget) return size;
+  for (int pass = even ? 0 : 1; pass < 2; ++pass)
+    for (int64_t d = kTarget; d >= kMin; --d)
+      if (size % d == 0 && (pass == 1 || d % 2 == 0)) return d;
+  return size;
+}
+
+}  // namespace jb

@@ -1,0 +1,49 @@
+// Blocking arithmetic and heuristics shared by the layers: how an output is cut into the
+// blocks that are the work items, and how a reduced dimension is cut into batch elements.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "brgemm/brgemm.h"
+
+namespace jb {
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// The dtype the kernels multiply in for operands stored in dt (accumulation is fp32).
+inline DType multiply_dtype(DType dt, const Dispatch& dp) {
+  return dt == DType::f32 ? DType::f32 : dp.bf16_multiply;
+}
+
+// Block sizes of one pass: rows and columns of an output block, and the block of the
+// reduced dimension (one BRGEMM batch element).
+struct Blocking {
+  int64_t rows = 0, cols = 0, red = 0;
+};
+
+// A multiple of every ISA's register-tile height.
+constexpr int64_t kRowQuantum = 12;
+// Work items per thread a pass aims for, so a late or slow thread still finds work.
+constexpr int64_t kItemsPerThread = 8;
+
+// Rows per output block for m rows against `col_blocks` column blocks: whole register
+// tiles, at most 96 rows, and fine enough that every thread gets several items when
+// the other dimension has few blocks (kItemsPerThread).
+int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads);
+
+// A block of a reduced dimension that divides it (the kernel's batch elements must all be
+// full), at most 256; even sizes first when `even` (bf16 VNNI pairs never straddle
+// blocks). Falls back to the whole dimension (one batch element) when nothing in range
+// divides it.
+int64_t reduction_block(int64_t size, bool even);
+
+// b clamped to an output of rows x cols (at least one row and column).
+inline Blocking clamped(Blocking b, int64_t rows, int64_t cols) {
+  b.rows = std::max<int64_t>(1, std::min(b.rows, rows));
+  b.cols = std::max<int64_t>(1, std::min(b.cols, cols));
+  return b;
+}
+
+}  // namespace jb

@@ -1,0 +1,67 @@
+// Element access for fp32 or bf16 storage, and the A operand of a pass: an activation
+// matrix read in place when the kernel can, or copied once into scratch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "brgemm/brgemm.h"
+#include "layers/common/blocking.h"
+
+namespace jb {
+
+// Calls f with a value of the storage type of `t` (float or uint16_t), to instantiate
+// templated loops for both dtypes.
+template <class F>
+void with_type(DType t, F&& f) {
+  if (t == DType::f32) f(float{});
+  else f(uint16_t{});
+}
+
+// Address of element i of an array of dtype t.
+inline const void* at(const void* p, DType t, int64_t i) {
+  return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
+}
+
+// An activation matrix (rows x cols, row-major) as the A operand of a BRGEMM: read in
+// place when the kernel can, else copied once (in row chunks, the work items of a
+// parallel loop): widened from bf16 for fp32 multiplies, and with rows padded by a cache
+// line when their stride is a multiple of 4 KiB (the rows of a register tile would all
+// fall in one L1 set and evict each other).
+class ActivationOperand {
+ public:
+  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols)
+      : from_(from), to_(to), rows_(rows), cols_(cols) {
+    const int64_t es = int64_t(dtype_size(to));
+    ld_ = cols * es % 4096 == 0 ? cols + 64 / es : cols;
+    copy_ = from != to || ld_ != cols;
+    chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
+  }
+  bool copied() const { return copy_; }
+  int64_t ld() const { return ld_; }
+  size_t bytes() const { return copy_ ? size_t(rows_ * ld_) * dtype_size(to_) : 0; }
+  int64_t items() const { return copy_ ? ceil_div(rows_, chunk_) : 0; }
+  // Copies row chunk i of src into dst (bytes() long).
+  void copy(int64_t i, const void* src, char* dst) const {
+    const int64_t r1 = std::min(rows_, (i + 1) * chunk_);
+    for (int64_t r = i * chunk_; r < r1; ++r) {
+      const char* s = static_cast<const char*>(src) + r * cols_ * int64_t(dtype_size(from_));
+      char* d = dst + r * ld_ * int64_t(dtype_size(to_));
+      if (from_ == to_) {
+        std::memcpy(d, s, size_t(cols_) * dtype_size(to_));
+      } else {  // bf16 -> fp32
+        const uint16_t* sh = reinterpret_cast<const uint16_t*>(s);
+        float* df = reinterpret_cast<float*>(d);
+        for (int64_t j = 0; j < cols_; ++j) df[j] = bf16_to_f32(sh[j]);
+      }
+    }
+  }
+
+ private:
+  DType from_, to_;
+  int64_t rows_, cols_, ld_, chunk_;
+  bool copy_;
+};
+
+}  // namespace jb

@@ -1,0 +1,158 @@
+"""``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
+
+Inside the context, every ``flax.linen.Dense`` call that the kernels support computes with
+``jb.dense`` on exactly the parameters the stock module created; everything else runs the
+stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
+parameter trees, and checkpoints, are the stock ones by construction::
+
+    model = MyFlaxModel()                      # written against flax.linen only
+    params = model.init(key, x)                # the same tree inside the context or not
+    with jax_brgemm.accelerate():
+        y = jax.jit(model.apply)(params, x)    # Dense layers traced here run on the kernels
+
+The interception happens while JAX *traces*: a function jitted and traced outside the
+context keeps its stock computation when it is called inside it (and the other way round).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import dtypes as flax_dtypes
+
+from jax_brgemm._validate import KERNEL_DTYPES as _KERNEL_DTYPES
+from jax_brgemm.ops.dense import dense
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One intercepted layer call: the module's path and class, and how it ran."""
+
+    path: str
+    layer: str
+    accelerated: bool
+    reason: str  # why it fell back to the stock module ("" when accelerated)
+
+    def __str__(self):
+        how = "brgemm" if self.accelerated else f"stock ({self.reason})"
+        return f"{self.path or '<top>'} [{self.layer}]: {how}"
+
+
+class Accelerate(contextlib.ContextDecorator):
+    """The context manager (and decorator) that ``accelerate()`` returns.
+
+    Attributes:
+      calls: every distinct layer call traced inside the context, in order.
+      report: print ``calls`` when the context exits.
+    """
+
+    def __init__(self, report: bool = False):
+        self.report = report
+        self.calls: list[Call] = []
+        self._stack = None
+
+    def __enter__(self):
+        self.calls = []
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(nn.intercept_methods(self._intercept))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        if self.report:
+            print(self.summary())
+        return False
+
+    def summary(self) -> str:
+        fast = sum(c.accelerated for c in self.calls)
+        lines = [f"jax_brgemm.accelerate: {fast} of {len(self.calls)} layer calls on the kernels"]
+        return "\n".join(lines + [f"  {c}" for c in self.calls])
+
+    def _record(self, module, accelerated, reason=""):
+        call = Call("/".join(module.scope.path) if module.scope else "", type(module).__name__,
+                    accelerated, reason)
+        if call not in self.calls:
+            self.calls.append(call)
+
+    def _intercept(self, next_fun, args, kwargs, context):
+        module = context.module
+        rule = _RULES.get(type(module))
+        if rule is None or context.method_name != "__call__" or module.scope is None:
+            return next_fun(*args, **kwargs)
+        if module.is_initializing():  # parameters are created by the stock code
+            return next_fun(*args, **kwargs)
+        reason = rule.unsupported(module, args, kwargs)
+        if reason:
+            self._record(module, False, reason)
+            return next_fun(*args, **kwargs)
+        self._record(module, True)
+        return rule.run(module, *args, **kwargs)
+
+
+def accelerate(report: bool = False) -> Accelerate:
+    """Runs the supported stock Flax layers traced inside the context on the kernels.
+
+    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation). A call
+    falls back to the stock module, unchanged, for a custom ``dot_general`` /
+    ``dot_general_cls`` / ``promote_dtype``, a computation dtype other than float32 or
+    bfloat16, or a subclass of the layer. ``report=True`` prints, on exit, which calls ran
+    on the kernels and why the others did not (also in ``.calls``).
+
+    Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
+    """
+    return Accelerate(report)
+
+
+# --- the layers ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    unsupported: Callable[..., str]  # "" or why this call must run the stock module
+    run: Callable[..., Any]
+
+
+def _params(module) -> dict:
+    return module.variables.get("params", {})
+
+
+def _dense_unsupported(module: nn.Dense, args, kwargs) -> str:
+    if module.dot_general is not None or module.dot_general_cls is not None:
+        return "custom dot_general"
+    if module.promote_dtype is not flax_dtypes.promote_dtype:
+        return "custom promote_dtype"
+    if len(args) != 1 or kwargs:
+        return "unexpected arguments"
+    if "kernel" not in _params(module) or (module.use_bias and "bias" not in _params(module)):
+        return "parameters not created yet"
+    (inputs,) = args
+    params = _params(module)
+    try:
+        dtype = np.dtype(flax_dtypes.canonicalize_dtype(inputs, params["kernel"], params.get("bias"),
+                                                        dtype=module.dtype))
+    except ValueError as e:  # the stock module raises it again
+        return f"dtype ({e})"
+    if dtype not in _KERNEL_DTYPES:
+        return f"{dtype} computation"
+    if jnp.ndim(inputs) < 1:
+        return "scalar input"
+    return ""
+
+
+def _dense_run(module: nn.Dense, inputs):
+    params = _params(module)
+    kernel, bias = params["kernel"], params.get("bias") if module.use_bias else None
+    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=module.dtype)
+    # As promote_dtype does for the inputs; the kernel and bias are cast inside the call,
+    # so their gradients come back in the parameter dtype.
+    return dense(jnp.asarray(inputs, dtype), kernel, bias, dtype=dtype)
+
+
+_RULES: dict[type, _Rule] = {nn.Dense: _Rule(_dense_unsupported, _dense_run)}
+
+__all__ = ["accelerate", "Accelerate", "Call"]
