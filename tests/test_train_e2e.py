@@ -270,7 +270,6 @@ def test_aborted_bfloat16_run_exit_1_and_seed_from_system(tiny, capsys):
 
 
 def test_brgemm_impl_end_to_end(tiny):
-    pytest.importorskip("jax_brgemm.nn")
     log_dir = tiny["root"] / "logs" / "brgemm"
     code = cli.main(["tiny", "--impl", "brgemm", "--data-dir",
                      str(tiny["data"]), "--log-dir", str(log_dir)])

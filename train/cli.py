@@ -22,11 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from jax_brgemm.models import IMPLS
+
 from . import compliance, data, rcp, report, scoring
 from .hparams import HparamError, resolve
 from .suite import SUITE, Benchmark
 
-IMPLS = ("brgemm", "xla")
 DTYPES = ("float32", "bfloat16")
 EXIT_OK, EXIT_NOT_CONVERGED, EXIT_ERROR = 0, 1, 2
 MAX_SEED = 2**32 - 1
@@ -35,17 +36,6 @@ SYSTEM_SEED_SOURCE = "system randomness (secrets.randbits(31), /dev/urandom)"
 
 class UsageError(Exception):
     """A bad option value or an unusable setup (exit code 2)."""
-
-
-def _check_impl(impl: str):
-    if impl not in IMPLS:
-        raise UsageError(f"--impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "brgemm":
-        try:
-            from jax_brgemm import nn  # noqa: F401
-        except ImportError as e:
-            raise UsageError(f"--impl brgemm needs jax_brgemm's compiled layers, which do not "
-                             f"import here ({e}); build/install jax_brgemm, or use --impl xla")
 
 
 def seeds(seed: Optional[int], runs: int, division: str) -> list[tuple[int, str]]:
@@ -144,7 +134,8 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
         raise UsageError("--log-dir must not be empty (leave it out for runs/BENCHMARK/IMPL)")
     run_seeds = seeds(seed, runs, division)
     hp = resolve(bench, dict(overrides or {}), division)
-    _check_impl(impl)
+    if impl not in IMPLS:
+        raise UsageError(f"--impl must be one of {IMPLS}, got {impl!r}")
     paths = data.locate(bench.dataset, data_dir)
     for path in paths.values():
         filesystem = data.in_memory_filesystem(path)
