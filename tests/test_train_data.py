@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_brgemm.train import cli, data
+from jax_brgemm.train import cli, data, optim
 
 
 def _idx_bytes(array):
@@ -230,7 +230,7 @@ def test_train_batches_cover_every_example_once_per_epoch():
     epochs = []
     for epoch in (1, 2):
         batches = list(data.train_batches(images, labels, batch, seed=7, epoch=epoch))
-        assert len(batches) == data.num_batches(n, batch) == 7
+        assert len(batches) == optim.steps_per_epoch(n, batch) == 7
         assert all(b.inputs.shape == (batch, 1) and b.weight.shape == (batch,) for b in batches)
         seen = np.concatenate([b.labels[b.weight == 1] for b in batches])
         assert sorted(seen) == list(range(n))

@@ -393,10 +393,6 @@ def eval_batches(inputs, labels, batch_size: int) -> Iterator[Batch]:
         yield _batch(inputs, labels, order[start:start + batch_size], batch_size)
 
 
-def num_batches(num_examples: int, batch_size: int) -> int:
-    return -(-num_examples // batch_size)
-
-
 def write_idx(path: Path, array: np.ndarray) -> None:
     """Writes a uint8 array as a (gzipped if path ends in .gz) IDX file; for tests and tools."""
     array = np.ascontiguousarray(array, np.uint8)
