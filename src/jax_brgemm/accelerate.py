@@ -22,11 +22,8 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
-from flax.linen import dtypes as flax_dtypes
 
-from jax_brgemm._validate import KERNEL_DTYPES as _KERNEL_DTYPES
-from jax_brgemm.ops.dense import dense
+from jax_brgemm import nn as jbnn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +83,9 @@ class Accelerate(contextlib.ContextDecorator):
             return next_fun(*args, **kwargs)
         if module.is_initializing():  # parameters are created by the stock code
             return next_fun(*args, **kwargs)
-        reason = rule.unsupported(module, args, kwargs)
-        if reason:
-            self._record(module, False, reason)
-            return next_fun(*args, **kwargs)
-        self._record(module, True)
-        return rule.run(module, *args, **kwargs)
+        y, reason = rule(module, args, kwargs)
+        self._record(module, y is not None, reason)
+        return next_fun(*args, **kwargs) if y is None else y
 
 
 def accelerate(report: bool = False) -> Accelerate:
@@ -108,51 +102,18 @@ def accelerate(report: bool = False) -> Accelerate:
     return Accelerate(report)
 
 
-# --- the layers ---------------------------------------------------------------------------
+# --- the layers: each rule returns (the result on the kernels, "") or (None, why not) ------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    unsupported: Callable[..., str]  # "" or why this call must run the stock module
-    run: Callable[..., Any]
+def _dense(module: nn.Dense, args, kwargs):
+    params = module.variables.get("params", {})
+    if len(args) != 1 or kwargs or jnp.ndim(args[0]) < 1:
+        return None, "unexpected arguments"
+    if "kernel" not in params or (module.use_bias and "bias" not in params):
+        return None, "parameters not created yet"
+    return jbnn.dense_on_kernels(module, args[0], params["kernel"], params.get("bias"))
 
 
-def _params(module) -> dict:
-    return module.variables.get("params", {})
-
-
-def _dense_unsupported(module: nn.Dense, args, kwargs) -> str:
-    if module.dot_general is not None or module.dot_general_cls is not None:
-        return "custom dot_general"
-    if module.promote_dtype is not flax_dtypes.promote_dtype:
-        return "custom promote_dtype"
-    if len(args) != 1 or kwargs:
-        return "unexpected arguments"
-    if "kernel" not in _params(module) or (module.use_bias and "bias" not in _params(module)):
-        return "parameters not created yet"
-    (inputs,) = args
-    params = _params(module)
-    try:
-        dtype = np.dtype(flax_dtypes.canonicalize_dtype(inputs, params["kernel"], params.get("bias"),
-                                                        dtype=module.dtype))
-    except ValueError as e:  # the stock module raises it again
-        return f"dtype ({e})"
-    if dtype not in _KERNEL_DTYPES:
-        return f"{dtype} computation"
-    if jnp.ndim(inputs) < 1:
-        return "scalar input"
-    return ""
-
-
-def _dense_run(module: nn.Dense, inputs):
-    params = _params(module)
-    kernel, bias = params["kernel"], params.get("bias") if module.use_bias else None
-    dtype = flax_dtypes.canonicalize_dtype(inputs, kernel, bias, dtype=module.dtype)
-    # As promote_dtype does for the inputs; the kernel and bias are cast inside the call,
-    # so their gradients come back in the parameter dtype.
-    return dense(jnp.asarray(inputs, dtype), kernel, bias, dtype=dtype)
-
-
-_RULES: dict[type, _Rule] = {nn.Dense: _Rule(_dense_unsupported, _dense_run)}
+_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense}
 
 __all__ = ["accelerate", "Accelerate", "Call"]

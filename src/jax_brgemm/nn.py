@@ -31,6 +31,34 @@ __all__ = ["ACTIVATIONS", "Dense"]
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(_activations.FUNCTIONS)
 
 
+def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
+    """``(y, "")``: a Dense ``layer``'s result on the kernels, or ``(None, why not)``.
+
+    ``layer`` has ``flax.linen.Dense``'s fields (``dtype``, ``promote_dtype``,
+    ``dot_general``, ``dot_general_cls``): a stock module or this module's ``Dense``.
+    """
+    if layer.dot_general is not None or layer.dot_general_cls is not None:
+        return None, "custom dot_general"
+    if layer.promote_dtype is promote_dtype:
+        # Flax's promotion, except that the kernel and bias go in as they are and are cast
+        # inside the custom call: their gradients stay in the parameter dtype without a
+        # rounding to the computation dtype in between.
+        try:
+            dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=layer.dtype))
+        except ValueError as e:  # the stock computation raises it again
+            return None, f"dtype ({e})"
+        if dtype not in check.KERNEL_DTYPES:
+            return None, f"{dtype} computation"
+        kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
+                        for a in (kernel, bias))
+        return dense(jnp.asarray(inputs, dtype), kernel, bias, activation=activation, dtype=dtype), ""
+    p_inputs, p_kernel, p_bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
+    dtypes = {np.dtype(a.dtype) for a in (p_inputs, p_kernel, p_bias) if a is not None}
+    if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+        return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
+    return dense(p_inputs, p_kernel, p_bias, activation=activation), ""
+
+
 class Dense(Module):
     """A linear transformation applied over the last dimension of the input, with an
     optional fused activation, on jax_brgemm's fully-connected kernels.
@@ -107,23 +135,9 @@ class Dense(Module):
         else:
             bias = None
 
-        if self.dot_general is None and self.dot_general_cls is None:
-            if self.promote_dtype is promote_dtype:
-                # Flax's promotion, except that the kernel and bias go in as they are and are
-                # cast inside the custom call: their gradients stay in the parameter dtype
-                # without a rounding to the computation dtype in between.
-                dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype))
-                if dtype in check.KERNEL_DTYPES:
-                    kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES
-                                    else jnp.asarray(a, dtype) for a in (kernel, bias))
-                    return dense(jnp.asarray(inputs, dtype), kernel, bias,
-                                 activation=self.activation, dtype=dtype)
-            else:
-                p_inputs, p_kernel, p_bias = self.promote_dtype(
-                    inputs, kernel, bias, dtype=self.dtype)
-                dtypes = {np.dtype(a.dtype) for a in (p_inputs, p_kernel, p_bias) if a is not None}
-                if len(dtypes) == 1 and dtypes <= set(check.KERNEL_DTYPES):
-                    return dense(p_inputs, p_kernel, p_bias, activation=self.activation)
+        y, _ = dense_on_kernels(self, inputs, kernel, bias, self.activation)
+        if y is not None:
+            return y
 
         # flax.linen.Dense's computation, for what the kernels cannot run.
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
