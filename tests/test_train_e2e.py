@@ -216,7 +216,7 @@ def _meta(key, field, value):
     _set("train_samples", 60000),
     _set("submission_benchmark", "resnet"),
     _set("cache_clear", "DROP"),
-    _set("epoch_start", "DROP", index=1),
+    _set("epoch_start", "DROP"),  # epoch 1: every run has it
     _meta("epoch_start", "epoch_num", 0),
     _meta("run_stop", "status", "done"),
     _set("run_start", "DROP"),
