@@ -276,9 +276,12 @@ struct DirectPlan {
         kid[row * blocks.size() + j] = it->second;
       }
 
-    units = n * hout * int64_t(blocks.size());
-    groups_ = WorkGroups(ob, units, threads);
+    // Panels of a work item: as many channel blocks as fit the panel budget together, so
+    // that small weights (pointwise layers) are read once per pixel block for all of them.
     panel_bytes = Scratch::aligned(size_t(panel_elems) * ks);
+    per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(ob, kPanelBytes / int64_t(panel_bytes)));
+    units = n * hout * int64_t(blocks.size());
+    groups_ = WorkGroups(ceil_div(ob, per_item), units, threads);
     copy_bytes = copy ? size_t(n * hin * win * ci) * ks : 0;
   }
 
@@ -287,7 +290,8 @@ struct DirectPlan {
   // tile(out_offset, pixels, cols, multiply), where multiply(out, bias) is its BRGEMM call.
   template <class Pack, class Tile>
   void run(const Executor& ex, const void* in_src, DType in_dt, Pack&& pack, Tile&& tile) const {
-    const auto buf = Scratch::get<2>({copy_bytes, panel_bytes * size_t(groups_.concurrency())});
+    const size_t lease = panel_bytes * size_t(per_item);
+    const auto buf = Scratch::get<2>({copy_bytes, lease * size_t(groups_.concurrency())});
     const char* in = static_cast<const char*>(in_src);
     if (copy) {
       const size_t px = size_t(ci) * ks;
@@ -300,22 +304,26 @@ struct DirectPlan {
       });
       in = buf[0];
     }
-    PanelPool panels(buf[1], panel_bytes, groups_.concurrency());
+    PanelPool panels(buf[1], lease, groups_.concurrency());
     const int64_t nb = int64_t(blocks.size());
     parallel_for(ex, groups_.items(), [&](int64_t item) {
-      const int64_t o0 = groups_.panel(item) * bo, cols = std::min(bo, co - o0);
+      const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(ob, g0 + per_item);
       const PanelPool::Lease panel(panels);
-      const View<char, 4> pv(panel.data, {ib, rt, st, blk * int64_t(ks)});
-      for (int64_t c = 0; c < ib; ++c)
-        for (int64_t r = 0; r < rt; ++r)
-          for (int64_t s = 0; s < st; ++s) pack(o0, cols, c, r, s, pv.at(c, r, s));
+      const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(ks)});
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t c = 0; c < ib; ++c)
+          for (int64_t r = 0; r < rt; ++r)
+            for (int64_t s = 0; s < st; ++s) pack(g * bo, std::min(bo, co - g * bo), c, r, s, pv.at(g - g0, c, r, s));
       for (int64_t u = groups_.first(item); u < groups_.last(item); ++u) {
         const int64_t j = u % nb, row = u / nb % hout, img = u / nb / hout;
         const PixelBlock& b = blocks[j];
         const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ci * int64_t(ks);
-        const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
-        tile(((img * hout + row) * wout + b.o) * co + o0, b.m, cols,
-             [&](void* out, const float* bias) { k.static_offsets(a, panel.data, out, bias); });
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t o0 = g * bo, cols = std::min(bo, co - o0);
+          const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
+          tile(((img * hout + row) * wout + b.o) * co + o0, b.m, cols,
+               [&](void* out, const float* bias) { k.static_offsets(a, pv.at(g - g0), out, bias); });
+        }
       }
     });
   }
@@ -336,7 +344,7 @@ struct DirectPlan {
   std::vector<Table> tables;  // moved with the plan: the kernels' pointers stay valid
   std::vector<Brgemm> kernels;
   std::vector<int64_t> kid;
-  int64_t units = 0;
+  int64_t per_item = 1, units = 0;  // channel blocks per work item, output blocks
   WorkGroups groups_{1, 1, 1};
   size_t panel_bytes = 0, copy_bytes = 0;
 };
