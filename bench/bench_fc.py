@@ -7,8 +7,8 @@ Layer suite: C = K in {256, 512, 1024}, N in {64, 256, 1024}, ReLU layers with b
 fp32 and bf16 (bf16 compute with fp32 parameters, Flax's dtype=bfloat16):
 
   fwd   y = relu(x W + b)
-  bwd   dx = (dy * relu'(y)) W^T          (stock: the ops XLA's autodiff emits)
-  upd   dW = x^T (dy * relu'(y)), db      (stock: idem)
+  bwd   dx = (dy * relu'(y)) W^T          the vjp of the forward, given its residuals
+  upd   dW = x^T (dy * relu'(y)), db      idem (XLA drops the part a pass does not need)
   step  fwd + bwd + upd: one jitted jax.grad of the layer w.r.t. x, W and b
 
 MLP suite: whole training steps (softmax cross-entropy, jax.grad, optax SGD with momentum,
@@ -37,7 +37,6 @@ import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402
 from jax_brgemm import models  # noqa: E402
-from jax_brgemm.ops import dense as D  # noqa: E402
 
 WIDTHS = (256, 512, 1024)
 BATCHES = (64, 256, 1024)
@@ -67,7 +66,6 @@ def layer_contenders(n, c, dtype, torch):
     w = jnp.asarray(rng.standard_normal((c, c)) / np.sqrt(c), jnp.float32)
     b = jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((n, c)), dtype)
-    y = jb.dense(x, w, b, activation="relu", dtype=dtype)  # saved by the forward
     params = {"params": {"kernel": w, "bias": b}}
     stock = fnn.Dense(c, dtype=dtype)
 
@@ -76,20 +74,18 @@ def layer_contenders(n, c, dtype, torch):
 
     jb_layer = lambda x, p: jb.nn.Dense(c, activation="relu", dtype=dtype).apply(p, x)
     xla_layer = lambda x, p: jax.nn.relu(stock.apply(p, x))
-    out = {
-        "jax_brgemm": {
-            "fwd": (jax.jit(jb_layer), (x, params)),
-            "bwd": (jax.jit(lambda dy, y, w: D._backward(D._act_grad(dy, y, D._RELU), w, (n, c))), (dy, y, w)),
-            "upd": (jax.jit(lambda x, dy, y, w: D._update(x, D._act_grad(dy, y, D._RELU), w, True)), (x, dy, y, w)),
-            "step": (jax.jit(jax.grad(weighted(jb_layer), (0, 1))), (x, params)),
-        },
-        "flax": {
-            "fwd": (jax.jit(xla_layer), (x, params)),
-            "bwd": (jax.jit(lambda dy, y, w: jnp.where(y > 0, dy, 0).astype(dtype) @ w.astype(dtype).T), (dy, y, w)),
-            "upd": (jax.jit(lambda x, dy, y: _xla_upd(x, jnp.where(y > 0, dy, 0).astype(dtype))), (x, dy, y)),
-            "step": (jax.jit(jax.grad(weighted(xla_layer), (0, 1))), (x, params)),
-        },
-    }
+    out = {}
+    for name, layer in (("jax_brgemm", jb_layer), ("flax", xla_layer)):
+        # The backward passes alone, given the forward's residuals: the vjp closure is a
+        # pytree of them, passed into the jitted function. What a pass does not need is
+        # dropped by XLA (dx alone: no weight update; the update alone: no dx).
+        _, vjp = jax.vjp(layer, x, params)
+        out[name] = {
+            "fwd": (jax.jit(layer), (x, params)),
+            "bwd": (jax.jit(lambda f, dy: f(dy)[0]), (vjp, dy)),
+            "upd": (jax.jit(lambda f, dy: f(dy)[1]), (vjp, dy)),
+            "step": (jax.jit(jax.grad(weighted(layer), (0, 1))), (x, params)),
+        }
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         tx = torch.from_numpy(np.array(x, np.float32)).to(tdt)
@@ -124,10 +120,6 @@ def layer_contenders(n, c, dtype, torch):
 
         out["torch"] = {"fwd": (t_fwd, ()), "bwd": (t_bwd, ()), "upd": (t_upd, ()), "step": (t_step, ())}
     return out
-
-
-def _xla_upd(x, dz):
-    return jnp.matmul(x.T, dz, preferred_element_type=jnp.float32), jnp.sum(dz.astype(jnp.float32), 0)
 
 
 # --- the MLP training step ------------------------------------------------------------------

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,31 +56,10 @@ def interleaved(fns: dict, args: dict, repeats: int = 15, min_time: float = 0.05
 
 
 def measure_peak(seconds: float = 0.3, repeats: int = 7) -> dict:
-    """Arithmetic ceilings (GFLOP/s) with all of XLA's threads, from the native probe
-    (independent register / tile chains, no memory traffic), median of repeats:
-    "float32" (FMA), "bfloat16_vdpbf16ps" (AVX-512 BF16) and, where the CPU has AMX,
-    "bfloat16_amx". "bfloat16" is the best bf16 unit this machine has."""
+    """The machine's arithmetic ceilings in GFLOP/s, measured now (jax_brgemm.peak_gflops)."""
     import jax_brgemm
 
-    from jax_brgemm import _native  # noqa: F401  (registers the probe's FFI target)
-
-    items = 4 * max(1, os.cpu_count() or 1)  # several items per thread: balanced finish
-    units = {"float32": ("fma", 12 * 16 * 2), "bfloat16_vdpbf16ps": ("vdpbf16ps", 12 * 16 * 4)}
-    if jax_brgemm.isa() == "amx":
-        units["bfloat16_amx"] = ("amx", 4 * 16 * 16 * 32 * 2)
-
-    def probe(unit, iters):
-        return jax.jit(lambda: jax.ffi.ffi_call("jb_peak_probe", jax.ShapeDtypeStruct((items,), jnp.float32))(
-            iters=np.int64(iters), unit=unit))
-
-    peak = {}
-    for name, (unit, per_iter) in units.items():
-        secs = time_jitted(probe(unit, 2000), repeats=1, min_time=0.0)[0]
-        iters = max(1000, int(2000 * seconds / max(secs, 1e-6)))
-        samples = time_jitted(probe(unit, iters), repeats=repeats, min_time=0.0)
-        peak[name] = statistics.median(items * iters * per_iter / s / 1e9 for s in samples)
-    peak["bfloat16"] = max(v for k, v in peak.items() if k.startswith("bfloat16"))
-    return peak
+    return jax_brgemm.peak_gflops(seconds, repeats)
 
 
 def machine() -> dict:

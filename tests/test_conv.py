@@ -186,13 +186,16 @@ def test_bad_input():
         jb.conv2d(x.astype(jnp.float16), k)
     with pytest.raises(ValueError, match="unknown activation"):
         jb.conv2d(x, k, activation="swish")
-    for kw in (dict(kernel_dilation=2), dict(input_dilation=(1, 2)), dict(feature_group_count=3)):
-        with pytest.raises(ValueError, match="flax.linen.Conv"):
-            jb.nn.Conv(3, (3, 3), **kw).init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match="flax.linen.Conv"):
-        jb.nn.Conv(3, (3, 3, 3)).init(jax.random.key(0), jnp.ones((1, 4, 4, 4, 3)))
     with pytest.raises(ValueError, match="rank"):
         jb.nn.Conv(3, (3, 3)).init(jax.random.key(0), jnp.ones((5, 3)))
+
+
+def test_stock_fallback():
+    # What the kernels do not run computes as flax.linen.Conv does, with the same params.
+    check_layer((1, 9, 9, 6), 4, (3, 3), kernel_dilation=2)
+    check_layer((1, 9, 9, 6), 6, (3, 3), feature_group_count=3, activation="relu")
+    check_layer((1, 5, 5, 4, 2), 3, (3, 3, 3))  # 3-D
+    check_layer((1, 9, 9, 2), 3, (3, 3), padding=((-1, 1), (0, 0)))  # negative: cropping
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -191,10 +191,8 @@ def test_dx_call_is_dropped_when_unused():
     (((3, 4), (4, 6), (1, 6)), {}, ValueError, "bias"),
     (((3, 4), (4, 6)), {"activation": "swish"}, ValueError, "unknown activation"),
     (((3, 4), (4, 6)), {"activation": jax.nn.relu}, TypeError, "activation"),
-    (((0, 4), (4, 6)), {}, ValueError, ">= 1"),
-    (((3, 0), (0, 6)), {}, ValueError, ">= 1"),
-    (((3, 4), (4, 0)), {}, ValueError, ">= 1"),
-    (((3, 4), (4, 6)), {"dtype": jnp.float16}, TypeError, "float32 or bfloat16"),
+    (((3, 4), (4, 6)), {"dtype": jnp.float16}, TypeError, "dtype must be float32 or bfloat16"),
+    (((3, 4), (4, 6)), {"dtype": "nonsense"}, TypeError, "dtype"),
 ])
 def test_bad_input(args, kwargs, err, match):
     arrays = [jnp.zeros(()) if s is None else jnp.ones(s, jnp.float32) for s in args]
@@ -204,10 +202,12 @@ def test_bad_input(args, kwargs, err, match):
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])
 def test_unsupported_dtypes(dtype):
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="x must be float32 or bfloat16"):
         jb.dense(jnp.ones((2, 3), dtype), jnp.ones((3, 4)))
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="kernel must be float32 or bfloat16"):
         jb.dense(jnp.ones((2, 3)), jnp.ones((3, 4), dtype))
+    with pytest.raises(TypeError, match="bias must be float32 or bfloat16"):
+        jb.dense(jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.ones((4,), dtype))
 
 
 @pytest.mark.parametrize("target,args,outs,match", [
@@ -229,3 +229,130 @@ def test_ffi_handlers_validate(target, args, outs, match):
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(call(*arrays, act=np.int32(0)) if "upd" not in target and "bwd" not in target
                               else call(*arrays))
+
+
+# --- sizes of zero ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape_x,c,k", [
+    ((0,), 5, 3),        # an empty batch
+    ((2, 0), 5, 3),      # a 0-size leading dim among others
+    ((0, 4), 1, 1),
+    ((3,), 0, 4),        # no input features: the result is act(bias)
+    ((3,), 5, 0),        # no output features: an empty result
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_zero_sizes_compute_what_xla_computes(shape_x, c, k, dtype):
+    x, kernel, bias = data(shape_x, c, k, dtype, dtype)
+    f = lambda x, w, b: jb.dense(x, w, b, activation="sigmoid")
+    y = jax.jit(f)(x, kernel, bias)
+    want = reference(x, kernel, bias, "sigmoid")
+    assert y.shape == shape_x + (k,) and y.dtype == dtype
+    assert_close(y, want, 1e-2)
+    g = jax.grad(loss(f), (0, 1, 2))(x, kernel, bias)
+    r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "sigmoid")), (0, 1, 2))(x, kernel, bias)
+    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+        assert gi.shape == arg.shape and gi.dtype == arg.dtype
+        assert_close(gi, ri, 1e-2)
+    # and under grad of grad
+    gg = jax.grad(lambda w: jnp.sum(jax.grad(loss(f), 0)(x, w, bias) ** 2))(kernel)
+    assert gg.shape == kernel.shape
+
+
+# --- grad of grad ------------------------------------------------------------------------------
+
+def gradient_penalty(f):
+    """A loss with a gradient penalty: the first derivative inside, differentiated again."""
+    def penalized(x, w, b):
+        value, dx = jax.value_and_grad(loss(f), 0)(x, w, b)
+        return value + jnp.sum(dx.astype(jnp.float32) ** 2)
+    return penalized
+
+
+def check_second_order(shape_x, c, k, act, use_bias, dtype, tol, seed=0):
+    x, kernel, bias = data(shape_x, c, k, dtype, dtype, seed=seed)
+    b = bias if use_bias else None
+    argnums = (0, 1, 2) if use_bias else (0, 1)
+    ours = gradient_penalty(lambda x, w, b: jb.dense(x, w, b, activation=act))
+    theirs = gradient_penalty(lambda x, w, b: reference(x, w, b, act))
+    g = jax.jit(jax.grad(ours, argnums))(x, kernel, b)
+    r = jax.grad(theirs, argnums)(x, kernel, b)
+    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+        assert gi.dtype == arg.dtype and gi.shape == arg.shape
+        assert_close(gi, ri, tol)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_grad_of_grad_fp32(act, use_bias):
+    check_second_order((9,), 13, 7, act, use_bias, jnp.float32, 5e-5)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_grad_of_grad_bf16(act):
+    check_second_order((9,), 13, 7, act, True, jnp.bfloat16, 6e-2)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=1).map(tuple),
+       n=st.integers(1, 20), c=st.integers(1, 40), k=st.integers(1, 40),
+       act=st.sampled_from(ACTS))
+def test_hypothesis_grad_of_grad(lead, n, c, k, act):
+    check_second_order(lead + (n,), c, k, act, True, jnp.float32, 1e-4)
+
+
+def test_grad_of_grad_with_mixed_precision():
+    """bf16 compute with fp32 params: the second derivative keeps each argument's dtype."""
+    x, kernel, bias = data((6,), 10, 5)
+    xb = x.astype(jnp.bfloat16)
+    f = gradient_penalty(lambda x, w, b: jb.dense(x, w, b, activation="tanh", dtype=jnp.bfloat16))
+    r = gradient_penalty(lambda x, w, b: reference(x, w, b, "tanh", jnp.bfloat16))
+    g = jax.grad(f, (0, 1, 2))(xb, kernel, bias)
+    assert [a.dtype for a in g] == [jnp.bfloat16, jnp.float32, jnp.float32]
+    for gi, ri in zip(g, jax.grad(r, (0, 1, 2))(xb, kernel, bias)):
+        assert_close(gi, ri, 6e-2)
+
+
+def test_grad_of_grad_runs_on_the_kernels():
+    """Hessian-vector product by grad of grad: every matmul is one of the FC custom calls."""
+    x, kernel, bias = data((8,), 16, 12)
+    f = lambda w: jnp.sum(jnp.sin(jb.dense(x, w, bias, activation="gelu")))
+    v = jnp.ones_like(kernel)
+    hvp = jax.jit(lambda w: jax.grad(lambda w: jnp.vdot(jax.grad(f)(w), v))(w))
+    hlo = hvp.lower(kernel).compile().as_text()
+    assert "jb_fc_fwd" in hlo and "jb_fc_upd" in hlo
+    assert " dot(" not in hlo and "dot_general" not in hlo
+    want = jax.grad(lambda w: jnp.vdot(jax.grad(
+        lambda w: jnp.sum(jnp.sin(reference(x, w, bias, "gelu"))))(w), v))(kernel)
+    assert_close(hvp(kernel), want, 5e-5)
+
+
+def test_third_order():
+    x, kernel, bias = data((4,), 6, 3)
+    f = lambda x: jnp.sum(jb.dense(x, kernel, bias, activation="tanh"))
+    r = lambda x: jnp.sum(reference(x, kernel, bias, "tanh"))
+    third = lambda f: jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x)))
+    assert_close(third(f)(x), third(r)(x), 1e-4)
+
+
+FORWARD_MODE = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_is_one_clear_error(transform):
+    x, kernel, bias = data((3,), 5, 4)
+    f = lambda x: jnp.sum(jb.dense(x, kernel, bias, activation="relu"))
+    run = {"jvp": lambda: jax.jvp(f, (x,), (x,)),
+           "jacfwd": lambda: jax.jacfwd(f)(x),
+           "hessian": lambda: jax.hessian(f)(x)}[transform]
+    with pytest.raises(TypeError, match=FORWARD_MODE):
+        run()
+
+
+def test_activation_table_comes_from_cpp():
+    """Names and codes are C++'s (jb::kActivationNames); every name has its jnp twin."""
+    from jax_brgemm import _activations, _native
+
+    codes = _native.ACTIVATION_CODES
+    assert set(codes) == {"none"} | set(_activations.FUNCTIONS) == {"none"} | set(jb.nn.ACTIVATIONS)
+    assert len(set(codes.values())) == len(codes) and codes["none"] == 0
+    assert set(ACTS) == {None} | set(_activations.FUNCTIONS)

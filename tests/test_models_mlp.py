@@ -59,3 +59,58 @@ def test_brgemm_matches_xla_with_the_same_params(activation):
     grads = [jax.grad(loss(m))(params) for m in (brgemm, xla)]
     for g_brgemm, g_xla in zip(*map(jax.tree.leaves, grads)):
         np.testing.assert_allclose(g_brgemm, g_xla, rtol=1e-3, atol=1e-3)
+
+
+def test_impls_name_the_layer_classes():
+    import flax.linen as fnn
+
+    import jax_brgemm as jb
+    from jax_brgemm import models
+
+    assert models.IMPLS == ("brgemm", "xla") and set(models.LAYERS) == set(models.IMPLS)
+    assert models.layers("brgemm").dense is jb.nn.Dense
+    assert models.layers("xla").dense is fnn.Dense
+    with pytest.raises(ValueError, match="impl must be one of"):
+        models.layers("cuda")
+
+
+@pytest.mark.parametrize("impl", ["brgemm", "xla"])
+def test_injected_dense_class_is_the_impl(impl):
+    """MLP(dense=cls) builds the same model as the impl that names cls, and only impl="brgemm"
+    calls the kernels."""
+    from jax_brgemm import models
+
+    x = jax.random.normal(jax.random.key(2), (3, 20))
+    by_impl = MLP(features=(9,), num_classes=4, activation="gelu", impl=impl)
+    injected = MLP(features=(9,), num_classes=4, activation="gelu",
+                   dense=models.layers(impl).dense)
+    params = _init(by_impl, (3, 20))
+    np.testing.assert_array_equal(by_impl.apply(params, x), injected.apply(params, x))
+    hlo = jax.jit(by_impl.apply).lower(params, x).as_text()
+    assert ("jb_fc_fwd" in hlo) == (impl == "brgemm")
+
+
+def test_activated_fuses_or_applies_after():
+    import flax.linen as fnn
+
+    import jax_brgemm as jb
+    from jax_brgemm.models import activated
+    from jax_brgemm.models.layers import fuses_activation
+
+    assert fuses_activation(jb.nn.Dense) and not fuses_activation(fnn.Dense)
+
+    class One(fnn.Module):
+        cls: type
+
+        @fnn.compact
+        def __call__(self, x):
+            return activated(self.cls, "tanh", features=3, name="Dense_0")(x)
+
+    x = jax.random.normal(jax.random.key(0), (2, 5))
+    params = One(fnn.Dense).init(jax.random.key(1), x)
+    want = jnp.tanh(fnn.Dense(3).apply({"params": params["params"]["Dense_0"]}, x))
+    for cls in (fnn.Dense, jb.nn.Dense):
+        np.testing.assert_allclose(One(cls).apply(params, x), want, rtol=1e-5, atol=1e-6)
+    # fused: one kernel call and no separate tanh in the jitted program
+    hlo = jax.jit(One(jb.nn.Dense).apply).lower(params, x).as_text()
+    assert "jb_fc_fwd" in hlo and "tanh" not in hlo

@@ -1,6 +1,8 @@
 """jb.nn.Dense against flax.linen.Dense: identical parameters, stock checkpoints load,
 same outputs and gradients, dtype / param_dtype semantics."""
 
+import dataclasses
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -129,6 +131,186 @@ def test_unknown_activation():
         jb.nn.Dense(3, activation="swish").init(jax.random.key(0), jnp.ones((1, 2)))
 
 
-def test_unsupported_dtype():
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
-        jb.nn.Dense(3, dtype=jnp.float16).init(jax.random.key(0), jnp.ones((1, 2)))
+# --- a drop-in for flax.linen.Dense ------------------------------------------------------------
+
+def test_stock_fields_in_stock_order_then_ours():
+    stock_fields = [f.name for f in dataclasses.fields(fnn.Dense) if f.name not in ("parent", "name")]
+    ours = [f.name for f in dataclasses.fields(jb.nn.Dense) if f.name not in ("parent", "name")]
+    assert ours[:len(stock_fields)] == stock_fields
+    assert ours[len(stock_fields):] == ["activation"]
+
+
+def test_positional_construction_as_in_flax():
+    x = inputs((3, 5))
+    ours, theirs = jb.nn.Dense(4, True, jnp.bfloat16), fnn.Dense(4, True, jnp.bfloat16)
+    assert ours.dtype == jnp.bfloat16 and ours.activation is None
+    params = theirs.init(jax.random.key(0), x)
+    y = ours.apply(params, x)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, theirs.apply(params, x), 2e-2)
+    assert jb.nn.Dense(4, False).init(jax.random.key(0), x)["params"].keys() == {"kernel"}
+
+
+def on_kernels(layer, params, x):
+    """Whether the layer's jitted apply calls the FC kernel."""
+    return "jb_fc_fwd" in jax.jit(layer.apply).lower(params, x).as_text()
+
+
+@pytest.mark.parametrize("dtype,param_dtype,x_dtype", [(jnp.float16, jnp.float32, jnp.float32),
+                                                       (None, jnp.float16, jnp.float16)])
+def test_other_dtypes_compute_as_stock(dtype, param_dtype, x_dtype):
+    x = inputs((3, 6), dtype=x_dtype)
+    kw = dict(dtype=dtype, param_dtype=param_dtype)
+    ours, theirs = jb.nn.Dense(5, **kw), fnn.Dense(5, **kw)
+    params = theirs.init(jax.random.key(0), x)
+    assert not on_kernels(ours, params, x)
+    y, want = ours.apply(params, x), theirs.apply(params, x)
+    assert y.dtype == want.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    # with the activation applied after the stock computation
+    y = jb.nn.Dense(5, activation="tanh", **kw).apply(params, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jnp.tanh(want)))
+
+
+def test_float16_params_with_float32_inputs_run_on_the_kernels():
+    """They promote to float32 (as in flax), a dtype the kernels take."""
+    x = inputs((3, 6))
+    ours, theirs = jb.nn.Dense(5, param_dtype=jnp.float16), fnn.Dense(5, param_dtype=jnp.float16)
+    params = theirs.init(jax.random.key(0), x)
+    assert on_kernels(ours, params, x)
+    y, want = ours.apply(params, x), theirs.apply(params, x)
+    assert y.dtype == want.dtype == jnp.float32
+    assert_close(y, want, 1e-5)
+    g = jax.grad(lambda p: jnp.sum(ours.apply(p, x)))(params)
+    assert all(a.dtype == jnp.float16 for a in jax.tree_util.tree_leaves(g))
+
+
+def test_custom_dot_general_and_dot_general_cls_compute_as_stock():
+    x = inputs((3, 6))
+    calls = []
+
+    def doubled(lhs, rhs, dims, precision=None, **kw):
+        calls.append(precision)
+        return 2 * jax.lax.dot_general(lhs, rhs, dims, precision=precision, **kw)
+
+    class DoubledDot:
+        def __call__(self, *args, **kw):
+            return doubled(*args, **kw)
+
+    hi = jax.lax.Precision.HIGHEST
+    params = fnn.Dense(5).init(jax.random.key(0), x)
+    for kw in [{"dot_general": doubled}, {"dot_general_cls": DoubledDot}]:
+        ours = jb.nn.Dense(5, precision=hi, activation="relu", **kw)
+        assert not on_kernels(ours, params, x)
+        want = jax.nn.relu(fnn.Dense(5, precision=hi, **kw).apply(params, x))
+        np.testing.assert_array_equal(np.asarray(ours.apply(params, x)), np.asarray(want))
+    assert calls and all(p == hi for p in calls)
+
+
+def test_custom_promote_dtype():
+    x = inputs((4, 6))
+    params = fnn.Dense(5).init(jax.random.key(0), x)
+
+    def to_bf16(*args, dtype=None):
+        return [None if a is None else jnp.asarray(a, jnp.bfloat16) for a in args]
+
+    def to_f16(*args, dtype=None):
+        return [None if a is None else jnp.asarray(a, jnp.float16) for a in args]
+
+    # a promotion to a kernel dtype runs on the kernels, with what it returned
+    ours = jb.nn.Dense(5, promote_dtype=to_bf16)
+    assert on_kernels(ours, params, x)
+    y, want = ours.apply(params, x), fnn.Dense(5, promote_dtype=to_bf16).apply(params, x)
+    assert y.dtype == want.dtype == jnp.bfloat16
+    assert_close(y, want, 2e-2)
+    g = jax.grad(lambda p: jnp.sum(ours.apply(p, x).astype(jnp.float32)))(params)
+    assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(g))
+    # one the kernels cannot take computes as stock
+    ours = jb.nn.Dense(5, promote_dtype=to_f16)
+    assert not on_kernels(ours, params, x)
+    np.testing.assert_array_equal(np.asarray(ours.apply(params, x)),
+                                  np.asarray(fnn.Dense(5, promote_dtype=to_f16).apply(params, x)))
+
+
+def test_precision_is_accepted_on_the_kernels():
+    x = inputs((4, 6))
+    params = fnn.Dense(5).init(jax.random.key(0), x)
+    for precision in [None, "highest", jax.lax.Precision.DEFAULT]:
+        ours = jb.nn.Dense(5, precision=precision)
+        assert on_kernels(ours, params, x)
+        assert_close(ours.apply(params, x), fnn.Dense(5, precision=precision).apply(params, x), 1e-5)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.complex64, jnp.float32])
+def test_complex_computes_as_stock(param_dtype):
+    x = inputs((2, 3)).astype(jnp.complex64)
+    ours, theirs = jb.nn.Dense(2, param_dtype=param_dtype), fnn.Dense(2, param_dtype=param_dtype)
+    params = ours.init(jax.random.key(0), x)
+    assert jax.tree_util.tree_map(lambda a: a.dtype, params) == \
+        jax.tree_util.tree_map(lambda a: a.dtype, theirs.init(jax.random.key(0), x))
+    y = ours.apply(params, x)
+    assert y.dtype == jnp.complex64
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(theirs.apply(params, x)))
+
+
+# --- what flax's own Dense tests check, in our words ---------------------------------------
+
+def test_ones_initializers_give_the_input_width_plus_one():
+    ones = fnn.initializers.ones
+    for shape in [(1, 3), (1, 2, 3), (5, 1, 1, 3)]:
+        y, _ = jb.nn.Dense(4, kernel_init=ones, bias_init=ones).init_with_output(
+            jax.random.key(0), jnp.ones(shape))
+        assert y.shape == shape[:-1] + (4,) and y.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(y), 4.0)
+    y, _ = jb.nn.Dense(4, use_bias=False, kernel_init=ones).init_with_output(
+        jax.random.key(0), jnp.ones((2, 3)))
+    np.testing.assert_array_equal(np.asarray(y), 3.0)
+
+
+def test_same_as_dense_general():
+    x = jax.random.normal(jax.random.key(0), (5, 3))
+    kw = dict(features=4, bias_init=fnn.initializers.normal())
+    y1, p1 = jb.nn.Dense(**kw).init_with_output(jax.random.key(1), x)
+    y2, p2 = fnn.DenseGeneral(**kw).init_with_output(jax.random.key(1), x)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_close(y1, y2, 1e-6)
+
+
+# --- empty batches, grad of grad, export ------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(0, 6), (2, 0, 6), (0,) * 3 + (6,)])
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_empty_batch_like_flax(shape, dtype):
+    layer, stock_layer = jb.nn.Dense(5, activation="gelu", dtype=dtype), fnn.Dense(5, dtype=dtype)
+    x = jnp.zeros(shape)
+    params = layer.init(jax.random.key(0), x)
+    want_params = stock_layer.init(jax.random.key(0), x)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    y = jax.jit(layer.apply)(params, x)
+    want = stock_layer.apply(params, x)
+    assert y.shape == want.shape == shape[:-1] + (5,) and y.dtype == want.dtype
+    g = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32)))(params)
+    for leaf, p in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(params)):
+        assert leaf.shape == p.shape and leaf.dtype == p.dtype and not np.any(np.asarray(leaf))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "sigmoid", "tanh"])
+def test_gradient_penalty_matches_flax(activation):
+    """A loss with the squared input gradient in it, differentiated w.r.t. the params."""
+    x = inputs((6, 9))
+    params = fnn.Dense(7).init(jax.random.key(2), x)
+    ours = lambda p, x: jb.nn.Dense(7, activation=activation).apply(p, x)
+    theirs = lambda p, x: apply_stock(7, activation, p, x)
+
+    def penalized(apply):
+        def loss(p):
+            out = lambda x: jnp.sum(jnp.sin(apply(p, x)))
+            return out(x) + jnp.sum(jax.grad(out)(x) ** 2)
+        return loss
+
+    g = jax.jit(jax.grad(penalized(ours)))(params)
+    r = jax.grad(penalized(theirs))(params)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r)):
+        assert_close(a, b, 5e-5)

@@ -89,8 +89,8 @@ def test_uncompressed_files_are_accepted(tmp_path):
         (plain / f.stem).write_bytes(gzip.decompress(f.read_bytes()))
     paths = data.locate(dataset, plain, download=False)
     loaded = data.load(dataset, paths)
-    np.testing.assert_array_equal(loaded.train_images, arrays["train_images"])
-    assert loaded.test_labels.dtype == np.int32
+    np.testing.assert_array_equal(loaded["train_images"], arrays["train_images"])
+    assert loaded["train_images"].dtype == np.uint8
 
 
 def test_corrupt_file_is_refused_with_its_name_and_fix(tmp_path):
@@ -127,7 +127,8 @@ def test_download_from_mirror_into_data_dir(tmp_path):
     target = tmp_path / "data"
     paths = data.locate(dataset, target)  # nothing there yet: fetched from the 2nd mirror
     assert {p.parent for p in paths.values()} == {target}
-    np.testing.assert_array_equal(data.load(dataset, paths).train_labels, arrays["train_labels"])
+    loaded = data.load(dataset, paths)
+    np.testing.assert_array_equal(loaded["train_labels"], arrays["train_labels"])
     assert sorted(os.listdir(target)) == sorted(os.listdir(src))  # no temporary files left
 
 
@@ -192,7 +193,7 @@ def test_train_batches_cover_every_example_once_per_epoch():
     for epoch in (1, 2):
         batches = list(data.train_batches(images, labels, batch, seed=7, epoch=epoch))
         assert len(batches) == data.num_batches(n, batch) == 7
-        assert all(b.images.shape == (batch, 1) and b.weight.shape == (batch,) for b in batches)
+        assert all(b.inputs.shape == (batch, 1) and b.weight.shape == (batch,) for b in batches)
         seen = np.concatenate([b.labels[b.weight == 1] for b in batches])
         assert sorted(seen) == list(range(n))
         assert batches[-1].weight.sum() == n - 6 * batch  # padded, padding weighs 0

@@ -19,7 +19,8 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # Reinstall only when the sources changed since the last install (a second call is free).
-stamp=$( (git rev-parse HEAD 2>/dev/null; git status --porcelain 2>/dev/null; git diff 2>/dev/null) | sha256sum | cut -c1-16)
+stamp=$( (git rev-parse HEAD 2>/dev/null; git status --porcelain 2>/dev/null; git diff 2>/dev/null
+          git ls-files -z --others --exclude-standard 2>/dev/null | xargs -0 -r sha256sum) | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.jax_brgemm-stamp 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q ".[test,train,bench]"

@@ -1,6 +1,8 @@
 """MLPerf-style training harness: ``python -m jax_brgemm.train BENCHMARK``.
 
-The suite (``SUITE``) defines each benchmark as data; ``run_benchmark`` runs one
+The suite (``SUITE``) defines each benchmark as data (``Benchmark``, with its input
+pipeline, loss and metric from ``task``); ``step`` holds the one train and eval step
+every benchmark uses (with an optional data-parallel axis); ``run_benchmark`` runs one
 with MLPerf semantics and logs; ``compliance_config(benchmark)`` is the ruleset
 to pass to ``python -m mlperf_logging.compliance_checker --config``.
 """

@@ -137,7 +137,7 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     if sibling and sibling.get("benchmark") == bench.name:
         series[other] = [r["evals"] for r in sibling["runs"]]
     png = report.plot(log_dir / "accuracy.png", series, bench.target,
-                      f"{bench.name} ({division}, {dtype})")
+                      f"{bench.name} ({division}, {dtype})", f"{bench.metric.name} (eval set)")
     print(f"logs, summary.json and {png.name} in {log_dir}", file=out)
     return summary
 
@@ -148,7 +148,7 @@ def exit_code(summary: dict) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    benchmarks = "\n".join(f"  {b.name:8s} {b.description}; target top-1 {b.target:.3f}, "
+    benchmarks = "\n".join(f"  {b.name:8s} {b.description}; target {b.metric.name} {b.target:.3f}, "
                            f"at most {b.max_epochs} epochs" for b in SUITE.values())
     parser = argparse.ArgumentParser(
         prog="python -m jax_brgemm.train",

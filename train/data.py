@@ -33,26 +33,28 @@ class DataError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class IdxFile:
-    """One IDX file: its name without ``.gz``, payload checksum and shape."""
+    """One IDX file: its name without ``.gz``, payload checksum, shape and element type
+    (a numpy dtype string as IDX stores it, e.g. ``uint8`` or big-endian ``>i4``)."""
 
     name: str
     sha256: str
     shape: tuple[int, ...]
+    dtype: str = "uint8"
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """An image-classification dataset made of four IDX files.
+    """A dataset made of IDX files, each verified by its checksum.
+
+    What the files mean (which hold a split's inputs and labels, how they are
+    preprocessed) is the benchmark's input pipeline (task.Pipeline), not the dataset's.
 
     Attributes:
       name: short name, also the cache sub-directory.
-      files: ``train_images``, ``train_labels``, ``test_images``, ``test_labels``.
+      files: role (e.g. ``train_images``) -> file.
       mirrors: base URLs tried in order for a download (file name + ``.gz`` appended).
       system_dir: where a system package installs the files.
       system_package: the package that does, named in error messages.
-      num_classes: number of label values.
-      mean, std: pixel statistics (of the scaled [0, 1] training images) used to
-        normalize inputs; high-level statistics are allowed by the rules.
     """
 
     name: str
@@ -60,21 +62,6 @@ class Dataset:
     mirrors: Sequence[str]
     system_dir: Optional[str]
     system_package: Optional[str]
-    num_classes: int
-    mean: float
-    std: float
-
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        return self.files["train_images"].shape[1:]
-
-    @property
-    def train_size(self) -> int:
-        return self.files["train_images"].shape[0]
-
-    @property
-    def test_size(self) -> int:
-        return self.files["test_images"].shape[0]
 
 
 # Checksums computed from the Debian package dataset-fashion-mnist
@@ -106,9 +93,6 @@ FASHION_MNIST = Dataset(
     ),
     system_dir="/usr/share/datasets/fashion-mnist",
     system_package="dataset-fashion-mnist",
-    num_classes=10,
-    mean=0.2860,
-    std=0.3530,
 )
 
 
@@ -258,26 +242,16 @@ def parse_idx(payload: bytes, name: str = "IDX data") -> np.ndarray:
     return np.frombuffer(payload, dtype, offset=header).reshape(shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class Arrays:
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    test_images: np.ndarray
-    test_labels: np.ndarray
-
-
-def load(dataset: Dataset, paths: Mapping[str, Path]) -> Arrays:
-    """Reads the (already verified) files into memory."""
+def load(dataset: Dataset, paths: Mapping[str, Path]) -> dict[str, np.ndarray]:
+    """Reads the (already verified) files into memory: role -> array."""
     arrays = {}
     for role, spec in dataset.files.items():
         array = parse_idx(read_payload(paths[role]), str(paths[role]))
-        if array.shape != spec.shape:
-            raise DataError(f"{paths[role]}: shape {array.shape}, expected {spec.shape}")
+        if array.shape != spec.shape or array.dtype != np.dtype(spec.dtype):
+            raise DataError(f"{paths[role]}: {array.dtype} array of shape {array.shape}, "
+                            f"expected {np.dtype(spec.dtype)} of shape {spec.shape}")
         arrays[role] = array
-    # Labels as int32: the dtype the train step is compiled for.
-    arrays["train_labels"] = arrays["train_labels"].astype(np.int32)
-    arrays["test_labels"] = arrays["test_labels"].astype(np.int32)
-    return Arrays(**arrays)
+    return arrays
 
 
 def drop_page_cache(paths) -> bool:
@@ -306,12 +280,12 @@ def drop_page_cache(paths) -> bool:
 class Batch(NamedTuple):
     """A fixed-size batch; ``weight`` is 0 for padding rows, 1 for real examples."""
 
-    images: np.ndarray
+    inputs: np.ndarray
     labels: np.ndarray
     weight: np.ndarray
 
 
-def _batch(images, labels, index, batch_size) -> Batch:
+def _batch(inputs, labels, index, batch_size) -> Batch:
     # The last batch is padded to the full size (allowed by the rules) so one
     # compiled step serves the whole epoch; padding rows have weight 0.
     n = len(index)
@@ -319,31 +293,25 @@ def _batch(images, labels, index, batch_size) -> Batch:
     weight[:n] = 1.0
     if n < batch_size:
         index = np.concatenate([index, np.zeros(batch_size - n, index.dtype)])
-    return Batch(images[index], labels[index], weight)
+    return Batch(inputs[index], labels[index], weight)
 
 
-def train_batches(images, labels, batch_size: int, seed: int, epoch: int) -> Iterator[Batch]:
+def train_batches(inputs, labels, batch_size: int, seed: int, epoch: int) -> Iterator[Batch]:
     """One epoch in a random order drawn from (seed, epoch): every example once."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(images))
+    order = np.random.default_rng([seed, epoch]).permutation(len(inputs))
     for start in range(0, len(order), batch_size):
-        yield _batch(images, labels, order[start:start + batch_size], batch_size)
+        yield _batch(inputs, labels, order[start:start + batch_size], batch_size)
 
 
-def eval_batches(images, labels, batch_size: int) -> Iterator[Batch]:
+def eval_batches(inputs, labels, batch_size: int) -> Iterator[Batch]:
     """The whole evaluation set in its stored order."""
-    order = np.arange(len(images))
+    order = np.arange(len(inputs))
     for start in range(0, len(order), batch_size):
-        yield _batch(images, labels, order[start:start + batch_size], batch_size)
+        yield _batch(inputs, labels, order[start:start + batch_size], batch_size)
 
 
 def num_batches(num_examples: int, batch_size: int) -> int:
     return -(-num_examples // batch_size)
-
-
-def synthetic_batch(dataset: Dataset, batch_size: int) -> Batch:
-    """Zeros of the right shapes and dtypes, for compiling in the untimed init."""
-    return Batch(np.zeros((batch_size, *dataset.image_shape), np.uint8),
-                 np.zeros(batch_size, np.int32), np.ones(batch_size, np.float32))
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

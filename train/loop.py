@@ -20,12 +20,10 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax.training import train_state
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
-from . import data, optim
+from . import data, optim, step
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
@@ -56,7 +54,7 @@ class RunResult:
     epochs: int                 # epochs trained
     time_to_train: float        # seconds from run_start to run_stop
     evals: list                 # [{"epoch", "accuracy", "loss", "time"}], time since run_start
-    throughput: float           # training images per second (train loop only)
+    throughput: float           # training examples per second (train loop only)
     data_fraction: float        # share of the train loop spent producing batches
     log_path: str
     compliance: Optional[bool] = None
@@ -64,34 +62,6 @@ class RunResult:
     @property
     def converged(self) -> bool:
         return self.status == C.SUCCESS
-
-
-# --------------------------------------------------------------------------- steps
-
-
-def preprocess(images, mean, std):
-    """uint8 pixels -> normalized float32, inside the compiled step."""
-    return (images.astype(jnp.float32) / 255.0 - mean) / std
-
-
-def train_step(state, batch, mean, std):
-    """One optimizer step on a batch; padding rows (weight 0) do not count."""
-
-    def loss_fn(params):
-        logits = state.apply_fn({"params": params}, preprocess(batch.images, mean, std))
-        losses = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch.labels)
-        return jnp.sum(losses * batch.weight) / jnp.sum(batch.weight)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
-def eval_step(state, batch, mean, std):
-    """Number of correctly classified real (weight 1) examples in the batch."""
-    logits = state.apply_fn({"params": state.params}, preprocess(batch.images, mean, std))
-    correct = jnp.argmax(logits, axis=-1) == batch.labels
-    return jnp.sum(correct * batch.weight)
 
 
 # --------------------------------------------------------------------------- logging
@@ -130,8 +100,8 @@ def log_config(mll, cfg: RunConfig, seed: int):
     mll.event(C.SUBMISSION_STATUS, C.RESEARCH)
     mll.event("model_impl", cfg.impl)  # not an MLPerf key: brgemm kernels or stock XLA
     mll.event(C.SEED, seed)
-    mll.event(C.TRAIN_SAMPLES, bench.dataset.train_size)
-    mll.event(C.EVAL_SAMPLES, bench.dataset.test_size)
+    mll.event(C.TRAIN_SAMPLES, bench.train_size)
+    mll.event(C.EVAL_SAMPLES, bench.eval_size)
     mll.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
     # opt_name first: the ruleset checks the other keys against the chosen optimizer.
     mll.event(C.OPT_NAME, hp["opt_name"])
@@ -168,23 +138,21 @@ def run(cfg: RunConfig, index: int, seed: int, paths: Mapping[str, Path], log_pa
 
 def _run(cfg, index, seed, paths, log_path, progress, mll):
     bench, hp = cfg.bench, cfg.hparams
-    dataset, batch_size = bench.dataset, hp["global_batch_size"]
-    mean, std = dataset.mean, dataset.std
+    pipeline, batch_size = bench.pipeline, hp["global_batch_size"]
 
     # ---- init: untimed. Nothing here reads the dataset, only its declared shapes.
     mll.start(C.INIT_START)
     log_config(mll, cfg, seed)
     model = bench.model(impl=cfg.impl, dtype=DTYPES[cfg.dtype])
-    steps = optim.steps_per_epoch(dataset.train_size, batch_size)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, *dataset.image_shape)))["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                          tx=optim.make(hp, steps))
+    steps = optim.steps_per_epoch(bench.train_size, batch_size)
+    example = pipeline.preprocess(jnp.asarray(pipeline.synthetic_batch(bench.dataset, 1).inputs))
+    state = step.create_state(bench, model, optim.make(hp, steps), jax.random.key(seed), example)
     # Compiled ahead of time: a batch of another shape would be an error, never a
     # silent recompilation inside the timed run.
-    train = jax.jit(functools.partial(train_step, mean=mean, std=std), donate_argnums=0).lower(
-        state, data.synthetic_batch(dataset, batch_size)).compile()
-    evaluate = jax.jit(functools.partial(eval_step, mean=mean, std=std)).lower(
-        state, data.synthetic_batch(dataset, bench.eval_batch_size)).compile()
+    train = jax.jit(functools.partial(step.train_step, bench=bench), donate_argnums=0).lower(
+        state, pipeline.synthetic_batch(bench.dataset, batch_size)).compile()
+    evaluate = jax.jit(functools.partial(step.eval_step, bench=bench)).lower(
+        state, pipeline.synthetic_batch(bench.dataset, bench.eval_batch_size)).compile()
     mll.end(C.INIT_STOP)
 
     cleared = data.drop_page_cache(paths.values())
@@ -193,7 +161,8 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
     # ---- run: timed from here.
     t_start = _now_ms()
     mll.start(C.RUN_START, time_ms=t_start)
-    arrays = data.load(dataset, paths)
+    splits = pipeline.decode(data.load(bench.dataset, paths))
+    train_split, eval_split = splits["train"], splits["eval"]
     if progress:
         progress.start_run(index, seed, cfg.max_epochs, steps)
 
@@ -206,8 +175,8 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
         for epoch in range(first, first + count):
             mll.start(C.EPOCH_START, metadata={"epoch_num": epoch})
             t0, losses = time.perf_counter(), []
-            batches = data.train_batches(arrays.train_images, arrays.train_labels, batch_size,
-                                         seed, epoch)
+            batches = pipeline.train_batches(train_split.inputs, train_split.labels, batch_size,
+                                             seed, epoch)
             while True:
                 t_data = time.perf_counter()
                 batch = next(batches, None)
@@ -223,9 +192,9 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
             mll.end(C.EPOCH_STOP, metadata={"epoch_num": epoch})
 
         mll.start(C.EVAL_START, metadata={"epoch_num": epoch})
-        correct = sum(float(evaluate(state, b)) for b in data.eval_batches(
-            arrays.test_images, arrays.test_labels, bench.eval_batch_size))
-        accuracy = correct / len(arrays.test_labels)
+        total = sum(float(evaluate(state, b)) for b in pipeline.eval_batches(
+            eval_split.inputs, eval_split.labels, bench.eval_batch_size))
+        accuracy = total / len(eval_split.labels)
         mll.end(C.EVAL_STOP, metadata={"epoch_num": epoch})
         mll.event(C.EVAL_ACCURACY, accuracy, metadata={"epoch_num": epoch})
         mll.end(C.BLOCK_STOP, metadata={"first_epoch_num": first})
@@ -233,7 +202,7 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
         elapsed = (_now_ms() - t_start) / 1e3
         evals.append({"epoch": epoch, "accuracy": accuracy, "loss": loss, "time": elapsed})
         if progress:
-            progress.epoch_done(epoch, loss, accuracy, epoch * dataset.train_size / train_seconds,
+            progress.epoch_done(epoch, loss, accuracy, epoch * bench.train_size / train_seconds,
                                 data_seconds / train_seconds, elapsed)
         if not np.isfinite(loss):
             break  # diverged: no later epoch can reach the target
@@ -247,5 +216,5 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
         progress.end_run(status, (t_stop - t_start) / 1e3)
     return RunResult(index=index, seed=seed, status=status, epochs=epoch,
                      time_to_train=(t_stop - t_start) / 1e3, evals=evals,
-                     throughput=epoch * dataset.train_size / train_seconds,
+                     throughput=epoch * bench.train_size / train_seconds,
                      data_fraction=data_seconds / train_seconds, log_path=str(log_path))

@@ -60,8 +60,8 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(path: Path, series: dict, target: float, title: str) -> Path:
-    """Accuracy vs time since run_start, one line per run, one colour per impl.
+def plot(path: Path, series: dict, target: float, title: str, ylabel: str) -> Path:
+    """Quality (eval_accuracy) vs time since run_start, one line per run, one colour per impl.
 
     ``series`` maps a label (impl) to a list of runs, each a list of eval dicts.
     """
@@ -77,7 +77,7 @@ def plot(path: Path, series: dict, target: float, title: str) -> Path:
                     color=color, alpha=0.7, markersize=3, label=label if i == 0 else None)
     ax.axhline(target, color="gray", linestyle="--", label=f"target {target:.3f}")
     ax.set_xlabel("time since run_start (s)")
-    ax.set_ylabel("top-1 accuracy (test set)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -71,9 +71,9 @@ def ruleset(bench) -> list:
         rules.append({"KEY": rule})
     rules += [
         {"KEY": {"NAME": "train_samples", "REQ": "EXACTLY_ONE",
-                 "CHECK": f"v['value'] == {bench.dataset.train_size}"}},
+                 "CHECK": f"v['value'] == {bench.train_size}"}},
         {"KEY": {"NAME": "eval_samples", "REQ": "EXACTLY_ONE",
-                 "CHECK": f"v['value'] == {bench.dataset.test_size}"}},
+                 "CHECK": f"v['value'] == {bench.eval_size}"}},
         {"KEY": {"NAME": "eval_accuracy", "REQ": "AT_LEAST_ONE",
                  "CHECK": ["'epoch_num' in v['metadata']",
                            "v['metadata']['epoch_num'] == s['last_eval_epoch'] + "

@@ -1,17 +1,21 @@
 """The benchmark suite. Each benchmark is one ``Benchmark`` value in ``SUITE``.
 
-Adding a benchmark (e.g. ``resnet`` or ``lstm``) means adding one definition
-below, then ``python -m jax_brgemm.train.rulegen --write`` to generate its
-checker ruleset and ``python -m jax_brgemm.train.reference NAME`` to record its
-reference runs; nothing else in the harness knows benchmark names.
+A benchmark is data: dataset, input pipeline (decode, preprocessing, batching),
+model and model state, loss, metric, target and hyperparameter table; the harness
+runs any of them with the same train step (step.py). Adding a benchmark (e.g.
+``resnet`` with BatchNorm, or ``lstm`` on row sequences) means adding one definition
+below (and a pipeline layout, loss or metric in task.py if it needs a new one), then
+``python -m jax_brgemm.train.rulegen --write`` to generate its checker ruleset and
+``python -m jax_brgemm.train.reference NAME`` to record its reference runs; nothing
+else in the harness knows benchmark names.
 """
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from . import data, scoring
+from . import data, scoring, task
 from .hparams import OneOf, Range
 
 REFERENCE_DIR = Path(__file__).parent / "reference"
@@ -25,9 +29,15 @@ class Benchmark:
       name: the ``submission_benchmark`` name and CLI argument.
       description: one line for --help and the README.
       dataset: where the data comes from and how it is verified.
+      pipeline: how the dataset's files become batches of model inputs.
       model: ``model(impl=..., dtype=...)`` builds the flax module; the reference
         implementation is ``impl="xla"``.
-      target: quality target, top-1 accuracy on the whole test set.
+      model_state: variable collections besides ``params`` that the train step
+        updates (``mutable``) and evaluation reads, e.g. ``("batch_stats",)``. A model
+        with model state takes ``train`` (True in the train step, False in eval).
+      loss: ``loss(outputs, labels)`` -> per-example training loss.
+      metric: the quality measure, evaluated on the whole eval split.
+      target: quality target of the metric.
       max_epochs: a run that has not reached the target after this many epochs is
         stopped and counts as not converged.
       eval_every_epochs: evaluation frequency.
@@ -42,7 +52,10 @@ class Benchmark:
     name: str
     description: str
     dataset: data.Dataset
+    pipeline: task.Pipeline
     model: Callable[..., Any]
+    loss: Callable[[Any, Any], Any]
+    metric: task.Metric
     target: float
     max_epochs: int
     eval_every_epochs: int
@@ -50,6 +63,15 @@ class Benchmark:
     num_runs: int
     hparams: Mapping[str, Mapping[str, Any]]
     tunable: Mapping[str, Mapping[str, Any]]
+    model_state: Sequence[str] = ()
+
+    @property
+    def train_size(self) -> int:
+        return self.pipeline.size(self.dataset, "train")
+
+    @property
+    def eval_size(self) -> int:
+        return self.pipeline.size(self.dataset, "eval")
 
     def reference(self) -> Optional[dict]:
         """The recorded reference runs (reference/<name>.json), if any."""
@@ -81,11 +103,21 @@ _SCHEDULE_TABLE = {
     "opt_learning_rate_decay_poly_power": Range(1, 2),
 }
 
+# Fashion-MNIST's four IDX files as train and eval splits.
+FASHION_MNIST_SPLITS = {"train": ("train_images", "train_labels"),
+                        "eval": ("test_images", "test_labels")}
+# Pixel statistics of the scaled [0, 1] Fashion-MNIST training images.
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
+
 MLP = Benchmark(
     name="mlp",
     description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
     dataset=data.FASHION_MNIST,
+    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
+        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "flat")),
     model=_mlp_model,
+    loss=task.softmax_cross_entropy,
+    metric=task.TOP1,
     target=0.90,
     max_epochs=16,
     eval_every_epochs=1,

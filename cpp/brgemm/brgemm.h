@@ -22,6 +22,15 @@ enum class DType : uint8_t { f32, bf16 };
 // avx512 = F/BW/VL/DQ + BF16; amx = avx512 + AMX-BF16 tiles (used for bf16 operands).
 enum class Isa : uint8_t { generic, avx2, avx512, amx };
 enum class Activation : uint8_t { none, relu, gelu, sigmoid, tanh };
+// The activations by name, for the Python side (exported by cpp/ffi/module.cc): the one
+// place that maps names to codes.
+struct ActivationName {
+  const char* name;
+  Activation act;
+};
+inline constexpr ActivationName kActivationNames[] = {
+    {"none", Activation::none}, {"relu", Activation::relu}, {"gelu", Activation::gelu},
+    {"sigmoid", Activation::sigmoid}, {"tanh", Activation::tanh}};
 
 const char* isa_name(Isa isa);
 

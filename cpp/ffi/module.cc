@@ -1,7 +1,12 @@
 // The nanobind extension: hands the FFI handlers to Python as capsules, once, at import.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "brgemm/brgemm.h"
+#include "brgemm/peak.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -29,4 +34,21 @@ NB_MODULE(_jax_brgemm, m) {
   });
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
         "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
+  m.def("isa_names", [] {
+    nb::list names;
+    for (jb::Isa isa : {jb::Isa::amx, jb::Isa::avx512, jb::Isa::avx2, jb::Isa::generic})
+      names.append(jb::isa_name(isa));
+    return names;
+  }, "The ISA names JAX_BRGEMM_ISA accepts, best first.");
+  m.def("activations", [] {
+    nb::dict codes;
+    for (const auto& a : jb::kActivationNames) codes[a.name] = static_cast<int>(a.act);
+    return codes;
+  }, "The fused activations: name -> the code the FFI handlers take as `act`.");
+  m.def("peak_flops_per_iter", [](const std::string& unit) {
+    if (unit == "fma") return jb::peak_flops_per_iter(jb::DType::f32);
+    if (unit == "vdpbf16ps") return jb::peak_flops_per_iter(jb::DType::bf16);
+    if (unit == "amx") return jb::peak_amx_flops_per_iter();
+    throw std::invalid_argument("peak unit must be fma, vdpbf16ps or amx, got " + unit);
+  }, "Floating-point operations per iteration of one jb_peak_probe work item.");
 }

@@ -1,41 +1,71 @@
 """Flax modules on jax_brgemm's kernels, drop-in replacements for their ``flax.linen`` twins.
 
-Each module creates exactly the parameters of the stock module it replaces (names, shapes,
-dtypes, initializers), so a checkpoint of a stock Flax model loads unchanged; only the
-computation runs on the BRGEMM kernels, with the activation fused into them.
+Each module has its stock twin's fields, in the stock order, followed by its own (such as
+``activation``); it creates exactly the stock module's parameters (names, shapes, dtypes,
+initializers), so a checkpoint of a stock Flax model loads unchanged. A configuration the
+kernels cannot run (a custom ``dot_general``, a dtype other than float32 / bfloat16, a
+``promote_dtype`` whose result they cannot take) computes exactly as the stock module does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import initializers
-from flax.linen.dtypes import canonicalize_dtype
-from flax.linen.linear import default_kernel_init
+from flax.linen.dtypes import canonicalize_dtype, promote_dtype
+from flax.linen.linear import PromoteDtypeFn, default_kernel_init
 from flax.linen.module import Module, compact
-from flax.typing import Array, Dtype, Initializer, PrecisionLike
+from flax.typing import Array, DotGeneralT, Dtype, Initializer, PrecisionLike
+from jax import lax
 
-from jax_brgemm.ops.dense import ACTIVATIONS, dense
+from jax_brgemm import _activations
+from jax_brgemm import _validate as check
+from jax_brgemm.ops.dense import dense
 
-__all__ = ["Dense"]
+__all__ = ["ACTIVATIONS", "Dense"]
+
+#: The activations the modules fuse, by name, and the stock function each one matches
+#: (what a stock layer followed by that function computes).
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(_activations.FUNCTIONS)
 
 
-def _compute_dtype(*args, dtype: Any = None) -> np.dtype:
-    """Flax's dtype promotion (``promote_dtype``), restricted to the kernels' dtypes."""
-    dtype = np.dtype(canonicalize_dtype(*args, dtype=dtype))
-    if dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise TypeError(f"jax_brgemm.nn: the computation dtype must be float32 or bfloat16, got "
-                        f"{dtype}; use the flax.linen module for other dtypes")
-    return dtype
+def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
+    """``(y, "")``: a Dense ``layer``'s result on the kernels, or ``(None, why not)``.
+
+    ``layer`` has ``flax.linen.Dense``'s fields (``dtype``, ``promote_dtype``,
+    ``dot_general``, ``dot_general_cls``): a stock module or this module's ``Dense``.
+    """
+    if layer.dot_general is not None or layer.dot_general_cls is not None:
+        return None, "custom dot_general"
+    if layer.promote_dtype is promote_dtype:
+        # Flax's promotion, except that the kernel and bias go in as they are and are cast
+        # inside the custom call: their gradients stay in the parameter dtype without a
+        # rounding to the computation dtype in between.
+        try:
+            dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=layer.dtype))
+        except ValueError as e:  # the stock computation raises it again
+            return None, f"dtype ({e})"
+        if dtype not in check.KERNEL_DTYPES:
+            return None, f"{dtype} computation"
+        kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
+                        for a in (kernel, bias))
+        return dense(jnp.asarray(inputs, dtype), kernel, bias, activation=activation, dtype=dtype), ""
+    p_inputs, p_kernel, p_bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
+    dtypes = {np.dtype(a.dtype) for a in (p_inputs, p_kernel, p_bias) if a is not None}
+    if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+        return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
+    return dense(p_inputs, p_kernel, p_bias, activation=activation), ""
 
 
 class Dense(Module):
     """A linear transformation applied over the last dimension of the input, with an
     optional fused activation, on jax_brgemm's fully-connected kernels.
 
-    Same parameters as ``flax.linen.Dense``::
+    A drop-in for ``flax.linen.Dense``: the same fields in the same order (so positional
+    construction such as ``Dense(4, True, jnp.bfloat16)`` means what it means there), the
+    same parameters, the same results; ``activation`` comes after the stock fields::
 
       >>> import jax, jax.numpy as jnp
       >>> import jax_brgemm as jb
@@ -44,29 +74,44 @@ class Dense(Module):
       >>> jax.tree_util.tree_map(jnp.shape, params)
       {'params': {'bias': (4,), 'kernel': (3, 4)}}
 
+    The kernels run when the computation dtype is float32 or bfloat16, ``dot_general`` and
+    ``dot_general_cls`` are None, and ``promote_dtype`` is Flax's own or returns arrays of
+    one of those dtypes. Otherwise the call computes as ``flax.linen.Dense`` does (followed
+    by the activation).
+
     Attributes:
       features: the number of output features.
       use_bias: whether to add a bias to the output (default: True).
+      dtype: the dtype of the computation (default: infer from input and params).
+        bfloat16 computes with float32 accumulation, bias and activation.
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the computation, see ``jax.lax.Precision``. On the
+        kernels every precision is the same: products in the computation dtype, float32
+        accumulation (what XLA's CPU dot does for every precision, too).
+      kernel_init: initializer function for the weight matrix.
+      bias_init: initializer function for the bias.
+      promote_dtype: function to promote the dtype of the arrays to the desired dtype, as
+        in ``flax.linen.Dense``: called as ``promote_dtype(inputs, kernel, bias,
+        dtype=dtype)``, returns the three arrays.
+      dot_general: a custom ``lax.dot_general``; given, the layer computes as
+        ``flax.linen.Dense`` with it (not on the kernels).
+      dot_general_cls: a class whose instances are a custom ``dot_general``; as above.
       activation: ``None``, ``"relu"``, ``"gelu"`` (tanh approximation, as
         ``flax.linen.gelu``), ``"sigmoid"`` or ``"tanh"``, applied in the kernel while the
         output is in registers (default: None).
-      dtype: the dtype of the computation, float32 or bfloat16 (default: infer from input
-        and params). bfloat16 computes with float32 accumulation, bias and activation.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      precision: accepted for compatibility with ``flax.linen.Dense``; the kernels always
-        multiply in the computation dtype and accumulate in float32.
-      kernel_init: initializer function for the weight matrix.
-      bias_init: initializer function for the bias.
     """
 
     features: int
     use_bias: bool = True
-    activation: str | None = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     precision: PrecisionLike = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = initializers.zeros_init()
+    promote_dtype: PromoteDtypeFn = promote_dtype
+    dot_general: DotGeneralT | None = None
+    dot_general_cls: Any = None
+    activation: str | None = None
 
     @compact
     def __call__(self, inputs: Array) -> Array:
@@ -78,9 +123,7 @@ class Dense(Module):
         Returns:
           The transformed input, in the computation dtype.
         """
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"Dense: unknown activation {self.activation!r}; expected None or "
-                             f"one of {sorted(a for a in ACTIVATIONS if a)}")
+        check.activation(self.activation, "jb.nn.Dense")
         kernel = self.param(
             'kernel',
             self.kernel_init,
@@ -91,16 +134,35 @@ class Dense(Module):
             bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype)
         else:
             bias = None
-        dtype = _compute_dtype(inputs, kernel, bias, dtype=self.dtype)
-        # Like promote_dtype for the inputs; the kernel and bias go in as they are and are
-        # cast inside the custom call, so their gradients stay in the parameter dtype.
-        inputs = jnp.asarray(inputs, dtype)
-        return dense(inputs, kernel, bias, activation=self.activation, dtype=dtype)
+
+        y, _ = dense_on_kernels(self, inputs, kernel, bias, self.activation)
+        if y is not None:
+            return y
+
+        # flax.linen.Dense's computation, for what the kernels cannot run.
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.dot_general_cls is not None:
+            dot_general = self.dot_general_cls()
+        elif self.dot_general is not None:
+            dot_general = self.dot_general
+        else:
+            dot_general = lax.dot_general
+        y = dot_general(
+            inputs,
+            kernel,
+            (((inputs.ndim - 1,), (0,)), ((), ())),
+            precision=self.precision,
+        )
+        if bias is not None:
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return _activations.apply(self.activation, y)
 
 
 # --- Conv ---------------------------------------------------------------------------------
 
 from typing import Sequence  # noqa: E402
+
+from flax.linen.linear import _conv_dimension_numbers, canonicalize_padding  # noqa: E402
 
 from jax_brgemm.ops.conv import conv2d  # noqa: E402
 
@@ -108,11 +170,12 @@ __all__ += ["Conv"]
 
 
 class Conv(Module):
-    """A convolution (1-D or 2-D, channels last) with an optional fused activation, on
-    jax_brgemm's convolution kernels.
+    """A convolution (channels last) with an optional fused activation, on jax_brgemm's
+    convolution kernels.
 
-    Same parameters as ``flax.linen.Conv`` (names, shapes, initializers, dtypes), so a
-    stock checkpoint loads unchanged::
+    A drop-in for ``flax.linen.Conv``: the same fields in the same order, the same
+    parameters (names, shapes, initializers, dtypes), the same results; ``activation``
+    comes after the stock fields::
 
       >>> import jax, jax.numpy as jnp
       >>> import jax_brgemm as jb
@@ -121,24 +184,35 @@ class Conv(Module):
       >>> jax.tree_util.tree_map(jnp.shape, params)
       {'params': {'bias': (4,), 'kernel': (3, 3, 3, 4)}}
 
+    The kernels run 1-D and 2-D convolutions without dilation or feature groups, with
+    non-negative paddings (every Flax padding form: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``,
+    ``'REFLECT'``, ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs), a float32 or
+    bfloat16 computation, Flax's ``promote_dtype`` (or one returning arrays of those
+    dtypes) and no custom ``conv_general_dilated``. Anything else computes as
+    ``flax.linen.Conv`` does (followed by the activation).
+
     Attributes:
       features: number of convolution filters.
-      kernel_size: shape of the kernel, a pair for a 2-D convolution; an int or a 1-tuple is
-        a 1-D convolution (as in Flax).
+      kernel_size: shape of the convolutional kernel; an int is a 1-D kernel (as in Flax).
       strides: an int or a sequence of ints, the inter-window strides (default: 1).
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D
-        only), an int, or a sequence of ints / ``(low, high)`` pairs, as in Flax.
-      input_dilation, kernel_dilation, feature_group_count: accepted for compatibility;
-        anything but 1 raises a ValueError naming ``flax.linen.Conv``, which supports them.
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D),
+        an int, or a sequence of ints / ``(low, high)`` pairs, one per spatial dim.
+      input_dilation: an int or a sequence of ints (default: 1).
+      kernel_dilation: an int or a sequence of ints (default: 1).
+      feature_group_count: divides the input features into groups (default: 1).
       use_bias: whether to add a bias to the output (default: True).
-      mask: optional mask for the weights, multiplied in as in Flax.
-      dtype: the dtype of the computation, float32 or bfloat16 (default: infer from input
-        and params). bfloat16 computes with float32 accumulation, bias and activation.
+      mask: optional mask for the weights, of the kernel's shape.
+      dtype: the dtype of the computation (default: infer from input and params).
+        bfloat16 computes with float32 accumulation, bias and activation.
       param_dtype: the dtype passed to parameter initializers (default: float32).
-      precision: accepted for compatibility; the kernels multiply in the computation dtype
-        and accumulate in float32.
+      precision: numerical precision of the stock computation; on the kernels products are
+        in the computation dtype with float32 accumulation.
       kernel_init: initializer for the convolutional kernel.
       bias_init: initializer for the bias.
+      promote_dtype: as in ``flax.linen.Conv``.
+      conv_general_dilated: a custom ``lax.conv_general_dilated``; given, the layer computes
+        as ``flax.linen.Conv`` with it (not on the kernels).
+      conv_general_dilated_cls: a class whose instances are one; as above.
       activation: ``None``, ``"relu"``, ``"gelu"``, ``"sigmoid"`` or ``"tanh"``, applied in
         the kernel while the output is in registers (default: None).
     """
@@ -157,90 +231,118 @@ class Conv(Module):
     precision: PrecisionLike = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = initializers.zeros_init()
+    promote_dtype: PromoteDtypeFn = promote_dtype
+    conv_general_dilated: Any = None
+    conv_general_dilated_cls: Any = None
     activation: str | None = None
 
     @compact
     def __call__(self, inputs: Array) -> Array:
-        """Applies the convolution to ``inputs``: ``(*batch_dims, spatial..., features)``;
-        several batch dims are flattened and restored, none is added and removed (as Flax).
+        """Applies the convolution to ``inputs`` of shape ``(*batch_dims, spatial...,
+        features)``: several batch dims are flattened and restored, a missing one is added
+        and removed (as in Flax).
 
         Returns:
           The convolved data, in the computation dtype.
         """
+        op = "jb.nn.Conv"
+        check.activation(self.activation, op)
         kernel_size = ((self.kernel_size,) if isinstance(self.kernel_size, int)
                        else tuple(self.kernel_size))
         rank = len(kernel_size)
-        if rank not in (1, 2):
-            raise ValueError(f"jax_brgemm.nn.Conv: {rank}-D convolutions are not supported (1-D and "
-                             "2-D only); use flax.linen.Conv")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"Conv: unknown activation {self.activation!r}; expected None or one "
-                             f"of {sorted(a for a in ACTIVATIONS if a)}")
 
-        def broadcast(v, what):
+        def broadcast(v):
             v = 1 if v is None else v
-            v = (v,) * rank if isinstance(v, int) else tuple(v)
-            if len(v) != rank:
-                raise ValueError(f"Conv: {what} {v} must have one entry per spatial dim ({rank})")
-            return v
-
-        strides = broadcast(self.strides, "strides")
-        for what, v in (("input_dilation", self.input_dilation), ("kernel_dilation", self.kernel_dilation)):
-            if any(d != 1 for d in broadcast(v, what)):
-                raise ValueError(f"jax_brgemm.nn.Conv: {what}={v} is not supported; use flax.linen.Conv")
-        if self.feature_group_count != 1:
-            raise ValueError(f"jax_brgemm.nn.Conv: feature_group_count={self.feature_group_count} is "
-                             "not supported; use flax.linen.Conv")
+            return (v,) * rank if isinstance(v, int) else tuple(v)
 
         inputs = jnp.asarray(inputs)
         batch_dims = inputs.ndim - (rank + 1)
         if batch_dims < 0:
-            raise ValueError(f"Conv: a {rank}-D convolution needs inputs of rank >= {rank + 1} "
+            raise ValueError(f"{op}: a {rank}-D convolution needs inputs of rank >= {rank + 1} "
                              f"(spatial dims and features), got shape {inputs.shape}")
         batch_shape = inputs.shape[:batch_dims]
         if batch_dims != 1:
             inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
+        strides, input_dilation, kernel_dilation = map(
+            broadcast, (self.strides, self.input_dilation, self.kernel_dilation))
 
-        padding = self.padding
-        if isinstance(padding, str) and padding.upper() in ('CIRCULAR', 'REFLECT'):
-            pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in kernel_size] + [(0, 0)]
-            inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding.upper()])
+        padding = canonicalize_padding(self.padding, rank)
+        if padding in ('CIRCULAR', 'REFLECT'):
+            dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]
+            pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+            inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
             padding = 'VALID'
-        elif isinstance(padding, str) and padding.upper() == 'CAUSAL':
+        elif padding == 'CAUSAL':
             if rank != 1:
                 raise ValueError('Causal padding is only implemented for 1D convolutions.')
-            padding = [(kernel_size[0] - 1, 0)]
+            inputs = jnp.pad(inputs, [(0, 0), (kernel_dilation[0] * (kernel_size[0] - 1), 0), (0, 0)])
+            padding = 'VALID'
 
         in_features = jnp.shape(inputs)[-1]
-        kernel_shape = kernel_size + (in_features, self.features)
+        if in_features % self.feature_group_count:
+            raise ValueError(f"{op}: {in_features} input features do not divide into "
+                             f"feature_group_count={self.feature_group_count} groups")
+        kernel_shape = kernel_size + (in_features // self.feature_group_count, self.features)
         if self.mask is not None and self.mask.shape != kernel_shape:
             raise ValueError('Mask needs to have the same shape as weights. '
                              f'Shapes are: {self.mask.shape}, {kernel_shape}')
         kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:
-            kernel = kernel * self.mask
+            kernel *= self.mask
         bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        dtype = _compute_dtype(inputs, kernel, bias, dtype=self.dtype)
-        inputs = jnp.asarray(inputs, dtype)
 
-        if rank == 1:  # a 1-D convolution is a 2-D one over a single row
-            if not isinstance(padding, str):
-                padding = [(0, 0)] + list(_conv_pads_1d(padding))
-            y = conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
-                       activation=self.activation, dtype=dtype)[:, 0]
-        else:
-            y = conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                       activation=self.activation, dtype=dtype)
+        y = self._on_kernels(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation)
+        if y is None:  # flax.linen.Conv's computation, for what the kernels cannot run
+            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+            if self.conv_general_dilated_cls is not None:
+                conv = self.conv_general_dilated_cls()
+            else:
+                conv = self.conv_general_dilated or lax.conv_general_dilated
+            y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
+                     rhs_dilation=kernel_dilation, dimension_numbers=_conv_dimension_numbers(inputs.shape),
+                     feature_group_count=self.feature_group_count, precision=self.precision)
+            if bias is not None:
+                y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            y = _activations.apply(self.activation, y)
         if batch_dims != 1:
             y = jnp.reshape(y, batch_shape + y.shape[1:])
         return y
 
+    def _on_kernels(self, inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation):
+        """The convolution on the kernels, or None where they cannot run it."""
+        rank = len(strides)
+        if (rank not in (1, 2) or self.feature_group_count != 1 or self.conv_general_dilated is not None
+                or self.conv_general_dilated_cls is not None
+                or any(d != 1 for d in input_dilation + kernel_dilation)):
+            return None
+        if not isinstance(padding, str):
+            padding = [tuple(p) for p in padding]
+            if any(v < 0 for p in padding for v in p):
+                return None  # cropping: only the stock convolution takes negative paddings
+        elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
+            return None
+        if self.promote_dtype is promote_dtype:
+            try:
+                dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype))
+            except ValueError:
+                return None
+            if dtype not in check.KERNEL_DTYPES:
+                return None
+            # the kernel and bias go in as they are and are cast inside the custom call
+            kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
+                            for a in (kernel, bias))
+            inputs = jnp.asarray(inputs, dtype)
+        else:
+            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+            dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
+            if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+                return None
+            dtype = dtypes.pop()
+        if rank == 1:  # a 1-D convolution is a 2-D one over a single row
+            if not isinstance(padding, str):
+                padding = [(0, 0)] + padding
+            return conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
+                          activation=self.activation, dtype=dtype)[:, 0]
+        return conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=self.activation,
+                      dtype=dtype)
 
-def _conv_pads_1d(padding):
-    """A 1-D Flax padding (int, [int] or [(low, high)]) as one (low, high) pair."""
-    if isinstance(padding, int):
-        return [(padding, padding)]
-    if isinstance(padding, Sequence) and len(padding) == 1:
-        p = padding[0]
-        return [(p, p)] if isinstance(p, int) else [tuple(p)]
-    raise ValueError(f"Conv: invalid 1-D padding {padding!r}: expected an int or one int / (low, high) pair")

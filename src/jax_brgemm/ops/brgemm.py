@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
-from jax_brgemm.ops._checks import as_kernel_array, broadcast_leading, check_sizes, unbroadcast
+from jax_brgemm import _validate as check
+
+_F32, _BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 
 
 def brgemm(a, b, c=None, *, out_dtype=None):
@@ -22,40 +23,72 @@ def brgemm(a, b, c=None, *, out_dtype=None):
       out_dtype: float32 (default; accumulation is always float32) or, for bfloat16
         inputs, bfloat16. Defaults to ``c.dtype`` when ``c`` is given.
 
-    Leading dims broadcast numpy-style. Returns ``(..., M, N)``.
+    Leading dims broadcast numpy-style. Returns ``(..., M, N)``. Any size of 0 (a leading
+    dim, B, M, K or N) gives what ``jnp.einsum`` gives, computed in XLA.
+
+    Differentiable to any order in reverse mode (the backward is BRGEMM calls, themselves
+    differentiable); forward mode (``jax.jvp``) is not supported.
     """
-    a = as_kernel_array(a, "a")
-    b = as_kernel_array(b, "b")
-    if a.dtype != b.dtype:
-        raise TypeError(f"brgemm: a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if a.ndim < 3 or b.ndim < 3:
-        raise ValueError(f"brgemm: a and b need rank >= 3 ((..., B, M, K) and (..., B, K, N)), "
-                         f"got shapes {a.shape} and {b.shape}")
+    op = "jb.brgemm"
+    a = check.array(a, "a", op)
+    b = check.array(b, "b", op)
+    check.same_dtype(op, a=a, b=b)
+    check.rank(a, "a", op, "(..., B, M, K)", at_least=3)
+    check.rank(b, "b", op, "(..., B, K, N)", at_least=3)
     (nb, m, k), (nb2, k2, n) = a.shape[-3:], b.shape[-3:]
     if nb != nb2 or k != k2:
-        raise ValueError(f"brgemm: a {a.shape} and b {b.shape} disagree on the batch B or "
+        raise ValueError(f"{op}: a {a.shape} and b {b.shape} disagree on the batch B or "
                          f"the reduced size K: expected (..., B, M, K) and (..., B, K, N)")
-    check_sizes("brgemm", {"B": nb, "M": m, "K": k, "N": n})
-    if out_dtype is None:
-        out_dtype = c.dtype if c is not None and hasattr(c, "dtype") else jnp.float32
-    out_dtype = np.dtype(out_dtype)
-    if out_dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise TypeError(f"brgemm: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    if a.dtype == jnp.float32 and out_dtype != jnp.float32:
-        raise TypeError("brgemm: float32 inputs give a float32 result; out_dtype=bfloat16 "
-                        "needs bfloat16 inputs")
-    leads = [a.shape[:-3], b.shape[:-3]]
     if c is not None:
-        c = as_kernel_array(c, "c")
-        if c.dtype != out_dtype:
-            raise TypeError(f"brgemm: c has dtype {c.dtype} but the output is {out_dtype}")
-        if c.ndim < 2 or c.shape[-2:] != (m, n):
-            raise ValueError(f"brgemm: c must be (..., M, N) = (..., {m}, {n}), got {c.shape}")
-        leads.append(c.shape[:-2])
-    broadcast_leading("brgemm", leads)
+        c = check.array(c, "c", op)
+    out = _out_dtype(op, a.dtype, c, out_dtype)
+    leads = {"a": a.shape[:-3], "b": b.shape[:-3]}
+    if c is not None:
+        check.rank(c, "c", op, f"(..., M, N) = (..., {m}, {n})", at_least=2)
+        if c.shape[-2:] != (m, n):
+            raise ValueError(f"{op}: c must be (..., M, N) = (..., {m}, {n}), got {c.shape}")
+        leads["c"] = c.shape[:-2]
+    lead = check.broadcast(op, **leads)
+    if 0 in (nb, m, k, n) or 0 in lead:
+        return _brgemm_xla(a, b, c, out)
     if c is None:
-        return _brgemm(a, b, out_dtype)
+        return _brgemm(a, b, out)
     return _brgemm_acc(a, b, c, c.shape)
+
+
+def _out_dtype(op, ab_dtype, c, out_dtype):
+    """The result dtype, with the error naming the argument that asked for it."""
+    if out_dtype is not None:
+        out = check.dtype(out_dtype, "out_dtype", op)
+        if ab_dtype == _F32 and out != _F32:
+            raise TypeError(f"{op}: float32 a and b give a float32 result; out_dtype=bfloat16 "
+                            f"needs bfloat16 a and b")
+        if c is not None and c.dtype != out:
+            raise TypeError(f"{op}: c has dtype {c.dtype} but out_dtype is {out}; c is the "
+                            f"accumulator and must be in the output dtype")
+        return out
+    if c is None:
+        return _F32
+    if ab_dtype == _F32 and c.dtype != _F32:
+        raise TypeError(f"{op}: c has dtype {c.dtype}, but float32 a and b give a float32 "
+                        f"result; pass c as float32")
+    return np.dtype(c.dtype)
+
+
+def _brgemm_xla(a, b, c, out_dtype):
+    """What the kernel computes, in XLA: for sizes the kernel does not take (0)."""
+    y = jnp.einsum("...bmk,...bkn->...mn", a, b, preferred_element_type=jnp.float32)
+    if c is not None:
+        y = y + c.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def _unbroadcast(x, shape):
+    """Sums x over the dims that broadcasting added or expanded, back to `shape`."""
+    extra = x.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        extra + i for i, s in enumerate(shape) if s == 1 and x.shape[extra + i] != 1)
+    return jnp.sum(x, axis=axes).reshape(shape) if axes else x
 
 
 def _call(a, b, c, out_dtype):
@@ -69,14 +102,18 @@ def _call(a, b, c, out_dtype):
 
 
 def _grads(a, b, g):
-    """Cotangents of a and b for out = sum_i a_i @ b_i; both are BRGEMM calls."""
+    """Cotangents of a and b for out = sum_i a_i @ b_i: both are (differentiable) BRGEMMs."""
     g = g.astype(a.dtype)  # bf16 operands take a bf16 cotangent; accumulation stays fp32
     g_shared = g[..., None, None, :, :]  # (..., 1, 1, M, N): shared by every i
     # da_i = g @ b_i^T and db_i = a_i^T @ g: batch-reduce calls with a reduction of one,
     # the i's becoming a leading dim.
-    da = _call(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], None, a.dtype)
-    db = _call(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, None, b.dtype)
-    return unbroadcast(da, a.shape), unbroadcast(db, b.shape)
+    da = _brgemm(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], np.dtype(a.dtype))
+    db = _brgemm(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, np.dtype(b.dtype))
+    return _unbroadcast(da, a.shape), _unbroadcast(db, b.shape)
+
+
+# Both fwd rules compute their output by calling the custom_vjp function itself, so an outer
+# differentiation (grad of grad) never meets a bare ffi_call.
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -85,7 +122,7 @@ def _brgemm(a, b, out_dtype):
 
 
 def _brgemm_fwd(a, b, out_dtype):
-    return _call(a, b, None, out_dtype), (a, b)
+    return _brgemm(a, b, out_dtype), (a, b)
 
 
 def _brgemm_bwd(out_dtype, res, g):
@@ -101,13 +138,13 @@ def _brgemm_acc(a, b, c, c_shape):
 
 
 def _brgemm_acc_fwd(a, b, c, c_shape):
-    return _call(a, b, c, c.dtype), (a, b)
+    return _brgemm_acc(a, b, c, c_shape), (a, b)
 
 
 def _brgemm_acc_bwd(c_shape, res, g):
     a, b = res
     da, db = _grads(a, b, g)
-    return da, db, unbroadcast(g, c_shape)
+    return da, db, _unbroadcast(g, c_shape)
 
 
 _brgemm_acc.defvjp(_brgemm_acc_fwd, _brgemm_acc_bwd)

@@ -24,10 +24,11 @@ import numpy as np
 from jax import lax
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
-from jax_brgemm.ops.dense import ACTIVATIONS
+from jax_brgemm import _validate as check
+from jax_brgemm._native import ACTIVATION_CODES
 
-_NONE, _GELU = 0, 2
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+_NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
+_OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
 
 
@@ -53,40 +54,33 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
     """
-    x = _as_array(x, "x")
-    kernel = _as_array(kernel, "kernel")
+    x = check.array(x, "x", _OP)
+    kernel = check.array(kernel, "kernel", _OP)
     if bias is not None:
-        bias = _as_array(bias, "bias")
-    act = _activation_code(activation)
-    if kernel.ndim != 4:
-        raise ValueError(f"conv2d: kernel must be HWIO (R, S, C, K), got shape {kernel.shape}")
-    if x.ndim != 4:
-        raise ValueError(f"conv2d: x must be NHWC (N, H, W, C), got shape {x.shape} "
-                         "(jb.nn.Conv flattens other leading dims)")
+        bias = check.array(bias, "bias", _OP)
+    act = check.activation(activation, _OP)
+    check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
+    check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
     r, s, c, k = kernel.shape
     n, h, w, cx = x.shape
     if cx != c:
         hint = (f"; grouped convolutions (feature_group_count = {cx // c}) are not supported, use "
                 f"{_STOCK}" if c and cx % c == 0 and cx > c else "")
-        raise ValueError(f"conv2d: x {x.shape} has {cx} channels but kernel {kernel.shape} expects "
+        raise ValueError(f"{_OP}: x {x.shape} has {cx} channels but kernel {kernel.shape} expects "
                          f"C = {c}{hint}")
-    if bias is not None and bias.shape != (k,):
-        raise ValueError(f"conv2d: bias must have shape (K,) = ({k},), got {bias.shape}")
+    if bias is not None:
+        check.shape(bias, "bias", _OP, (k,), "(K,)")
     zero = {name: d for name, d in dict(H=h, W=w, C=c, K=k, R=r, S=s).items() if d < 1}
     if zero:
-        raise ValueError("conv2d: sizes must be >= 1, got " + ", ".join(f"{a}={d}" for a, d in zero.items()))
+        raise ValueError(f"{_OP}: sizes must be >= 1, got " + ", ".join(f"{a}={d}" for a, d in zero.items()))
     st = _strides(strides)
     pads = resolve_padding(padding, (h, w), (r, s), st)
     p = (h + pads[0][0] + pads[0][1] - r) // st[0] + 1
     q = (w + pads[1][0] + pads[1][1] - s) // st[1] + 1
     if h + pads[0][0] + pads[0][1] < r or w + pads[1][0] + pads[1][1] < s:
-        raise ValueError(f"conv2d: the {r}x{s} kernel is larger than the padded input "
+        raise ValueError(f"{_OP}: the {r}x{s} kernel is larger than the padded input "
                          f"({h}x{w} with padding {pads})")
-    if dtype is None:
-        dtype = jnp.result_type(*(a for a in (x, kernel, bias) if a is not None))
-    dtype = np.dtype(dtype)
-    if dtype not in _DTYPES:
-        raise TypeError(f"conv2d: the computation dtype must be float32 or bfloat16, got {dtype}")
+    dtype = check.compute_dtype(_OP, dtype, x, kernel, bias)
     x = x.astype(dtype)
     if n == 0:
         return jnp.zeros((0, p, q, k), dtype)
@@ -100,7 +94,7 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
     rank = len(spatial)
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-            raise ValueError(f"conv2d: padding {padding!r} is not supported here (SAME, VALID, an int "
+            raise ValueError(f"{_OP}: padding {padding!r} is not supported here (SAME, VALID, an int "
                              f"or explicit pairs); for other modes use {_STOCK}")
         pads = lax.padtype_to_pads(tuple(spatial), tuple(kernel), tuple(strides), padding.upper())
     elif isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
@@ -114,14 +108,14 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
                   and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in pd)):
                 pads.append((int(pd[0]), int(pd[1])))
             else:
-                raise ValueError(f"conv2d: invalid padding {padding!r}: each entry must be an int or a "
+                raise ValueError(f"{_OP}: invalid padding {padding!r}: each entry must be an int or a "
                                  "(low, high) pair of ints")
     else:
-        raise ValueError(f"conv2d: invalid padding {padding!r}: expected 'SAME', 'VALID', an int or "
+        raise ValueError(f"{_OP}: invalid padding {padding!r}: expected 'SAME', 'VALID', an int or "
                          f"a sequence of {rank} ints or (low, high) pairs")
     pads = tuple((int(lo), int(hi)) for lo, hi in pads)
     if any(v < 0 for pair in pads for v in pair):
-        raise ValueError(f"conv2d: paddings must be >= 0, got {pads}")
+        raise ValueError(f"{_OP}: paddings must be >= 0, got {pads}")
     return pads
 
 
@@ -134,27 +128,10 @@ def _strides(strides):
     except TypeError:
         ok = False
     if not ok:
-        raise ValueError(f"conv2d: strides must be an int or a pair of ints, got {strides!r}")
+        raise ValueError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
     if min(st) < 1:
-        raise ValueError(f"conv2d: strides must be >= 1, got {st}")
+        raise ValueError(f"{_OP}: strides must be >= 1, got {st}")
     return st
-
-
-def _as_array(a, name):
-    if not hasattr(a, "dtype"):
-        a = jnp.asarray(a, dtype=jnp.float32)
-    if np.dtype(a.dtype) not in _DTYPES:
-        raise TypeError(f"conv2d: {name} must be float32 or bfloat16, got {a.dtype}")
-    return jnp.asarray(a)
-
-
-def _activation_code(activation):
-    names = sorted(a for a in ACTIVATIONS if a)
-    if activation is not None and not isinstance(activation, str):
-        raise TypeError(f"conv2d: activation must be None or one of {names}, got {activation!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"conv2d: unknown activation {activation!r}; expected None or one of {names}")
-    return ACTIVATIONS[activation]
 
 
 # --- the custom calls --------------------------------------------------------------------

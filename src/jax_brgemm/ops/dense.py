@@ -13,6 +13,13 @@ Forward, backward-by-data and weight update are each one XLA FFI call into
 
 The backward is split in separate calls on purpose: when ``dx`` is not needed (the first
 layer of a network) XLA drops its call, and with it a third of the layer's backward work.
+
+Every one of the four calls is a ``custom_vjp`` function whose backward is made of the
+others (the backward of a linear pass is a linear pass: ``fwd``, ``bwd`` and ``upd`` are
+each other's transposes), and every fwd rule produces its residuals through those functions,
+never through a bare ``ffi_call``: ``jax.grad`` of ``jax.grad`` (and higher) runs on the
+kernels. Forward mode (``jax.jvp``, ``jacfwd``, ``hessian``) is not supported: JAX raises
+its "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
 """
 
 from __future__ import annotations
@@ -23,20 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
+from jax_brgemm import _activations
+from jax_brgemm import _validate as check
+from jax_brgemm._native import ACTIVATION_CODES
 
-# Codes of jb::Activation (cpp/brgemm/brgemm.h).
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "sigmoid": 3, "tanh": 4}
-_NONE, _RELU, _GELU = 0, 1, 2
-
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+_NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
 
 
 def dense(x, kernel, bias=None, *, activation=None, dtype=None):
     """Fully-connected layer: ``activation(x @ kernel + bias)`` on the BRGEMM kernels.
 
     Args:
-      x: ``(..., C)`` float32 or bfloat16. Leading dims are folded into the mini-batch.
+      x: ``(..., C)`` float32 or bfloat16. Leading dims are folded into the mini-batch; a
+        leading dim of size 0 (an empty batch) gives an empty result.
       kernel: ``(C, K)`` float32 or bfloat16 (Flax's ``Dense`` kernel layout).
       bias: optional ``(K,)`` float32 or bfloat16.
       activation: ``None``, ``"relu"``, ``"gelu"`` (tanh approximation, like
@@ -50,64 +56,49 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
       ``(..., K)`` in ``dtype``. Gradients come back in each argument's own dtype; with a
       float32 kernel and bfloat16 compute, the kernel gradient is accumulated and returned
       in float32 without a bfloat16 rounding in between.
+
+    Sizes of 0 (no rows, C = 0 or K = 0) compute what ``x @ kernel + bias`` computes, in
+    XLA: an empty result, or for C = 0 the activation of the bias.
     """
-    x = _as_array(x, "x")
-    kernel = _as_array(kernel, "kernel")
+    op = "jb.dense"
+    x = check.array(x, "x", op)
+    kernel = check.array(kernel, "kernel", op)
     if bias is not None:
-        bias = _as_array(bias, "bias")
-    act = _activation_code(activation)
-    if x.ndim < 1:
-        raise ValueError(f"dense: x must have rank >= 1 (..., C), got a scalar of shape {x.shape}")
-    if kernel.ndim != 2:
-        raise ValueError(f"dense: kernel must be (C, K), got shape {kernel.shape}")
+        bias = check.array(bias, "bias", op)
+    act = check.activation(activation, op)
+    check.rank(x, "x", op, "(..., C)", at_least=1)
+    check.rank(kernel, "kernel", op, "(C, K)", exactly=2)
     c, k = kernel.shape
     if x.shape[-1] != c:
-        raise ValueError(f"dense: x {x.shape} has {x.shape[-1]} features but kernel {kernel.shape} "
-                         f"expects C = {c}")
-    if bias is not None and bias.shape != (k,):
-        raise ValueError(f"dense: bias must have shape (K,) = ({k},), got {bias.shape}")
-    zero = {"C": c, "K": k, **{f"x.shape[{i}]": d for i, d in enumerate(x.shape[:-1])}}
-    zero = {name: d for name, d in zero.items() if d < 1}
-    if zero:
-        raise ValueError("dense: sizes must be >= 1, got " +
-                         ", ".join(f"{name}={d}" for name, d in zero.items()))
-    if dtype is None:
-        dtype = jnp.result_type(*(a for a in (x, kernel, bias) if a is not None))
-    dtype = np.dtype(dtype)
-    if dtype not in _DTYPES:
-        raise TypeError(f"dense: the computation dtype must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"{op}: x {x.shape} has {x.shape[-1]} features but kernel "
+                         f"{kernel.shape} expects C = {c}")
+    if bias is not None:
+        check.shape(bias, "bias", op, (k,), "(K,)")
+    dtype = check.compute_dtype(op, dtype, x, kernel, bias)
 
     lead = x.shape[:-1]
+    if x.size == 0 or kernel.size == 0:
+        return _dense_xla(x, kernel, bias, activation, dtype)
     x2 = x.astype(dtype).reshape((-1, c))
-    y = _dense(x2, kernel, bias, act)
+    y, _ = _fc(x2, kernel, bias, act)
     return y.reshape(lead + (k,))
 
 
-def _as_array(a, name):
-    if not hasattr(a, "dtype"):
-        a = jnp.asarray(a, dtype=jnp.float32)
-    if np.dtype(a.dtype) not in _DTYPES:
-        raise TypeError(f"dense: {name} must be float32 or bfloat16, got {a.dtype}")
-    return jnp.asarray(a)
-
-
-def _activation_code(activation):
-    if activation is not None and not isinstance(activation, str):
-        raise TypeError(f"dense: activation must be None or one of "
-                        f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"dense: unknown activation {activation!r}; expected None or one of "
-                         f"{sorted(a for a in ACTIVATIONS if a)}")
-    return ACTIVATIONS[activation]
+def _dense_xla(x, kernel, bias, activation, dtype):
+    """What the kernels compute, in XLA: for sizes the kernels do not take (0)."""
+    y = jnp.matmul(x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return _activations.apply(activation, y).astype(dtype)
 
 
 # --- the custom calls --------------------------------------------------------------------
-# vmap_method="expand_dims": under vmap every operand arrives with the batch dims in
-# front (size 1 when unbatched); the handlers read unbatched operands in place and fold
-# the batch into the mini-batch when the weights are shared.
+# All on 2-D operands. vmap_method="expand_dims": under vmap every operand arrives with the
+# batch dims in front (size 1 when unbatched); the handlers read unbatched operands in
+# place and fold the batch into the mini-batch when the weights are shared.
 
 
-def _forward(x, kernel, bias, act):
+def _fc_call(x, kernel, bias, act):
     n, k = x.shape[0], kernel.shape[1]
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     y = jax.ShapeDtypeStruct((n, k), x.dtype)
@@ -116,41 +107,115 @@ def _forward(x, kernel, bias, act):
         x, kernel, b, act=np.int32(act))
 
 
-def _act_grad(dy, saved, act):
+def _act_grad_call(dy, saved, act):
     out = jax.ShapeDtypeStruct(dy.shape, dy.dtype)
     return jax.ffi.ffi_call("jb_fc_act_grad", out, vmap_method="expand_dims")(
         dy, saved, act=np.int32(act))
 
 
-def _backward(dz, kernel, x_shape):
-    out = jax.ShapeDtypeStruct(x_shape, dz.dtype)
+def _bwd_call(dz, kernel):
+    out = jax.ShapeDtypeStruct((dz.shape[0], kernel.shape[0]), dz.dtype)
     return jax.ffi.ffi_call("jb_fc_bwd", out, vmap_method="expand_dims")(dz, kernel)
 
 
-def _update(x, dz, kernel, with_bias):
-    dw = jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)
-    db = jax.ShapeDtypeStruct((kernel.shape[1] if with_bias else 0,), jnp.float32)
+def _upd_call(x, dz, w_shape, w_dtype, with_bias):
+    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
+    db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
     return jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(x, dz)
 
 
+# --- the differentiable passes -------------------------------------------------------------
+# Each is a custom_vjp function whose bwd calls the others, and whose fwd computes its
+# outputs by calling itself, so that an outer differentiation (grad of grad) sees only
+# differentiable functions.
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense(x, kernel, bias, act):
-    return _forward(x, kernel, bias, act)[0]
+def _fc(x, kernel, bias, act):
+    """(y, z) = (act(x @ kernel + bias), the pre-activation for gelu or an empty array)."""
+    return _fc_call(x, kernel, bias, act)
 
 
-def _dense_fwd(x, kernel, bias, act):
-    y, z = _forward(x, kernel, bias, act)
+def _fc_fwd(x, kernel, bias, act):
+    y, z = _fc(x, kernel, bias, act)
     saved = None if act == _NONE else z if act == _GELU else y
-    return y, (x, kernel, bias, saved)
+    return (y, z), (x, kernel, bias, saved)
 
 
-def _dense_bwd(act, res, g):
+def _fc_bwd(act, res, cotangents):
     x, kernel, bias, saved = res
-    g = g.astype(x.dtype)
-    dz = g if act == _NONE else _act_grad(g, saved, act)
-    dx = _backward(dz, kernel, x.shape)
-    dw, db = _update(x, dz, kernel, bias is not None)
+    gy, gz = cotangents
+    gy = gy.astype(x.dtype)
+    dz = gy if act == _NONE else _act_grad(gy, saved, act)
+    if act == _GELU:  # z is an output too
+        dz = dz + gz.astype(dz.dtype)
+    dx = _fc_bwd_pass(dz, kernel)
+    dw, db = _fc_upd(x, dz, kernel.shape, np.dtype(kernel.dtype), bias is not None)
     return dx, dw, None if bias is None else db.astype(bias.dtype)
 
 
-_dense.defvjp(_dense_fwd, _dense_bwd)
+_fc.defvjp(_fc_fwd, _fc_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _act_grad(dy, saved, act):
+    """dz = dy * act'(saved)."""
+    return _act_grad_call(dy, saved, act)
+
+
+def _act_grad_fwd(dy, saved, act):
+    return _act_grad(dy, saved, act), (dy, saved)
+
+
+def _act_grad_bwd(act, res, g):
+    dy, saved = res
+    name = _activations.NAMES[act]
+    # d/d saved of dy * f'(saved), in jnp (f'' is cheap, element-wise, and differentiable)
+    _, vjp = jax.vjp(lambda s: dy.astype(jnp.float32) * _activations.derivative(name, s), saved)
+    (d_saved,) = vjp(g.astype(jnp.float32))
+    return _act_grad(g, saved, act), d_saved.astype(saved.dtype)
+
+
+_act_grad.defvjp(_act_grad_fwd, _act_grad_bwd)
+
+
+@jax.custom_vjp
+def _fc_bwd_pass(dz, kernel):
+    """dx = dz @ kernel.T."""
+    return _bwd_call(dz, kernel)
+
+
+def _fc_bwd_pass_fwd(dz, kernel):
+    return _fc_bwd_pass(dz, kernel), (dz, kernel)
+
+
+def _fc_bwd_pass_bwd(res, g):
+    dz, kernel = res
+    g = g.astype(dz.dtype)
+    d_dz, _ = _fc(g, kernel, None, _NONE)
+    d_kernel, _ = _fc_upd(g, dz, kernel.shape, np.dtype(kernel.dtype), False)
+    return d_dz, d_kernel
+
+
+_fc_bwd_pass.defvjp(_fc_bwd_pass_fwd, _fc_bwd_pass_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fc_upd(x, dz, w_shape, w_dtype, with_bias):
+    """(dkernel, dbias) = (x.T @ dz in w_dtype, the column sums of dz in float32 or empty)."""
+    return _upd_call(x, dz, w_shape, w_dtype, with_bias)
+
+
+def _fc_upd_fwd(x, dz, w_shape, w_dtype, with_bias):
+    return _fc_upd(x, dz, w_shape, w_dtype, with_bias), (x, dz)
+
+
+def _fc_upd_bwd(w_shape, w_dtype, with_bias, res, cotangents):
+    x, dz = res
+    g_w, g_b = cotangents
+    d_x = _fc_bwd_pass(dz, g_w)
+    d_dz, _ = _fc(x, g_w, g_b if with_bias else None, _NONE)
+    return d_x, d_dz.astype(dz.dtype)
+
+
+_fc_upd.defvjp(_fc_upd_fwd, _fc_upd_bwd)

@@ -1,0 +1,141 @@
+"""Unmodified Flax models with and without ``jax_brgemm.accelerate()``, side by side.
+
+    python bench/bench_accelerate.py [--repeats 9] [--min-time 0.2]
+
+Three models written against flax.linen only, in the style of the Flax examples: an MLP
+784-1024-1024-1024-10, the MNIST example's CNN and a small ResNet with BatchNorm, trained
+on batches of 28x28 images (N=256 for the MLP, 128 otherwise) with optax SGD + momentum,
+fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock"
+is traced outside the context, "accelerate" inside it; timed round-robin in one process.
+Writes bench/results/accelerate.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import common
+import jax_brgemm as jb
+
+
+class MLP(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = x.reshape((x.shape[0], -1))
+        for _ in range(3):
+            x = nn.relu(nn.Dense(1024, dtype=self.dtype)(x))
+        return nn.Dense(10, dtype=self.dtype)(x)
+
+
+class CNN(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Conv(32, (3, 3), dtype=self.dtype)(x))
+        x = nn.avg_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(64, (3, 3), dtype=self.dtype)(x))
+        x = nn.avg_pool(x, (2, 2), (2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(256, dtype=self.dtype)(x))
+        return nn.Dense(10, dtype=self.dtype)(x)
+
+
+class ResNet(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, dtype=self.dtype)
+        x = nn.relu(norm()(nn.Conv(32, (3, 3), use_bias=False, dtype=self.dtype)(x)))
+        for features, stride in ((32, 1), (64, 2), (128, 2)):
+            y = nn.relu(norm()(nn.Conv(features, (3, 3), stride, use_bias=False, dtype=self.dtype)(x)))
+            y = norm()(nn.Conv(features, (3, 3), use_bias=False, dtype=self.dtype)(y))
+            if x.shape != y.shape:
+                x = norm()(nn.Conv(features, (1, 1), stride, use_bias=False, dtype=self.dtype)(x))
+            x = nn.relu(x + y)
+        return nn.Dense(10, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
+
+
+MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128)}
+DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+def train_step(model, opt):
+    def step(variables, opt_state, x, labels):
+        params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+        def loss(p):
+            logits, new_state = model.apply({"params": p, **state}, x, mutable=list(state))
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+            return loss.mean(), new_state
+
+        grads, new_state = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return {"params": optax.apply_updates(params, updates), **new_state}, opt_state
+
+    return step
+
+
+def contenders(name, dtype):
+    cls, n = MODELS[name]
+    model = cls(dtype=dtype)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((n, 28, 28, 1)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, n))
+    variables = model.init(jax.random.key(0), x)
+    opt = optax.sgd(0.01, momentum=0.9)
+    args = (variables, opt.init(variables["params"]), x, labels)
+    stock = jax.jit(train_step(model, opt)).lower(*args).compile()
+    with jb.accelerate() as acc:
+        fast = jax.jit(train_step(model, opt)).lower(*args).compile()
+    accelerated = sum(c.accelerated for c in acc.calls)
+    return {"stock": (stock, args), "accelerate": (fast, args)}, f"{accelerated}/{len(acc.calls)}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--min-time", type=float, default=0.2)
+    args = p.parse_args(argv)
+    rows = []
+    for dname, dtype in DTYPES.items():
+        for name in MODELS:
+            cont, calls = contenders(name, dtype)
+            samples = common.interleaved({k: v[0] for k, v in cont.items()},
+                                         {k: v[1] for k, v in cont.items()},
+                                         repeats=args.repeats, min_time=args.min_time)
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            row = {"model": name, "dtype": dname, "batch": MODELS[name][1], "accelerated_calls": calls,
+                   "seconds": {k: common.stats(v) for k, v in samples.items()},
+                   "speedup": med["stock"] / med["accelerate"]}
+            rows.append(row)
+            print(f"{name:7s} {dname:8s} stock {1e3 * med['stock']:8.2f} ms  accelerate "
+                  f"{1e3 * med['accelerate']:8.2f} ms  | {row['speedup']:.2f}x ({calls} layer calls "
+                  f"on the kernels)", flush=True)
+    common.write_results("accelerate", {"repeats": args.repeats, "min_time": args.min_time, "rows": rows})
+    labels = [f"{r['model']} {r['dtype']}" for r in rows]
+    common.plot_bars("accelerate", labels,
+                     {k: [1e3 * r["seconds"][k]["median"] for r in rows] for k in ("stock", "accelerate")},
+                     "ms per training step (median, lower is better)",
+                     f"Unmodified Flax models, with and without jax_brgemm.accelerate() ({jb.isa()})")
+    print("\n| model | dtype | batch | stock ms | accelerate ms | speedup | layer calls on the kernels |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, a = r["seconds"]["stock"], r["seconds"]["accelerate"]
+        print(f"| {r['model']} | {r['dtype']} | {r['batch']} | {1e3 * s['median']:.2f} "
+              f"({1e3 * s['min']:.2f}-{1e3 * s['max']:.2f}) | {1e3 * a['median']:.2f} "
+              f"({1e3 * a['min']:.2f}-{1e3 * a['max']:.2f}) | {r['speedup']:.2f}x | {r['accelerated_calls']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""jax_brgemm.accelerate(): unmodified Flax models, written as in the Flax examples, give the
+stock outputs, gradients and parameter trees, with their Dense layers on the kernels."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_brgemm as jb
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(64)(x))
+        x = nn.gelu(nn.Dense(33, use_bias=False)(x))
+        return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):  # the Flax MNIST example's model
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(features=8, kernel_size=(3, 3))(x))
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(features=16, kernel_size=(3, 3))(x))
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(features=32)(x))
+        return nn.Dense(features=10)(x)
+
+
+class ResBlock(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
+        y = nn.BatchNorm(use_running_average=not train)(y)
+        return nn.relu(x + y)
+
+
+class SmallResNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(8, (3, 3), use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = ResBlock(8)(nn.relu(x), train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(10)(x)
+
+
+def _close(a, b, tol):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
+
+
+def _loss(model, **kw):
+    return lambda params, x: jnp.sum(model.apply(params, x, **kw) ** 2)
+
+
+@pytest.mark.parametrize("model,shape,dense_calls", [(MLP(), (5, 7, 3), 3), (CNN(), (2, 12, 12, 1), 2)])
+def test_same_outputs_gradients_and_trees(model, shape, dense_calls):
+    x = jax.random.normal(jax.random.key(0), shape)
+    params = model.init(jax.random.key(1), x)
+    with jb.accelerate() as acc:
+        inside = model.init(jax.random.key(1), x)
+        y = jax.jit(model.apply)(params, x)
+        g = jax.jit(jax.grad(_loss(model)))(params, x)
+    assert jax.tree_util.tree_structure(inside) == jax.tree_util.tree_structure(params)
+    _close(inside, params, 0)  # init runs the stock code: identical parameters
+    _close(y, model.apply(params, x), 2e-5)
+    _close(g, jax.grad(_loss(model))(params, x), 1e-4)
+    assert sum(c.accelerated for c in acc.calls) == dense_calls
+    # the kernels really ran: their custom calls are in the compiled program
+    with jb.accelerate():
+        hlo = jax.jit(model.apply).lower(params, x).as_text()
+    assert "jb_fc_fwd" in hlo
+
+
+def test_batchnorm_model_train_and_eval_mode():
+    model = SmallResNet()
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+    variables = model.init(jax.random.key(1), x)
+
+    def train_loss(params, stats):
+        y, new = model.apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+        return jnp.sum(y ** 2), new
+
+    stock = jax.grad(train_loss, has_aux=True)(variables["params"], variables["batch_stats"])
+    with jb.accelerate() as acc:
+        fast = jax.jit(jax.grad(train_loss, has_aux=True))(variables["params"], variables["batch_stats"])
+        y_eval = jax.jit(lambda v: model.apply(v, x, train=False))(variables)
+    _close(fast, stock, 1e-4)
+    _close(y_eval, model.apply(variables, x, train=False), 2e-5)
+    assert [c.path for c in acc.calls if c.accelerated] == ["Dense_0"]
+
+
+def test_bfloat16_layers():
+    model = nn.Dense(24, dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (6, 40))
+    params = model.init(jax.random.key(1), x)
+    with jb.accelerate() as acc:
+        y = jax.jit(model.apply)(params, x)
+        g = jax.grad(lambda p: jnp.sum(model.apply(p, x).astype(jnp.float32) ** 2))(params)
+    assert y.dtype == jnp.bfloat16 and acc.calls[0].accelerated
+    _close(y, model.apply(params, x), 3e-2)
+    want = jax.grad(lambda p: jnp.sum(model.apply(p, x).astype(jnp.float32) ** 2))(params)
+    assert jax.tree_util.tree_map(lambda a: a.dtype, g) == jax.tree_util.tree_map(lambda a: a.dtype, want)
+    _close(g, want, 5e-2)
+
+
+def test_vmap_scan_and_remat():
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            cell = nn.scan(lambda mdl, c, _: (nn.tanh(mdl(c)), None), variable_broadcast="params",
+                           split_rngs={"params": False}, length=3)
+            x, _ = cell(nn.Dense(16), x, None)
+            return nn.remat(nn.Dense)(4)(x)
+
+    model = Scanned()
+    x = jax.random.normal(jax.random.key(0), (5, 16))
+    params = model.init(jax.random.key(1), x)
+    batched = jnp.stack([x, 2 * x])
+    with jb.accelerate() as acc:
+        y = jax.jit(jax.vmap(model.apply, in_axes=(None, 0)))(params, batched)
+        g = jax.grad(_loss(model))(params, x)
+    assert all(c.accelerated for c in acc.calls) and len(acc.calls) == 2
+    _close(y, jax.vmap(model.apply, in_axes=(None, 0))(params, batched), 2e-5)
+    _close(g, jax.grad(_loss(model))(params, x), 1e-4)
+
+
+def test_unsupported_configurations_run_stock_and_say_why(capsys):
+    custom = nn.Dense(8, dot_general=lambda a, b, dims, precision=None: jax.lax.dot_general(a, b, dims) * 2)
+    x = jnp.ones((3, 5))
+    p = custom.init(jax.random.key(0), x)
+    half = nn.Dense(4, dtype=jnp.float16, param_dtype=jnp.float16)
+    xh = jnp.ones((2, 3), jnp.float16)
+    ph = half.init(jax.random.key(0), xh)
+    with jb.accelerate(report=True) as acc:
+        y = custom.apply(p, x)
+        yh = half.apply(ph, xh)
+    np.testing.assert_allclose(y, custom.apply(p, x))
+    np.testing.assert_array_equal(yh, half.apply(ph, xh))
+    assert [c.reason for c in acc.calls] == ["custom dot_general", "float16 computation"]
+    out = capsys.readouterr().out
+    assert "0 of 2 layer calls on the kernels" in out and "custom dot_general" in out
+
+
+def test_decorator_and_outside_the_context_is_stock():
+    model = MLP()
+    x = jnp.ones((2, 6))
+    params = model.init(jax.random.key(0), x)
+
+    @jb.accelerate()
+    def hlo():
+        return jax.jit(model.apply).lower(params, x).as_text()
+
+    assert "jb_fc_fwd" in hlo()
+    assert "jb_fc_fwd" not in jax.jit(model.apply).lower(params, x).as_text()

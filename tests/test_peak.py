@@ -1,0 +1,15 @@
+"""The peak probe that every "fraction of peak" figure is measured against."""
+
+import jax_brgemm as jb
+
+
+def test_peak_gflops_reports_the_units_this_cpu_has():
+    peak = jb.peak_gflops(seconds=0.02, repeats=1)
+    isa = jb.isa()
+    if isa not in ("avx512", "amx"):
+        assert peak == {}
+        return
+    want = {"float32", "bfloat16_vdpbf16ps", "bfloat16"} | ({"bfloat16_amx"} if isa == "amx" else set())
+    assert set(peak) == want
+    assert all(v > 1.0 for v in peak.values()), peak  # at least a GFLOP/s on any AVX-512 core
+    assert peak["bfloat16"] == max(v for k, v in peak.items() if k.startswith("bfloat16_"))
