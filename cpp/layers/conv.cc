@@ -280,6 +280,7 @@ struct DirectPlan {
     // that small weights (pointwise layers) are read once per pixel block for all of them.
     panel_bytes = Scratch::aligned(size_t(panel_elems) * ks);
     per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(ob, kPanelBytes / int64_t(panel_bytes)));
+    per_item = ceil_div(ob, ceil_div(ob, per_item));  // groups of equal size
     units = n * hout * int64_t(blocks.size());
     groups_ = WorkGroups(ceil_div(ob, per_item), units, threads);
     copy_bytes = copy ? size_t(n * hin * win * ci) * ks : 0;
