@@ -26,6 +26,7 @@ from jax import lax
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm._native import ACTIVATION_CODES
+from jax_brgemm.ops.dense import _act_grad_call
 
 _NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
 _OP = "jb.conv2d"
@@ -163,11 +164,8 @@ def _forward(x, kernel, bias, cfg):
 
 
 def _act_grad(dy, saved, act):
-    k = dy.shape[-1]
-    out = jax.ShapeDtypeStruct((dy.size // k, k), dy.dtype)
-    dz = jax.ffi.ffi_call("jb_fc_act_grad", out, vmap_method="expand_dims")(
-        dy.reshape(-1, k), saved.reshape(-1, k), act=np.int32(act))
-    return dz.reshape(dy.shape)
+    k = dy.shape[-1]  # element-wise: the FC layer's call over the output's pixels
+    return _act_grad_call(dy.reshape(-1, k), saved.reshape(-1, k), act).reshape(dy.shape)
 
 
 def _backward(dz, kernel, x_shape, cfg):
