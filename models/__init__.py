@@ -3,6 +3,8 @@
 from .layers import ACTIVATIONS, IMPLS, LAYERS, Layers, activated, layers, stock_lstm
 from .lstm import GNMTEncoder, LSTMClassifier
 from .mlp import MLP
+from .resnet import BottleneckResNetBlock, ResNet, ResNet18, ResNet34, ResNet50, ResNetBlock
 
-__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "GNMTEncoder", "LSTMClassifier", "Layers", "MLP",
-           "activated", "layers", "stock_lstm"]
+__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "BottleneckResNetBlock", "GNMTEncoder", "LSTMClassifier",
+           "Layers", "MLP", "ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNetBlock", "activated",
+           "layers", "stock_lstm"]

@@ -5,13 +5,14 @@ public switch ``impl="brgemm" | "xla"`` names a set of them::
 
     LAYERS["brgemm"].dense is jax_brgemm.nn.Dense
     LAYERS["xla"].dense is flax.linen.Dense
+    LAYERS["brgemm"].conv is jax_brgemm.nn.Conv
     LAYERS["brgemm"].lstm is jax_brgemm.nn.LSTM
     LAYERS["xla"].lstm is stock_lstm      # flax.linen.RNN(flax.linen.OptimizedLSTMCell)
 
 Both sets create identical parameters. ``activated`` applies an activation after a layer:
 fused into it when the layer class has an ``activation`` field (jax_brgemm's modules), as
-a separate function after it otherwise (flax.linen's). Conv models follow the same pattern
-(a ``conv`` entry in ``Layers``).
+a separate function after it otherwise (flax.linen's). Conv and LSTM models take their
+layer the same way (the ``conv`` / ``lstm`` entries of ``Layers``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Layers:
 
     Attributes:
       dense: a ``flax.linen.Dense``-compatible module class.
+      conv: a ``flax.linen.Conv``-compatible module class.
       lstm: ``lstm(features, **fields)`` -> a module with the fields and the call of
         ``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` (``time_major``,
         ``return_carry``, ``reverse``, ``keep_order``, ``dtype``, ``param_dtype``, ``name``)
@@ -44,7 +46,8 @@ class Layers:
     """
 
     dense: type
-    lstm: Callable[..., nn.Module]
+    conv: type = nn.Conv
+    lstm: Optional[Callable[..., nn.Module]] = None
 
 
 _CELL_FIELDS = ("dtype", "param_dtype", "kernel_init", "recurrent_kernel_init", "bias_init",
@@ -61,8 +64,8 @@ def stock_lstm(features: int, **fields) -> nn.RNN:
 
 
 LAYERS: dict[str, Layers] = {
-    "brgemm": Layers(dense=jbnn.Dense, lstm=jbnn.LSTM),
-    "xla": Layers(dense=nn.Dense, lstm=stock_lstm),
+    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv, lstm=jbnn.LSTM),
+    "xla": Layers(dense=nn.Dense, conv=nn.Conv, lstm=stock_lstm),
 }
 
 
