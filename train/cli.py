@@ -7,7 +7,9 @@ to runs/BENCHMARK/IMPL), and never deletes or overwrites earlier sets:
     config.json         the configuration run (the logs' config_filename)
     summary.json        runs, score, RCP check    accuracy.png        quality vs time
     rcps_<name>.json, rcp_checker.log, scaling.json    the RCP check (closed, full set)
+    checkpoints/        with --checkpoint-every E (checkpoint.py)
 
+``--resume SET`` continues an interrupted set in a new set directory next to it.
 Everything that can be wrong with the command line, the data or LOG_DIR is found
 before anything is trained or written (exit code 2).
 """
@@ -24,7 +26,7 @@ from typing import Any, Mapping, Optional
 
 from jax_brgemm.models import IMPLS
 
-from . import compliance, data, rcp, report, scoring
+from . import checkpoint, compliance, data, interrupt, rcp, report, scoring
 from .hparams import HparamError, resolve
 from .suite import SUITE, Benchmark
 
@@ -113,11 +115,14 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
                   runs: int = 1, seed: Optional[int] = None, dtype: str = "float32",
                   data_dir=None, log_dir=None, overrides: Mapping[str, Any] = None,
                   hparams_file: Optional[str] = None, max_epochs: Optional[int] = None,
-                  show_progress: bool = True, out=None) -> dict:
+                  show_progress: bool = True, out=None, checkpoint_every: int = 0,
+                  resume: Optional[checkpoint.SetResume] = None) -> dict:
     """Validates, runs ``runs`` times, checks every log, scores; returns the summary.
 
+    ``checkpoint_every`` E > 0 checkpoints every E epochs; ``resume`` continues that
+    interrupted set (its seeds, finished runs and checkpoints) in a new set directory.
     Raises UsageError, HparamError or data.DataError before anything is trained or
-    written.
+    written; interrupt.Interrupted when SIGINT or SIGTERM stops a run.
     """
     from . import loop
     from .progress import Progress
@@ -132,7 +137,11 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
         raise UsageError(f"--max-epochs must be at least 1, got {max_epochs}")
     if log_dir is not None and str(log_dir).strip() == "":
         raise UsageError("--log-dir must not be empty (leave it out for runs/BENCHMARK/IMPL)")
-    run_seeds = seeds(seed, runs, division)
+    if checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be at least 1 (epochs), got "
+                         f"{checkpoint_every}")
+    # A resumed set keeps the seeds it drew (and logged) at its start.
+    run_seeds = resume.seeds if resume else seeds(seed, runs, division)
     hp = resolve(bench, dict(overrides or {}), division)
     if impl not in IMPLS:
         raise UsageError(f"--impl must be one of {IMPLS}, got {impl!r}")
@@ -148,33 +157,69 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     sibling = _sibling_summary(log_dir, impl)
     reference = reference_result(bench, impl, division, dtype, sibling, cpu)
     set_dir = new_set_dir(log_dir)
+    if resume:
+        print(f"resuming set {resume.set_dir} in the new set {set_dir} (the interrupted set "
+              f"is kept as it is)", file=out)
 
     config = {"benchmark": bench.name, "impl": impl, "division": division, "dtype": dtype,
               "max_epochs": max_epochs, "target": bench.target, "hparams": hp,
               "hparams_file": str(Path(hparams_file).resolve()) if hparams_file else None,
               "data_files": {k: str(v) for k, v in paths.items()}}
+    if resume:
+        config["resumed_from"] = str(resume.set_dir)
     (set_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if checkpoint_every or resume:
+        checkpoint.write_set_file(set_dir, run_seeds, checkpoint_every,
+                                  resume.set_dir if resume else None)
     cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
                          max_epochs=max_epochs, config_filename="config.json",
                          target=bench.target)
     progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress else None
 
     results = []
-    for i, (run_seed, seed_source) in enumerate(run_seeds):
-        log_path = set_dir / f"result_{i}.txt"
-        result = loop.run(cfg, i, run_seed, seed_source, paths, log_path, progress)
-        result.compliance, output = compliance.run_checker(
-            log_path, set_dir / f"compliance_{i}.log", bench.name)
-        print(f"  compliance checker on {log_path}: "
-              f"{'PASSED' if result.compliance else 'FAILED'}", file=out)
-        if not result.compliance:
-            print("    " + output.strip().replace("\n", "\n    "), file=out)
-        results.append(result)
+    with interrupt.handling():
+        for i, (run_seed, seed_source) in enumerate(run_seeds):
+            log_path = set_dir / f"result_{i}.txt"
+            if resume and i in resume.finished:  # finished before the interruption
+                checkpoint.carry_over(resume.set_dir, set_dir, i)
+                results.append(loop.RunResult(**{**resume.finished[i],
+                                                 "log_path": str(log_path)}))
+                print(f"  run {i}: finished in {resume.set_dir}, carried over", file=out)
+                continue
+            found = resume.found.get(i) if resume else None
+            if found:
+                print(f"  run {i}: resumed from {found.path} (epoch "
+                      f"{found.loop['position']['next_epoch']}, "
+                      f"{found.loop['position']['steps_done']} steps done)", file=out)
+            ckpt = checkpoint.RunCheckpoints(set_dir, i, checkpoint_every, found)
+            try:
+                result = loop.run(cfg, i, run_seed, seed_source, paths, log_path, progress,
+                                  ckpt)
+            except interrupt.Interrupted as e:
+                if checkpoint_every:
+                    e.message += (f". Resume with: python -m jax_brgemm.train --resume "
+                                  f"{set_dir}")
+                raise
+            result.compliance, output = compliance.run_checker(
+                log_path, set_dir / f"compliance_{i}.log", bench.name)
+            print(f"  compliance checker on {log_path}: "
+                  f"{'PASSED' if result.compliance else 'FAILED'}", file=out)
+            if not result.compliance:
+                print("    " + output.strip().replace("\n", "\n    "), file=out)
+            results.append(result)
+            if checkpoint_every or resume:
+                checkpoint.write_finished(set_dir, dataclasses.asdict(result))
+            if interrupt.requested() and i + 1 < len(run_seeds):
+                raise interrupt.Interrupted(interrupt.requested(), (
+                    f"stopped after run {i} of {len(run_seeds)} (its log is complete)"
+                    + (f". Resume with: python -m jax_brgemm.train --resume {set_dir}"
+                       if checkpoint_every else "")))
 
     score = scoring.olympic_mean([r.time_to_train if r.converged else math.inf for r in results])
     rcp_check = rcp.check(bench, set_dir, runs, division)
     score = scoring.apply_rcp(score, rcp_check)
     normalized = scoring.normalized(reference["result"], score) if reference["same_cpu"] else None
+    resumed = [r.index for r in results if r.resumed]
     summary = {
         "benchmark": bench.name, "impl": impl, "division": division, "dtype": dtype,
         "set": str(set_dir), "cpu_model": cpu, "target": bench.target,
@@ -184,7 +229,11 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
         "runs": [dataclasses.asdict(r) for r in results],
         "score": dataclasses.asdict(score),
         "official": (division == "closed" and score.method == "olympic" and score.valid
-                     and runs == bench.num_runs and rcp_check["status"] == "pass"),
+                     and runs == bench.num_runs and rcp_check["status"] == "pass"
+                     and not resumed),
+        # Runs continued from a checkpoint (their time_to_train adds up the timed parts).
+        "resumed": ({"runs": resumed, "from_set": str(resume.set_dir) if resume else None,
+                     "note": checkpoint.NOT_VALID_TIMING} if resumed else None),
         "reference": reference,
         "normalized_score": normalized,
         "rcp": rcp_check,
@@ -223,11 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
                "summary.json and accuracy.png (with the newest set of the other impl in\n"
                "LOG_DIR's sibling directory). A closed-division set of the benchmark's full\n"
                "run count gets mlperf_logging's RCP check (scaling.json when it scales).\n\n"
+               "SIGINT / SIGTERM stop a run at the next step (final checkpoint with\n"
+               "--checkpoint-every, run_stop status aborted in the log).\n\n"
                "exit status: 0 every run reached the target and passed the checker and the\n"
                "result is valid (RCP check included), 1 otherwise, 2 usage, configuration or\n"
-               "data error (nothing trained, nothing written).")
-    parser.add_argument("benchmark", choices=sorted(SUITE), metavar="BENCHMARK",
-                        help=f"which benchmark to run: {', '.join(sorted(SUITE))}")
+               "data error (nothing trained, nothing written), 130 / 143 stopped by SIGINT /\n"
+               "SIGTERM.")
+    parser.add_argument("benchmark", nargs="?", choices=sorted(SUITE), metavar="BENCHMARK",
+                        help=f"which benchmark to run: {', '.join(sorted(SUITE))} (with "
+                             f"--resume: the resumed set's)")
     parser.add_argument("--impl", choices=IMPLS, default="brgemm",
                         help="layers: jax_brgemm's BRGEMM kernels (brgemm, default) or stock "
                              "XLA (xla, the reference implementation)")
@@ -264,7 +317,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-epochs", type=int, default=None, metavar="E",
                         help="stop a run that has not reached the target after E epochs; it "
                              "is logged as aborted (default: the benchmark's limit)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="E",
+                        help="save the whole training state (orbax-checkpoint) every E epochs "
+                             "and when SIGINT / SIGTERM stop a run, in SET/checkpoints/ "
+                             "(default: off)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue the interrupted set DIR (or the newest set with "
+                             "checkpoints in the log directory DIR) from its last complete "
+                             "checkpoints, in a new set directory next to it; the benchmark, "
+                             "options and seeds are the set's (only --data-dir and "
+                             "--checkpoint-every may be given). A resumed run is marked in its "
+                             "log and the summary, and is not a valid closed-division timing")
     return parser
+
+
+# Options a resumed set takes from its config.json: option -> config key.
+_RESUMED_OPTIONS = {"impl": "impl", "division": "division", "dtype": "dtype",
+                    "max_epochs": "max_epochs", "hparams": "hparams_file"}
+
+
+def _resume_kwargs(args, parser) -> dict:
+    """run_benchmark's arguments to resume the set --resume names."""
+    try:
+        found = checkpoint.read_set(checkpoint.find_set(Path(args.resume)))
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e))
+    config = found.config
+    if args.benchmark not in (None, config["benchmark"]):
+        raise UsageError(f"--resume {args.resume}: that set ran {config['benchmark']}, not "
+                         f"{args.benchmark}")
+    for option in ("runs", "seed", "log_dir", *_RESUMED_OPTIONS):
+        if getattr(args, option) != parser.get_default(option) and not (
+                option in _RESUMED_OPTIONS and getattr(args, option) == config.get(
+                    _RESUMED_OPTIONS[option])):
+            raise UsageError(f"--resume takes --{option.replace('_', '-')} from the set it "
+                             f"resumes ({found.set_dir / 'config.json'}); leave it out")
+    data_dir = args.data_dir or str(Path(next(iter(config["data_files"].values()))).parent)
+    return dict(bench=SUITE[config["benchmark"]], impl=config["impl"],
+                division=config["division"], runs=len(found.seeds), dtype=config["dtype"],
+                data_dir=data_dir, log_dir=found.set_dir.parent,
+                overrides=config["hparams"], hparams_file=config["hparams_file"],
+                max_epochs=config["max_epochs"],
+                checkpoint_every=args.checkpoint_every or found.every, resume=found)
 
 
 def _read_hparams(path: str) -> dict:
@@ -279,14 +373,26 @@ def _read_hparams(path: str) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        overrides = _read_hparams(args.hparams) if args.hparams else {}
-        summary = run_benchmark(
-            SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
-            seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
-            overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs)
+        if args.resume:
+            summary = run_benchmark(**_resume_kwargs(args, parser))
+        elif args.benchmark is None:
+            raise UsageError("give a BENCHMARK to run (or --resume DIR)")
+        else:
+            overrides = _read_hparams(args.hparams) if args.hparams else {}
+            summary = run_benchmark(
+                SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
+                seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
+                overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
+                checkpoint_every=args.checkpoint_every)
     except (UsageError, HparamError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except interrupt.Interrupted as e:
+        return interrupt.report(e)
+    except KeyboardInterrupt:  # before the runs began: nothing trained, nothing to save
+        print("interrupted by SIGINT before any run started; nothing trained", file=sys.stderr)
+        return 128 + int(interrupt.signal.SIGINT)
     return exit_code(summary)

@@ -6,6 +6,11 @@
     run (timed):    run_start, read the dataset, train and evaluate epoch by epoch
                     (epochs numbered from 1), run_stop when the target is reached
                     ("success") or the epoch limit is ("aborted")
+
+With checkpoints (checkpoint.RunCheckpoints) the run is saved every E epochs, and a
+resumed run skips init's logging, restores its state and continues its log and its
+clock where the checkpoint left them (see checkpoint.py). SIGINT / SIGTERM stop the
+run at the next step: a final checkpoint, run_stop "aborted", interrupt.Interrupted.
 """
 
 import dataclasses
@@ -25,7 +30,7 @@ import numpy as np
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
-from . import data, optim, step
+from . import checkpoint, data, interrupt, optim, step
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
@@ -61,6 +66,7 @@ class RunResult:
     data_fraction: float        # share of the train loop spent producing batches
     log_path: str
     compliance: Optional[bool] = None
+    resumed: Optional[list] = None  # a resumed run: its resumes (run_resumed metadata)
 
     @property
     def converged(self) -> bool:
@@ -136,12 +142,12 @@ def source_commit() -> str:
     return "unknown (not run from a jax_brgemm git checkout)"
 
 
-def open_log(path: Path) -> tuple[MLLogger, logging.Handler]:
+def open_log(path: Path, mode: str = "w") -> tuple[MLLogger, logging.Handler]:
     """An MLLogger writing only to ``path``: nothing reaches the terminal or other logs."""
     logger = logging.getLogger(f"jax_brgemm.train.run.{path}")
     logger.propagate = False
     logger.setLevel(logging.INFO)
-    handler = logging.FileHandler(path, mode="w")
+    handler = logging.FileHandler(path, mode=mode)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     root = str(Path(__file__).resolve().parent)
@@ -189,23 +195,43 @@ def _now_ms() -> int:
 
 
 def run(cfg: RunConfig, index: int, seed: int, seed_source: str, paths: Mapping[str, Path],
-        log_path: Path, progress=None) -> RunResult:
-    """Performs one run and writes its MLPerf log to ``log_path``."""
-    mll, handler = open_log(log_path)
+        log_path: Path, progress=None, ckpt: Optional[checkpoint.RunCheckpoints] = None
+        ) -> RunResult:
+    """Performs one run and writes its MLPerf log to ``log_path`` (``ckpt``: its
+    checkpoints, and the one it resumes from)."""
+    if ckpt and ckpt.resume:
+        ckpt.write_log_prefix(log_path)
+    mll, handler = open_log(log_path, mode="a" if ckpt and ckpt.resume else "w")
     try:
-        return _run(cfg, index, seed, seed_source, paths, log_path, progress, mll)
+        return _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt)
     finally:
+        if ckpt:
+            ckpt.close()
         handler.close()
         logging.getLogger(f"jax_brgemm.train.run.{log_path}").removeHandler(handler)
 
 
-def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
+def _interrupted(mll, ckpt, save, where: str):
+    """Stops the run on the signal received: final checkpoint (``save()``, when
+    checkpointing is on), run_stop "aborted", interrupt.Interrupted."""
+    saved = save() if ckpt and ckpt.enabled and save else None
+    mll.end(C.RUN_STOP, metadata={"status": C.ABORTED, "interrupted_by": interrupt.name()})
+    what = (f"final checkpoint {saved}" if saved else
+            "no checkpoint (checkpointing is off: --checkpoint-every E)" if not (
+                ckpt and ckpt.enabled) else "no checkpoint (nothing trained yet)")
+    raise interrupt.Interrupted(interrupt.requested(), f"{where}; {what}; log closed with run_stop aborted")
+
+
+def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=None):
     bench, hp = cfg.bench, cfg.hparams
     pipeline, batch_size = bench.pipeline, hp["global_batch_size"]
+    resume = ckpt.resume if ckpt else None  # the checkpoint this run continues from
 
     # ---- init: untimed. Nothing here reads the dataset, only its declared shapes.
-    mll.start(C.INIT_START)
-    log_config(mll, cfg, seed, seed_source)
+    # (A resumed run's log already holds init's events, copied from the interrupted log.)
+    if not resume:
+        mll.start(C.INIT_START)
+        log_config(mll, cfg, seed, seed_source)
     model = bench.model(impl=cfg.impl, dtype=DTYPES[cfg.dtype])
     steps = optim.steps_per_epoch(bench.train_size, batch_size)
     example = pipeline.preprocess(jnp.asarray(pipeline.synthetic_batch(bench.dataset, 1).inputs))
@@ -216,32 +242,62 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
         state, pipeline.synthetic_batch(bench.dataset, batch_size)).compile()
     evaluate = jax.jit(functools.partial(step.eval_step, bench=bench)).lower(
         state, pipeline.synthetic_batch(bench.dataset, bench.eval_batch_size)).compile()
-    mll.end(C.INIT_STOP)
+    if resume:
+        state = ckpt.restore(state)
+    else:
+        mll.end(C.INIT_STOP)
+    if interrupt.requested():
+        _interrupted(mll, ckpt, None, f"run {index} stopped in init, before run_start")
 
     cache = data.drop_page_cache(paths.values())
-    mll.event(C.CACHE_CLEAR, cache["cleared"], metadata={
-        "method": "fsync + posix_fadvise DONTNEED, verified with mincore",
-        "cached_pages": cache["cached_pages"], "pages": cache["pages"]})
+    cache_metadata = {"method": "fsync + posix_fadvise DONTNEED, verified with mincore",
+                      "cached_pages": cache["cached_pages"], "pages": cache["pages"]}
+    config, resumes = checkpoint.run_config(cfg, seed), []
 
-    # ---- run: timed from here.
+    # ---- run: timed from here. A resumed run's clock continues from its checkpoint's
+    # elapsed time (the time between the interruption and the resume is not counted).
     t_start = _now_ms()
-    mll.start(C.RUN_START, time_ms=t_start)
+    if resume:
+        resumes = resume.loop["resumes"] + [{
+            "checkpoint": str(resume.path), "interrupted_log": str(
+                resume.set_dir / resume.loop["log_file"]),
+            "epoch_num": resume.loop["position"]["next_epoch"],
+            "steps_done": resume.loop["position"]["steps_done"],
+            "elapsed_before_s": resume.loop["elapsed"], "cache_clear": cache["cleared"],
+            **cache_metadata, "note": checkpoint.NOT_VALID_TIMING}]
+        mll.event(checkpoint.RESUMED_KEY, True, time_ms=t_start, metadata=resumes[-1])
+        t_start -= round(resume.loop["elapsed"] * 1e3)
+    else:
+        mll.event(C.CACHE_CLEAR, cache["cleared"], metadata=cache_metadata)
+        mll.start(C.RUN_START, time_ms=t_start)
     splits = pipeline.decode(data.load(bench.dataset, paths))
     train_split, eval_split = splits["train"], splits["eval"]
     if progress:
         progress.start_run(index, seed, cfg.max_epochs, steps)
 
-    evals, status, epoch = [], C.ABORTED, 0
-    train_seconds = data_seconds = 0.0
+    def save(pos, reason):
+        return ckpt.save(state, pos, config=config, seed_source=seed_source,
+                         log_path=log_path, elapsed=(_now_ms() - t_start) / 1e3,
+                         reason=reason, resumes=resumes)
+
+    pos = ckpt.position if resume else None  # where the resumed run continues (used once)
+    evals, status, epoch = (pos.evals, C.ABORTED, pos.next_epoch - 1) if pos else ([], C.ABORTED, 0)
+    train_seconds, data_seconds = (pos.train_seconds, pos.data_seconds) if pos else (0.0, 0.0)
     while epoch < cfg.max_epochs:
-        first = epoch + 1
-        count = min(bench.eval_every_epochs, cfg.max_epochs - epoch)
-        mll.start(C.BLOCK_START, metadata={"first_epoch_num": first, "epoch_count": count})
-        for epoch in range(first, first + count):
-            mll.start(C.EPOCH_START, metadata={"epoch_num": epoch})
-            t0, losses = time.perf_counter(), []
+        first = pos.block_first if pos and pos.block_first else epoch + 1
+        count = min(bench.eval_every_epochs, cfg.max_epochs - first + 1)
+        if not (pos and pos.block_first):
+            mll.start(C.BLOCK_START, metadata={"first_epoch_num": first, "epoch_count": count})
+        for epoch in range(epoch + 1, first + count):
+            done, losses = (pos.steps_done, list(pos.losses)) if pos else (0, [])
+            pos = None
+            if not done:
+                mll.start(C.EPOCH_START, metadata={"epoch_num": epoch})
+            t0 = time.perf_counter()
             batches = pipeline.train_batches(train_split.inputs, train_split.labels, batch_size,
                                              seed, epoch)
+            for _ in range(done):  # trained before the checkpoint: same order, skipped
+                next(batches)
             while True:
                 t_data = time.perf_counter()
                 batch = next(batches, None)
@@ -252,6 +308,13 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
                 losses.append(loss)
                 if progress:
                     progress.step()
+                if interrupt.requested():
+                    at = checkpoint.Position(
+                        epoch, len(losses), first, losses, evals,
+                        train_seconds + time.perf_counter() - t0, data_seconds)
+                    _interrupted(mll, ckpt, lambda: save(at, interrupt.name()),
+                                 f"run {index} stopped in epoch {epoch} after step "
+                                 f"{len(losses)} of {steps}")
             loss = float(jnp.mean(jnp.stack(losses)))  # waits for the last step
             train_seconds += time.perf_counter() - t0
             mll.end(C.EPOCH_STOP, metadata={"epoch_num": epoch})
@@ -279,6 +342,13 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
         if cfg.target is not None and accuracy >= cfg.target:
             status = C.SUCCESS
             break
+        if epoch < cfg.max_epochs:  # a block boundary: checkpoint when due or stopping
+            at = checkpoint.Position(epoch + 1, 0, None, [], evals, train_seconds, data_seconds)
+            if interrupt.requested():
+                _interrupted(mll, ckpt, lambda: save(at, interrupt.name()),
+                             f"run {index} stopped after epoch {epoch}")
+            if ckpt and ckpt.due(range(first, epoch + 1)):
+                save(at, f"every {ckpt.every} epochs")
 
     t_stop = _now_ms()
     mll.end(C.RUN_STOP, time_ms=t_stop, metadata={"status": status})
@@ -287,4 +357,5 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
     return RunResult(index=index, seed=seed, seed_source=seed_source, status=status, epochs=epoch,
                      time_to_train=(t_stop - t_start) / 1e3, evals=evals,
                      throughput=epoch * bench.train_size / train_seconds,
-                     data_fraction=data_seconds / train_seconds, log_path=str(log_path))
+                     data_fraction=data_seconds / train_seconds, log_path=str(log_path),
+                     resumed=resumes or None)
