@@ -93,17 +93,38 @@ def _start(tiny, log_dir, *args):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_epoch(proc, log_dir, epoch, timeout=120.0):
-    """Waits until the run logs epoch_start of ``epoch``, then a few batches more."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        logs = list(Path(log_dir).glob("*/result_0.txt"))
-        if logs and epoch in _epoch_starts(logs[0]):
-            time.sleep(3 * STEP_SLEEP)
-            return
+# name -> (signal, the epoch it lands in, harness options)
+STOPS = {"SIGKILL": (signal.SIGKILL, 3, ["--checkpoint-every", "1"]),
+         "SIGTERM": (signal.SIGTERM, 2, ["--checkpoint-every", "3"]),
+         "SIGINT": (signal.SIGINT, 2, [])}
+
+
+@pytest.fixture(scope="module")
+def stopped(tiny):
+    """The STOPS runs, in subprocesses at once, each sent its signal three batches after
+    the epoch_start of its epoch: name -> (exit code, stdout, stderr, set directory)."""
+    procs = {name: _start(tiny, tiny["root"] / name, *args)
+             for name, (_, _, args) in STOPS.items()}
+    started, sent, deadline = {}, set(), time.monotonic() + 180
+    while len(sent) < len(procs):
+        assert time.monotonic() < deadline, "the runs did not reach their epochs"
+        for name, proc in procs.items():
+            sig, epoch, _ = STOPS[name]
+            if name in sent:
+                continue
+            if name in started:
+                if time.monotonic() - started[name] > 3 * STEP_SLEEP:
+                    proc.send_signal(sig)
+                    sent.add(name)
+                continue
+            assert proc.poll() is None, proc.communicate()
+            logs = list((tiny["root"] / name).glob("*/result_0.txt"))
+            if logs and epoch in _epoch_starts(logs[0]):
+                started[name] = time.monotonic()
         time.sleep(0.02)
-    raise AssertionError(f"epoch {epoch} did not start in {timeout} s")
+    outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    return {name: (proc.returncode, *outputs[name], only_set(tiny["root"] / name))
+            for name, proc in procs.items()}
 
 
 def _epoch_starts(log):
@@ -118,13 +139,9 @@ def _resume(set_dir: Path) -> tuple[int, Path]:
     return code, max(p for p in set_dir.parent.iterdir() if p.is_dir())
 
 
-def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(tiny, reference, capsys):
-    log_dir = tiny["root"] / "killed"
-    proc = _start(tiny, log_dir, "--checkpoint-every", "1")
-    _wait_for_epoch(proc, log_dir, 3)  # epochs 1 and 2 checkpointed, epoch 3 under way
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    killed = only_set(log_dir)
+def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(stopped, reference, capsys):
+    code, _, _, killed = stopped["SIGKILL"]  # in epoch 3; epochs 1 and 2 checkpointed
+    assert code == -signal.SIGKILL
     killed_log = (killed / "result_0.txt").read_text()
     assert _epoch_starts(killed / "result_0.txt") == [1, 2, 3] and "run_stop" not in killed_log
     steps = checkpoint.complete_steps(killed / "checkpoints" / "run_0")
@@ -166,21 +183,15 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(tiny, referenc
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_stops_cleanly(tiny, reference, sig, code):
+def test_signal_stops_cleanly(stopped, reference, sig, code):
     """SIGTERM with checkpointing (a final checkpoint mid-epoch, resumed bit for bit),
     SIGINT without (nothing saved). Both: one line, the exit code, run_stop aborted."""
-    log_dir = tiny["root"] / f"signal_{sig.name}"
-    every = ["--checkpoint-every", "3"] if sig == signal.SIGTERM else []
-    proc = _start(tiny, log_dir, *every)
-    _wait_for_epoch(proc, log_dir, 2)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
+    returncode, out, err, set_dir = stopped[sig.name]
+    assert returncode == code, err
     assert "Traceback" not in out + err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"interrupted by {sig.name}: run 0 stopped "
                                                    f"in epoch 2 after step"), err
-    set_dir = only_set(log_dir)
     events = _events(set_dir / "result_0.txt")
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
     assert events[-1]["metadata"]["interrupted_by"] == sig.name
