@@ -215,11 +215,14 @@ def test_signal_stops_cleanly(stopped, reference, sig, code):
 
 
 def test_an_unfinished_checkpoint_is_never_loaded(tiny, reference, tmp_path, capsys):
-    """Run 2 epochs with checkpoints, then damage them as an interrupted save would."""
+    """Two runs of 3 epochs with checkpoints; then run 0's are damaged as interrupted saves
+    would leave them, and both runs are made unfinished: run 0 starts over, run 1
+    continues from its checkpoint after epoch 2."""
     log_dir = tmp_path / "logs"
-    assert cli.main([NAME, *SEED, "--data-dir", tiny["data"], "--log-dir", str(log_dir),
-                     "--checkpoint-every", "1", "--max-epochs", "3"]) == 1
+    assert cli.main([NAME, *SEED, "--runs", "2", "--data-dir", tiny["data"], "--log-dir",
+                     str(log_dir), "--checkpoint-every", "1", "--max-epochs", "3"]) == 1
     set_dir = only_set(log_dir)
+    first = _summary(set_dir)
     run_dir = set_dir / "checkpoints" / "run_0"
     assert checkpoint.complete_steps(run_dir) == [8, 16]
     # As if the save after epoch 2 was cut short: no commit marker, and a step still in
@@ -231,17 +234,26 @@ def test_an_unfinished_checkpoint_is_never_loaded(tiny, reference, tmp_path, cap
     (run_dir / "8" / "state" / checkpoint.COMMIT_MARKER).unlink()  # a half-written item
     assert checkpoint.complete_steps(run_dir) == [] and checkpoint.latest(set_dir, 0) is None
 
-    # The finished-run record is what a resume would take: remove it as if the run had
-    # been interrupted; with no complete checkpoint, the run starts over from the start.
-    (set_dir / "checkpoints" / "run_0.json").unlink()
+    # A finished-run record is what a resume carries over: removed, as if the runs had
+    # been interrupted after their last checkpoints.
+    for i in (0, 1):
+        (set_dir / "checkpoints" / f"run_{i}.json").unlink()
     code = cli.main(["--resume", str(set_dir)])
     assert code == 1
     new = max(p for p in log_dir.iterdir() if p.is_dir())
     assert new != set_dir
     keys = [e["key"] for e in _events(new / "result_0.txt")]
-    assert "run_resumed" not in keys and keys[0] == "init_start"
+    assert "run_resumed" not in keys and keys[0] == "init_start"  # started over
+    assert "run_resumed" in [e["key"] for e in _events(new / "result_1.txt")]
     summary = _summary(new)
-    assert _evals(summary)[:3] == reference[:3] and summary["resumed"] is None
+    assert summary["resumed"]["runs"] == [1] and summary["runs"][0]["resumed"] is None
+    assert summary["runs"][1]["resumed"][0]["checkpoint"] == str(
+        set_dir / "checkpoints" / "run_1" / "16")
+    assert _evals(summary)[:3] == reference[:3]
+
+    def curves(s):
+        return [[(e["epoch"], e["accuracy"], e["loss"]) for e in r["evals"]] for r in s["runs"]]
+    assert curves(summary) == curves(first)  # both runs, started over or resumed
 
 
 def test_resume_errors(tiny, tmp_path, capsys):
