@@ -156,6 +156,16 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     cpu = loop.cpu_model()
     sibling = _sibling_summary(log_dir, impl)
     reference = reference_result(bench, impl, division, dtype, sibling, cpu)
+    cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
+                         max_epochs=max_epochs, config_filename="config.json",
+                         target=bench.target)
+    for i, found in (resume.found.items() if resume else ()):
+        if found.loop["config"] != checkpoint.run_config(cfg, run_seeds[i][0]):
+            raise UsageError(f"--resume: checkpoint {found.path} is of another run than run "
+                             f"{i} of {resume.set_dir / 'config.json'} ({found.loop['config']})")
+    if interrupt.requested():
+        raise interrupt.Interrupted(interrupt.requested(), "before any run started; nothing "
+                                                           "trained, nothing written")
     set_dir = new_set_dir(log_dir)
     if resume:
         print(f"resuming set {resume.set_dir} in the new set {set_dir} (the interrupted set "
@@ -171,49 +181,45 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     if checkpoint_every or resume:
         checkpoint.write_set_file(set_dir, run_seeds, checkpoint_every,
                                   resume.set_dir if resume else None)
-    cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
-                         max_epochs=max_epochs, config_filename="config.json",
-                         target=bench.target)
     progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress else None
 
     results = []
-    with interrupt.handling():
-        for i, (run_seed, seed_source) in enumerate(run_seeds):
-            log_path = set_dir / f"result_{i}.txt"
-            if resume and i in resume.finished:  # finished before the interruption
-                checkpoint.carry_over(resume.set_dir, set_dir, i)
-                results.append(loop.RunResult(**{**resume.finished[i],
-                                                 "log_path": str(log_path)}))
-                print(f"  run {i}: finished in {resume.set_dir}, carried over", file=out)
-                continue
-            found = resume.found.get(i) if resume else None
-            if found:
-                print(f"  run {i}: resumed from {found.path} (epoch "
-                      f"{found.loop['position']['next_epoch']}, "
-                      f"{found.loop['position']['steps_done']} steps done)", file=out)
-            ckpt = checkpoint.RunCheckpoints(set_dir, i, checkpoint_every, found)
-            try:
-                result = loop.run(cfg, i, run_seed, seed_source, paths, log_path, progress,
-                                  ckpt)
-            except interrupt.Interrupted as e:
-                if checkpoint_every:
-                    e.message += (f". Resume with: python -m jax_brgemm.train --resume "
-                                  f"{set_dir}")
-                raise
-            result.compliance, output = compliance.run_checker(
-                log_path, set_dir / f"compliance_{i}.log", bench.name)
-            print(f"  compliance checker on {log_path}: "
-                  f"{'PASSED' if result.compliance else 'FAILED'}", file=out)
-            if not result.compliance:
-                print("    " + output.strip().replace("\n", "\n    "), file=out)
-            results.append(result)
-            if checkpoint_every or resume:
-                checkpoint.write_finished(set_dir, dataclasses.asdict(result))
-            if interrupt.requested() and i + 1 < len(run_seeds):
-                raise interrupt.Interrupted(interrupt.requested(), (
-                    f"stopped after run {i} of {len(run_seeds)} (its log is complete)"
-                    + (f". Resume with: python -m jax_brgemm.train --resume {set_dir}"
-                       if checkpoint_every else "")))
+    for i, (run_seed, seed_source) in enumerate(run_seeds):
+        log_path = set_dir / f"result_{i}.txt"
+        if resume and i in resume.finished:  # finished before the interruption
+            checkpoint.carry_over(resume.set_dir, set_dir, i)
+            results.append(loop.RunResult(**{**resume.finished[i],
+                                             "log_path": str(log_path)}))
+            print(f"  run {i}: finished in {resume.set_dir}, carried over", file=out)
+            continue
+        found = resume.found.get(i) if resume else None
+        if found:
+            print(f"  run {i}: resumed from {found.path} (epoch "
+                  f"{found.loop['position']['next_epoch']}, "
+                  f"{found.loop['position']['steps_done']} steps done)", file=out)
+        ckpt = checkpoint.RunCheckpoints(set_dir, i, checkpoint_every, found)
+        try:
+            result = loop.run(cfg, i, run_seed, seed_source, paths, log_path, progress,
+                              ckpt)
+        except interrupt.Interrupted as e:
+            if checkpoint_every:
+                e.message += (f". Resume with: python -m jax_brgemm.train --resume "
+                              f"{set_dir}")
+            raise
+        result.compliance, output = compliance.run_checker(
+            log_path, set_dir / f"compliance_{i}.log", bench.name)
+        print(f"  compliance checker on {log_path}: "
+              f"{'PASSED' if result.compliance else 'FAILED'}", file=out)
+        if not result.compliance:
+            print("    " + output.strip().replace("\n", "\n    "), file=out)
+        results.append(result)
+        if checkpoint_every or resume:
+            checkpoint.write_finished(set_dir, dataclasses.asdict(result))
+        if interrupt.requested() and i + 1 < len(run_seeds):
+            raise interrupt.Interrupted(interrupt.requested(), (
+                f"stopped after run {i} of {len(run_seeds)} (its log is complete)"
+                + (f". Resume with: python -m jax_brgemm.train --resume {set_dir}"
+                   if checkpoint_every else "")))
 
     score = scoring.olympic_mean([r.time_to_train if r.converged else math.inf for r in results])
     rcp_check = rcp.check(bench, set_dir, runs, division)
@@ -372,27 +378,28 @@ def _read_hparams(path: str) -> dict:
     return overrides
 
 
+def _main(args, parser) -> dict:
+    if args.resume:
+        return run_benchmark(**_resume_kwargs(args, parser))
+    if args.benchmark is None:
+        raise UsageError("give a BENCHMARK to run (or --resume DIR)")
+    overrides = _read_hparams(args.hparams) if args.hparams else {}
+    return run_benchmark(
+        SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
+        seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
+        overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
+        checkpoint_every=args.checkpoint_every)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.resume:
-            summary = run_benchmark(**_resume_kwargs(args, parser))
-        elif args.benchmark is None:
-            raise UsageError("give a BENCHMARK to run (or --resume DIR)")
-        else:
-            overrides = _read_hparams(args.hparams) if args.hparams else {}
-            summary = run_benchmark(
-                SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
-                seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
-                overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
-                checkpoint_every=args.checkpoint_every)
+        with interrupt.handling():  # SIGINT / SIGTERM: stop at the next step, cleanly
+            summary = _main(args, parser)
     except (UsageError, HparamError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except interrupt.Interrupted as e:
         return interrupt.report(e)
-    except KeyboardInterrupt:  # before the runs began: nothing trained, nothing to save
-        print("interrupted by SIGINT before any run started; nothing trained", file=sys.stderr)
-        return 128 + int(interrupt.signal.SIGINT)
     return exit_code(summary)

@@ -219,7 +219,8 @@ def _interrupted(mll, ckpt, save, where: str):
     what = (f"final checkpoint {saved}" if saved else
             "no checkpoint (checkpointing is off: --checkpoint-every E)" if not (
                 ckpt and ckpt.enabled) else "no checkpoint (nothing trained yet)")
-    raise interrupt.Interrupted(interrupt.requested(), f"{where}; {what}; log closed with run_stop aborted")
+    raise interrupt.Interrupted(interrupt.requested(),
+                                f"{where}; {what}; log closed with run_stop aborted")
 
 
 def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=None):
