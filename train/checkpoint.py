@@ -16,9 +16,10 @@ With ``--checkpoint-every E`` a set directory gets
 
 A checkpoint is saved after the evaluation closing a block in which an epoch that is a
 multiple of E ended, and on SIGINT / SIGTERM at the step where the run stops. Orbax
-writes a step into a temporary directory and finalizes it (commit_success.txt, then an
-atomic rename on local disks); a step counts as complete only when orbax reports it
-finalized *and* it holds the commit marker, so an interrupted save is never loaded.
+writes a step into ``<step>.orbax-checkpoint-tmp-<time>/``, writes its commit marker
+(commit_success.txt) and renames it (atomic on local disks); a step counts as complete
+only under its final name *and* with the marker in it and in each item, so an
+interrupted save is never loaded.
 
 ``--resume DIR`` continues a set in a new set directory next to it (the interrupted set
 is kept as it is): finished runs are carried over, the interrupted run continues from
@@ -40,6 +41,7 @@ CHECKPOINTS = "checkpoints"
 SET_FILE = "set.json"
 COMMIT_MARKER = "commit_success.txt"  # orbax's; written just before a step is finalized
 FORMAT = 1
+ITEMS = ("state", "loop")
 KEEP = 2  # complete checkpoints kept per run
 DATA_ORDER = "epoch e: numpy default_rng([seed, e]).permutation(train examples)"
 RESUMED_KEY = "run_resumed"  # the MLPerf log event of a resumed run (not an MLPerf key)
@@ -91,19 +93,15 @@ def _manager(directory: Path, read_only: bool = False):
 
 
 def complete_steps(directory: Path) -> list[int]:
-    """The steps of ``directory`` that are complete checkpoints, oldest first."""
-    from orbax.checkpoint._src.path import step as step_lib
-
+    """The steps of ``directory`` that are complete checkpoints, oldest first: a final
+    name (orbax's temporaries carry a suffix, ``<step>.orbax-checkpoint-tmp-<time>``) and
+    orbax's commit marker in the step and in each of its items."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    steps = []
-    for path in directory.iterdir():
-        if path.is_dir() and path.name.isdigit() and (path / COMMIT_MARKER).is_file() \
-                and step_lib.is_path_finalized(path) \
-                and all((path / item / COMMIT_MARKER).is_file() for item in ("state", "loop")):
-            steps.append(int(path.name))
-    return sorted(steps)
+    return sorted(int(path.name) for path in directory.iterdir()
+                  if path.is_dir() and path.name.isdigit()
+                  and all((path / sub / COMMIT_MARKER).is_file() for sub in (".", *ITEMS)))
 
 
 def _state_arrays(state) -> dict:
@@ -165,8 +163,7 @@ class RunCheckpoints:
         ocp = _ocp()
         if self._manager is None:
             self._manager = _manager(self.directory)
-        with open(log_path) as f:
-            log_lines = sum(1 for _ in f)
+        log_lines = _count_lines(log_path)
         loop = {
             "format": FORMAT, "config": config, "seed_source": seed_source,
             "position": dataclasses.asdict(dataclasses.replace(
@@ -297,6 +294,15 @@ def latest(set_dir: Path, index: int) -> Optional[Found]:
     return None
 
 
+def _count_lines(path: Path) -> int:
+    """Lines of ``path``; -1 when it cannot be read."""
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return -1
+
+
 def read_set(set_dir: Path) -> SetResume:
     set_dir = Path(set_dir)
     record = _read_json(set_dir / CHECKPOINTS / SET_FILE)
@@ -309,6 +315,10 @@ def read_set(set_dir: Path) -> SetResume:
         else:
             hit = latest(set_dir, i)
             if hit is not None:
+                log = hit.set_dir / hit.loop["log_file"]
+                if _count_lines(log) < hit.loop["log_lines"]:
+                    raise CheckpointError(f"{hit.path} continues the MLPerf log {log}, which "
+                                          f"is missing or shorter than when it was saved")
                 found[i] = hit
     return SetResume(set_dir, config, [tuple(s) for s in record["seeds"]],
                      record["checkpoint_every"], finished, found)
