@@ -85,10 +85,12 @@ def _ocp():
 
 
 def _manager(directory: Path, read_only: bool = False):
+    """Orbax's manager of a run's checkpoints; ``read_only``: for restoring (it neither
+    creates nor deletes anything: nothing is saved through it)."""
     ocp = _ocp()
-    options = ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=not read_only,
-                                           enable_async_checkpointing=False,
-                                           read_only=read_only)
+    options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else KEEP,
+                                           create=not read_only,
+                                           enable_async_checkpointing=False)
     return ocp.CheckpointManager(directory, options=options)
 
 
