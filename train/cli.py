@@ -4,12 +4,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import secrets
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from . import compliance, data, report, scoring
+from . import compliance, data, distributed, report, scoring
 from .hparams import HparamError, resolve
 from .suite import SUITE, Benchmark
 
@@ -64,10 +65,13 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
                   runs: int = 1, seed: Optional[int] = None, dtype: str = "float32",
                   data_dir=None, log_dir=None, overrides: Mapping[str, Any] = None,
                   config_filename: str = "suite defaults", max_epochs: Optional[int] = None,
-                  show_progress: bool = True, out=None) -> dict:
+                  show_progress: bool = True, out=None, check_replicas: bool = False) -> dict:
     """Validates, runs ``runs`` times, checks every log, scores; returns the summary.
 
     Raises UsageError, HparamError or data.DataError before anything is trained.
+
+    In a multi-process job (distributed.initialize first), every process calls this with
+    the same arguments; only process 0 writes the logs, the summary and the progress.
     """
     from . import loop
     from .progress import Progress
@@ -85,20 +89,34 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     hp = resolve(bench, dict(overrides or {}), division)
     _check_impl(impl)
     paths = data.locate(bench.dataset, data_dir)
+    logger = distributed.is_logger()
+    if distributed.job() is not None:
+        import jax
+
+        if hp["global_batch_size"] % jax.device_count():
+            raise UsageError(f"global_batch_size {hp['global_batch_size']} is not divisible by "
+                             f"the {jax.device_count()} devices of the job: each takes an "
+                             f"equal shard of every batch")
 
     log_dir = Path(log_dir if log_dir is not None else Path("runs") / bench.name / impl)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    _clear_old_results(log_dir)
+    if logger:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _clear_old_results(log_dir)
     cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
                          max_epochs=max_epochs, config_filename=config_filename,
-                         target=bench.target)
-    # System randomness unless a seed is given (then run i uses seed + i).
+                         target=bench.target, check_replicas=check_replicas)
+    # System randomness unless a seed is given (then run i uses seed + i); every process
+    # of a job uses process 0's.
     seeds = [secrets.randbits(31) if seed is None else seed + i for i in range(runs)]
-    progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress else None
+    seeds = distributed.broadcast_from_0(seeds)
+    progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress and logger else None
 
     results = []
     for i, run_seed in enumerate(seeds):
         log_path = log_dir / f"result_{i}.txt"
+        if not logger:  # the same run, logged by process 0 only
+            results.append(loop.run(cfg, i, run_seed, paths, Path(os.devnull), None))
+            continue
         result = loop.run(cfg, i, run_seed, paths, log_path, progress)
         result.compliance, output = compliance.run_checker(
             log_path, log_dir / f"compliance_{i}.log", bench.name)
@@ -108,6 +126,8 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
             print("    " + output.strip().replace("\n", "\n    "), file=out)
         results.append(result)
 
+    if not logger:
+        return {"runs": [dataclasses.asdict(r) for r in results]}
     score = scoring.olympic_mean([r.time_to_train if r.converged else math.inf for r in results])
     ref_value, ref_source = _reference_result(bench, impl, division, dtype, log_dir)
     if division == "closed":
@@ -143,7 +163,9 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
 
 
 def exit_code(summary: dict) -> int:
-    ok = all(r["status"] == "success" and r["compliance"] for r in summary["runs"])
+    # compliance is None on the processes other than 0, which do not check logs
+    ok = all(r["status"] == "success" and r["compliance"] is not False
+             for r in summary["runs"])
     return EXIT_OK if ok else EXIT_NOT_CONVERGED
 
 
@@ -161,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                "summary.json and accuracy.png (with the other impl's runs when LOG_DIR's\n"
                "sibling directory for it has a summary.json).\n\n"
                "exit status: 0 every run reached the target and passed the checker,\n"
-               "1 some run did not, 2 usage, configuration or data error (nothing trained).")
+               "1 some run did not, 2 usage, configuration or data error (nothing trained),\n"
+               f"{distributed.EXIT_WORKER_FAILED} a worker of a multi-process job died or hung.\n\n"
+               "scale-out: --processes N runs N data-parallel processes on this machine;\n"
+               "on several hosts start one process per host (or more) with\n"
+               "--coordinator HOST:PORT --num-processes N --process-id I (HOST:PORT of\n"
+               "process 0, reachable from every host; all other options the same).")
     parser.add_argument("benchmark", choices=sorted(SUITE), metavar="BENCHMARK",
                         help=f"which benchmark to run: {', '.join(sorted(SUITE))}")
     parser.add_argument("--impl", choices=IMPLS, default="brgemm",
@@ -198,7 +225,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-epochs", type=int, default=None, metavar="E",
                         help="stop a run that has not reached the target after E epochs; it "
                              "is logged as aborted (default: the benchmark's limit)")
+    dist = parser.add_argument_group("scale-out (data parallel, jax.distributed over gloo)")
+    dist.add_argument("--processes", type=int, default=1, metavar="N",
+                      help="run N worker processes on this machine, each on its share of the "
+                           "cores, with a coordinator on a free localhost port (default 1)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="join a multi-host job whose process 0 listens on HOST:PORT "
+                           "(jax.distributed.initialize); needs --num-processes and "
+                           "--process-id")
+    dist.add_argument("--num-processes", type=int, metavar="N",
+                      help="number of processes of the job (with --coordinator)")
+    dist.add_argument("--process-id", type=int, metavar="I",
+                      help="this process's index in the job, 0 to N-1; process 0 logs "
+                           "(with --coordinator)")
+    dist.add_argument("--collective-timeout", type=float,
+                      default=distributed.DEFAULT_COLLECTIVE_TIMEOUT, metavar="S",
+                      help="a process that waits longer than S seconds for the others (a "
+                           "collective, a barrier) ends the job with exit status "
+                           f"{distributed.EXIT_WORKER_FAILED} (default %(default).0f)")
+    dist.add_argument("--check-replicas", action="store_true",
+                      help="debug: after every epoch, check that every process holds the "
+                           "same parameters (an error if not)")
     return parser
+
+
+def _without_processes(argv) -> list[str]:
+    """argv minus its --processes option (what each worker of --processes N runs)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            out.append(a)
+    return out
+
+
+def _join_job(args) -> None:
+    if args.processes != 1:
+        raise UsageError("--processes N starts its own job on this machine; with "
+                         "--coordinator give --num-processes and --process-id instead")
+    if args.num_processes is None or args.process_id is None:
+        raise UsageError("--coordinator needs --num-processes N and --process-id I")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in 0..{args.num_processes - 1} for "
+                         f"--num-processes {args.num_processes}, got {args.process_id}")
+    if args.collective_timeout <= 0:
+        raise UsageError(f"--collective-timeout must be positive, got {args.collective_timeout}")
+    distributed.initialize(distributed.JobSpec(args.coordinator, args.num_processes,
+                                               args.process_id, args.collective_timeout))
 
 
 def _read_hparams(path: str) -> dict:
@@ -212,16 +288,33 @@ def _read_hparams(path: str) -> dict:
     return overrides
 
 
-def main(argv=None) -> int:
+def main(argv=None, worker_command=None) -> int:
+    """The CLI. ``worker_command``: what --processes runs for each worker (default: the
+    command this process was started with)."""
     args = build_parser().parse_args(argv)
+    if args.processes < 1:
+        print(f"error: --processes must be at least 1, got {args.processes}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.processes > 1 and args.coordinator is None:
+        if worker_command is None and argv is not None and list(argv) != sys.argv[1:]:
+            worker_command = [sys.executable, "-m", "jax_brgemm.train"]  # called from code
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return distributed.launch(_without_processes(argv), args.processes,
+                                  command=worker_command)
     try:
+        if args.coordinator is not None:
+            _join_job(args)
         overrides = _read_hparams(args.hparams) if args.hparams else {}
         summary = run_benchmark(
             SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
             seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
             overrides=overrides, config_filename=Path(args.hparams).name if args.hparams
-            else "suite defaults", max_epochs=args.max_epochs)
+            else "suite defaults", max_epochs=args.max_epochs,
+            check_replicas=args.check_replicas)
     except (UsageError, HparamError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except distributed.DistributedError as e:
+        print(f"error: process {distributed.process_index()}: {e}", file=sys.stderr)
+        return distributed.EXIT_WORKER_FAILED
     return exit_code(summary)
