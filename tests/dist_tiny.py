@@ -39,7 +39,10 @@ def prepare(root: Path) -> None:
 
     (root / "rules").mkdir()
     shutil.copy(compliance.RULES_DIR / "common.yaml", root / "rules")
-    (root / "rules" / "tiny.yaml").write_text(rulegen.render(benchmark(root)))
+    bench = benchmark(root)
+    (root / "rules" / "tiny.yaml").write_text(rulegen.render(bench))
+    (root / "rules" / "tiny_never.yaml").write_text(
+        rulegen.render(dataclasses.replace(bench, name="tiny_never", target=1.01)))
 
 
 def _tiny_model(impl, dtype):
@@ -67,10 +70,27 @@ def benchmark(root: Path):
 
 
 def register(root: Path) -> None:
-    from jax_brgemm.train import compliance, suite
+    """Registers "tiny" and "tiny_never" (target 1.01, 200 epochs: runs until stopped);
+    with $JB_TEST_PARAMS, each process saves its final parameters to
+    $JB_TEST_PARAMS.<process index>.npz."""
+    import os
+
+    from jax_brgemm.train import compliance, loop, suite
 
     suite.SUITE["tiny"] = benchmark(root)
+    suite.SUITE["tiny_never"] = dataclasses.replace(benchmark(root), name="tiny_never",
+                                                    target=1.01, max_epochs=200)
     compliance.RULES_DIR = Path(root) / "rules"
+    if os.environ.get("JB_TEST_PARAMS"):
+        def save(state):
+            import jax
+
+            from jax_brgemm.train import distributed
+
+            leaves = [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(state.params)]
+            np.savez(f"{os.environ['JB_TEST_PARAMS']}.{distributed.process_index()}.npz",
+                     *leaves)
+        loop.on_run_end = save
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ def log_config(mll, cfg: RunConfig, seed: int, topo=None):
 
 # --------------------------------------------------------------------------- run
 
+#: For tests and tools: called on every process with the final TrainState of each run.
+on_run_end = None
+
 
 def _now_ms() -> int:
     return int(time.time() * 1e3)
@@ -245,6 +248,8 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
 
     t_stop = _now_ms()
     mll.end(C.RUN_STOP, time_ms=t_stop, metadata={"status": status})
+    if on_run_end is not None:
+        on_run_end(state)
     if progress:
         progress.end_run(status, (t_stop - t_start) / 1e3)
     return RunResult(index=index, seed=seed, status=status, epochs=epoch,
