@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_brgemm.train import cli, data
+from jax_brgemm.train import cli, data, optim
 
 
 def _idx_bytes(array):
@@ -116,16 +116,19 @@ def test_truncated_gzip_is_refused(tmp_path):
 def test_missing_file_without_download_names_file_and_fix(tmp_path):
     dataset, src, _ = _make_dataset(tmp_path)
     (src / "t10k-images-idx3-ubyte.gz").unlink()
-    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.*not found.*--data-dir"):
-        data.locate(dataset, src, download=False)
+    with pytest.raises(data.DataError, match="--data-dir .* lacks t10k-images-idx3-ubyte"):
+        data.locate(dataset, src)
+    with pytest.raises(data.DataError, match="train-images-idx3-ubyte.*not found.*--data-dir"):
+        data.locate(dataset, download=False)  # nothing in the cache, no download
 
 
-def test_download_from_mirror_into_data_dir(tmp_path):
+def test_download_from_mirror_into_env_dir(tmp_path, monkeypatch):
     dataset, src, arrays = _make_dataset(tmp_path)
     dead, good = tmp_path / "dead", src
     dataset = dataclasses.replace(dataset, mirrors=(dead.as_uri() + "/", good.as_uri() + "/"))
     target = tmp_path / "data"
-    paths = data.locate(dataset, target)  # nothing there yet: fetched from the 2nd mirror
+    monkeypatch.setenv(data.ENV_VAR, str(target))
+    paths = data.locate(dataset)  # nothing there yet: fetched from the 2nd mirror
     assert {p.parent for p in paths.values()} == {target}
     loaded = data.load(dataset, paths)
     np.testing.assert_array_equal(loaded["train_labels"], arrays["train_labels"])
@@ -139,6 +142,36 @@ def test_download_goes_to_cache_without_data_dir(tmp_path):
     assert {p.parent for p in paths.values()} == {tmp_path / "home/.cache/jax_brgemm/tiny"}
 
 
+def test_explicit_data_dir_must_hold_every_file(tmp_path, monkeypatch):
+    """Issue 14: --data-dir /nonexistent, or one lacking a file, never falls back."""
+    dataset, src, _ = _make_dataset(tmp_path, system_dir=None)
+    complete = tmp_path / "complete"
+    complete.mkdir()
+    for f in src.iterdir():
+        (complete / f.name).write_bytes(f.read_bytes())
+    dataset = dataclasses.replace(dataset, system_dir=str(complete))  # would have them all
+    with pytest.raises(data.DataError, match="--data-dir /nonexistent is not a directory"):
+        data.locate(dataset, "/nonexistent")
+    (src / "train-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(data.DataError, match="lacks train-labels-idx1-ubyte"):
+        data.locate(dataset, src)
+
+
+def test_files_come_from_one_directory(tmp_path, monkeypatch):
+    """A directory lacking a file is skipped as a whole, not mixed with another one."""
+    dataset, src, _ = _make_dataset(tmp_path)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in list(src.iterdir())[:3]:
+        (partial / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv(data.ENV_VAR, str(partial))
+    dataset = dataclasses.replace(dataset, system_dir=str(src), mirrors=(src.as_uri() + "/",))
+    assert {p.parent for p in data.locate(dataset).values()} == {src}  # the complete one
+    dataset = dataclasses.replace(dataset, system_dir=None)
+    # No complete directory: the download directory ($JAX_BRGEMM_DATA) is completed.
+    assert {p.parent for p in data.locate(dataset).values()} == {partial}
+
+
 def test_corrupt_download_is_rejected_and_not_kept(tmp_path, monkeypatch):
     dataset, src, _ = _make_dataset(tmp_path)
     dataset = dataclasses.replace(dataset, mirrors=("https://example.invalid/fmnist/",))
@@ -150,8 +183,9 @@ def test_corrupt_download_is_rejected_and_not_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data, "fetch", fake_fetch)
     target = tmp_path / "data"
+    monkeypatch.setenv(data.ENV_VAR, str(target))
     with pytest.raises(data.DataError, match="could not be downloaded.*checksum"):
-        data.locate(dataset, target)
+        data.locate(dataset)
     assert urls == ["https://example.invalid/fmnist/train-images-idx3-ubyte.gz"]
     assert os.listdir(target) == []
 
@@ -172,9 +206,13 @@ def test_debian_fashion_mnist_matches_checksums():
     assert {p.parent for p in paths.values()} == {Path(data.FASHION_MNIST.system_dir)}
 
 
+@pytest.mark.skipif(not Path(data.FASHION_MNIST.system_dir).is_dir(),
+                    reason="Debian package dataset-fashion-mnist not installed")
 def test_cli_refuses_truncated_file_before_training(tmp_path, capsys):
     bad = tmp_path / "data"
     bad.mkdir()
+    for f in Path(data.FASHION_MNIST.system_dir).iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
     payload = gzip.compress(b"\x00\x00\x08\x03" + b"\x00" * 5000)
     (bad / "train-images-idx3-ubyte.gz").write_bytes(payload[: len(payload) // 2])
     log_dir = tmp_path / "logs"
@@ -192,7 +230,7 @@ def test_train_batches_cover_every_example_once_per_epoch():
     epochs = []
     for epoch in (1, 2):
         batches = list(data.train_batches(images, labels, batch, seed=7, epoch=epoch))
-        assert len(batches) == data.num_batches(n, batch) == 7
+        assert len(batches) == optim.steps_per_epoch(n, batch) == 7
         assert all(b.inputs.shape == (batch, 1) and b.weight.shape == (batch,) for b in batches)
         seen = np.concatenate([b.labels[b.weight == 1] for b in batches])
         assert sorted(seen) == list(range(n))
@@ -211,8 +249,23 @@ def test_eval_batches_keep_order():
         np.concatenate([b.labels[b.weight == 1] for b in batches]), labels)
 
 
-def test_drop_page_cache(tmp_path):
+def test_drop_page_cache_is_verified_with_mincore(tmp_path):
     path = tmp_path / "f"
-    path.write_bytes(b"x" * 4096)
-    assert data.drop_page_cache([path]) is True
-    assert data.drop_page_cache([tmp_path / "missing"]) is False
+    path.write_bytes(b"x" * 40960)  # just written: dirty pages in the cache
+    assert data.cached_pages(path) == (10, 10)
+    assert data.drop_page_cache([path]) == {"cleared": True, "cached_pages": 0, "pages": 10}
+    path.read_bytes()
+    assert data.cached_pages(path)[0] == 10  # read back in
+    assert data.drop_page_cache([tmp_path / "missing"])["cleared"] is False
+
+
+@pytest.mark.skipif(data.in_memory_filesystem("/dev/shm") != "tmpfs", reason="no tmpfs /dev/shm")
+def test_data_in_ram_is_detected_and_not_reported_cleared(tmp_path):
+    assert data.in_memory_filesystem(tmp_path) is None
+    path = Path("/dev/shm") / f"jax_brgemm_test_{os.getpid()}"
+    try:
+        path.write_bytes(b"x" * 8192)
+        assert data.in_memory_filesystem(path) == "tmpfs"
+        assert data.drop_page_cache([path])["cleared"] is False  # RAM is the storage
+    finally:
+        path.unlink()

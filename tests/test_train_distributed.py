@@ -43,12 +43,14 @@ def test_two_processes_equal_one_process(root):
     runs = {}
     for n in (1, 2):
         prefix = str(root / f"params{n}")
-        proc = _cli(root, "tiny", "--impl", "brgemm", "--seed", "3", "--max-epochs", "2",
+        proc = _cli(root, "tiny", "--impl", "brgemm", "--division", "open", "--seed", "3",
+                    "--max-epochs", "2",
                     "--log-dir", str(root / f"log{n}"), "--processes", str(n),
                     "--check-replicas", env={"JB_TEST_PARAMS": prefix})
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, out + err
-        runs[n] = (json.loads((root / f"log{n}" / "summary.json").read_text()), prefix, out)
+        runs[n] = (json.loads((_set(root / f"log{n}") / "summary.json").read_text()), prefix,
+                   out)
     (one, p1, _), (two, p2, out2) = runs[1], runs[2]
     # parameters after the same 16 steps: equal within fp tolerance (another summation
     # order: the gradients of two halves of each batch are all-reduced)
@@ -64,13 +66,20 @@ def test_two_processes_equal_one_process(root):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
     # only process 0 logged: one progress display, one log passing the checker
     assert out2.count("run 1/1") == 1 and "PASSED" in out2
-    assert sorted(p.name for p in (root / "log2").iterdir()) == [
-        "accuracy.png", "compliance_0.log", "result_0.txt", "summary.json"]
-    log = (root / "log2" / "result_0.txt").read_text()
+    assert sorted(p.name for p in _set(root / "log2").iterdir()) == [
+        "accuracy.png", "compliance_0.log", "config.json", "result_0.txt", "summary.json"]
+    log = (_set(root / "log2") / "result_0.txt").read_text()
     events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.splitlines()]
     value = {e["key"]: e["value"] for e in events}
     assert value["number_of_nodes"] == 1 and value["accelerators_per_node"] == 2
     assert value["global_batch_size"] == 64 and value["micro_batch_size"] == 32
+    assert value["lowest_numerical_precision_in_comm"] == "fp32"
+
+
+def _set(log_dir):
+    """The one set directory an invocation wrote into LOG_DIR."""
+    (set_dir,) = [p for p in Path(log_dir).iterdir() if p.is_dir()]
+    return set_dir
 
 
 def _children(pid):
@@ -92,16 +101,16 @@ def _worker(pid, index):
 
 def _wait_for_training(root, log_dir, timeout=180):
     deadline = time.monotonic() + timeout
-    log = root / log_dir / "result_0.txt"
     while time.monotonic() < deadline:
-        if log.exists() and '"epoch_start"' in log.read_text():
+        logs = list((root / log_dir).glob("*/result_0.txt"))
+        if logs and '"epoch_start"' in logs[0].read_text():
             return
         time.sleep(0.2)
     raise AssertionError("the job did not start training")
 
 
 def test_killed_worker_ends_the_job_with_a_clear_message(root):
-    proc = _cli(root, "tiny_never", "--impl", "xla", "--seed", "1", "--log-dir",
+    proc = _cli(root, "tiny_never", "--impl", "xla", "--log-dir",
                 str(root / "killed"), "--processes", "2")
     try:
         _wait_for_training(root, "killed")
@@ -120,7 +129,7 @@ def test_killed_worker_ends_the_job_with_a_clear_message(root):
 
 
 def test_hung_worker_ends_the_job_after_the_collective_timeout(root):
-    proc = _cli(root, "tiny_never", "--impl", "xla", "--seed", "1", "--log-dir",
+    proc = _cli(root, "tiny_never", "--impl", "xla", "--log-dir",
                 str(root / "hung"), "--processes", "2", "--collective-timeout", "8")
     try:
         _wait_for_training(root, "hung")

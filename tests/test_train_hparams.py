@@ -78,6 +78,23 @@ def test_structural_errors_in_both_divisions(overrides, rule):
         assert _rule(overrides, division)[0] == rule
 
 
+def test_poly_power_only_with_the_polynomial_schedule():
+    power = "opt_learning_rate_decay_poly_power"
+    assert power not in resolve(MLP, {}, "closed")  # the reference schedule is cosine
+    rule, message = _rule({power: 2.0})
+    assert rule == "known-hyperparameter" and "cosine schedule" in message
+    polynomial = {"opt_learning_rate_decay_schedule": "polynomial"}
+    assert resolve(MLP, polynomial, "closed")[power] == 2.0
+    assert resolve(MLP, {**polynomial, power: 1.5}, "closed")[power] == 1.5
+    assert _rule({**polynomial, power: 3.0})[0] == "closed/tunable-constraint"
+
+
+@pytest.mark.parametrize("value", [["sgd"], {"sgd": 1}, None])
+def test_non_scalar_values_are_refused(value):
+    for key in ("opt_name", "global_batch_size"):
+        assert _rule({key: value})[0] == "hyperparameter-type"
+
+
 def _hparams_file(tmp_path, overrides):
     path = tmp_path / "hp.json"
     path.write_text(json.dumps(overrides))

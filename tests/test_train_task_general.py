@@ -91,7 +91,7 @@ def cnn(tmp_path_factory):
 
 def test_cnn_benchmark_end_to_end_passes_the_official_checker(cnn):
     bench, root = cnn
-    summary = run_benchmark(bench, impl="xla", seed=3, data_dir=root / "data",
+    summary = run_benchmark(bench, impl="xla", division="open", seed=3, data_dir=root / "data",
                             log_dir=root / "logs", show_progress=False)
     run = summary["runs"][0]
     assert run["status"] == "success" and run["compliance"] is True

@@ -1,7 +1,20 @@
-"""``python -m jax_brgemm.train BENCHMARK [options]``: runs, checks, scores, reports."""
+"""``python -m jax_brgemm.train BENCHMARK [options]``: runs, checks, scores, reports.
+
+Every invocation writes a new set directory, LOG_DIR/<date>-<time>/ (LOG_DIR defaults
+to runs/BENCHMARK/IMPL), and never deletes or overwrites earlier sets:
+
+    result_<i>.txt      MLPerf log of run i       compliance_<i>.log  checker output
+    config.json         the configuration run (the logs' config_filename)
+    summary.json        runs, score, RCP check    accuracy.png        quality vs time
+    rcps_<name>.json, rcp_checker.log, scaling.json    the RCP check (closed, full set)
+
+Everything that can be wrong with the command line, the data or LOG_DIR is found
+before anything is trained or written (exit code 2).
+"""
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -10,68 +23,107 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from . import compliance, data, distributed, report, scoring
+from jax_brgemm.models import IMPLS
+
+from . import compliance, data, distributed, rcp, report, scoring
 from .hparams import HparamError, resolve
 from .suite import SUITE, Benchmark
 
-IMPLS = ("brgemm", "xla")
 DTYPES = ("float32", "bfloat16")
 EXIT_OK, EXIT_NOT_CONVERGED, EXIT_ERROR = 0, 1, 2
+MAX_SEED = 2**32 - 1
+SYSTEM_SEED_SOURCE = "system randomness (secrets.randbits(31), /dev/urandom)"
 
 
 class UsageError(Exception):
     """A bad option value or an unusable setup (exit code 2)."""
 
 
-def _check_impl(impl: str):
-    if impl not in IMPLS:
-        raise UsageError(f"--impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "brgemm":
-        try:
-            from jax_brgemm import nn  # noqa: F401
-        except ImportError as e:
-            raise UsageError(f"--impl brgemm needs jax_brgemm's compiled layers, which do not "
-                             f"import here ({e}); build/install jax_brgemm, or use --impl xla")
+def seeds(seed: Optional[int], runs: int, division: str) -> list[tuple[int, str]]:
+    """(seed, where it came from) of each run.
 
-
-def _reference_result(bench: Benchmark, impl, division, dtype, log_dir: Path):
-    """The reference result (seconds) to normalize by, and where it comes from.
-
-    Prefer xla runs measured next to these ones (LOG_DIR/../xla/summary.json, same
-    benchmark, division and dtype): same machine, same session. Otherwise the
-    recorded reference runs shipped with the suite.
+    Closed division: system randomness only (MLPerf allows the clock, the system's
+    randomness or a generator seeded from those); a fixed seed is refused. Open
+    division: ``seed`` + run index when given, for reproducing a run.
     """
-    if impl != "xla":
-        sibling = report.read_summary(log_dir.parent / "xla")
-        if (sibling and sibling.get("benchmark") == bench.name
-                and sibling.get("division") == division and sibling.get("dtype") == dtype
-                and sibling["score"]["valid"]):
-            return sibling["score"]["value"], f"xla runs in {log_dir.parent / 'xla'}"
-    recorded = bench.reference_summary()
-    if recorded is None:
-        return None, "none recorded"
-    return (recorded["result"].value,
-            f"recorded xla reference runs (train/reference/{bench.name}.json)")
+    if seed is None:
+        return [(secrets.randbits(31), SYSTEM_SEED_SOURCE) for _ in range(runs)]
+    if division == "closed":
+        raise UsageError("[rule closed/seed] --seed is not allowed in the closed division: "
+                         "its seeds must come from system randomness (MLPerf rules on random "
+                         "number generators). To reproduce a run, pass --division open "
+                         "--seed S (same computation, logged as open)")
+    if not 0 <= seed <= MAX_SEED - (runs - 1):
+        raise UsageError(f"--seed must be in [0, {MAX_SEED - (runs - 1)}] (run i uses seed + i, "
+                         f"a 32-bit unsigned value), got {seed}")
+    return [(seed + i, f"--seed {seed} + run index {i}") for i in range(runs)]
 
 
-def _clear_old_results(log_dir: Path):
-    # A previous invocation's extra result_<i>.txt would be read as part of this set.
-    for pattern in ("result_*.txt", "compliance_*.log", "summary.json", "accuracy.png"):
-        for path in log_dir.glob(pattern):
-            path.unlink()
+def _sibling_summary(log_dir: Path, impl: str) -> Optional[dict]:
+    """The newest set's summary of the other impl next to LOG_DIR, if any."""
+    other = "xla" if impl != "xla" else "brgemm"
+    try:
+        return report.latest_summary(log_dir.parent / other)
+    except report.SummaryError as e:
+        raise UsageError(f"{e}. Fix: move it away, or pass another --log-dir")
+
+
+def reference_result(bench: Benchmark, impl, division, dtype, sibling: Optional[dict],
+                     cpu: str) -> dict:
+    """The reference result (seconds) to normalize by: ``{"result", "source", "cpu_model",
+    "same_cpu"}``.
+
+    Prefer xla runs measured next to these ones (the newest set in LOG_DIR/../xla,
+    same benchmark, division and dtype). Otherwise the recorded reference runs
+    shipped with the suite. A reference from another CPU model is reported, not
+    normalized against.
+    """
+    if (impl != "xla" and sibling and sibling["benchmark"] == bench.name
+            and sibling["division"] == division and sibling["dtype"] == dtype
+            and sibling["score"]["valid"]):
+        reference = {"result": sibling["score"]["value"], "cpu_model": sibling["cpu_model"],
+                     "source": f"xla runs in {sibling['set']}"}
+    elif bench.reference_summary() is not None:
+        reference = {"result": bench.reference_summary()["result"].value,
+                     "cpu_model": bench.reference().get("cpu_model"),
+                     "source": f"recorded xla reference runs (train/reference/{bench.name}.json)"}
+    else:
+        return {"result": None, "source": "none recorded", "cpu_model": None, "same_cpu": False}
+    return {**reference, "same_cpu": reference["cpu_model"] == cpu}
+
+
+def new_set_dir(log_dir: Path) -> Path:
+    """Creates LOG_DIR/<date>-<time>[-n]: a new directory for this invocation's set."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            set_dir = log_dir / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                set_dir.mkdir()
+                return set_dir
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise UsageError(f"--log-dir {log_dir}: cannot create a set directory there "
+                         f"({e.strerror or e})")
+    raise UsageError(f"--log-dir {log_dir}: too many sets started this second")
 
 
 def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "closed",
                   runs: int = 1, seed: Optional[int] = None, dtype: str = "float32",
                   data_dir=None, log_dir=None, overrides: Mapping[str, Any] = None,
-                  config_filename: str = "suite defaults", max_epochs: Optional[int] = None,
-                  show_progress: bool = True, out=None, check_replicas: bool = False) -> dict:
+                  hparams_file: Optional[str] = None, max_epochs: Optional[int] = None,
+                  show_progress: bool = True, out=None,
+                  check_replicas: bool = False) -> dict:
     """Validates, runs ``runs`` times, checks every log, scores; returns the summary.
 
-    Raises UsageError, HparamError or data.DataError before anything is trained.
+    Raises UsageError, HparamError or data.DataError before anything is trained or
+    written.
 
     In a multi-process job (distributed.initialize first), every process calls this with
-    the same arguments; only process 0 writes the logs, the summary and the progress.
+    the same arguments; only process 0 writes the set (logs, config, summary) and the
+    progress, and checks the logs.
     """
     from . import loop
     from .progress import Progress
@@ -84,12 +136,19 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     max_epochs = bench.max_epochs if max_epochs is None else max_epochs
     if max_epochs < 1:
         raise UsageError(f"--max-epochs must be at least 1, got {max_epochs}")
-    if seed is not None and seed < 0:
-        raise UsageError(f"--seed must not be negative, got {seed}")
+    if log_dir is not None and str(log_dir).strip() == "":
+        raise UsageError("--log-dir must not be empty (leave it out for runs/BENCHMARK/IMPL)")
+    run_seeds = seeds(seed, runs, division)
     hp = resolve(bench, dict(overrides or {}), division)
-    _check_impl(impl)
+    if impl not in IMPLS:
+        raise UsageError(f"--impl must be one of {IMPLS}, got {impl!r}")
     paths = data.locate(bench.dataset, data_dir)
-    logger = distributed.is_logger()
+    for path in paths.values():
+        filesystem = data.in_memory_filesystem(path)
+        if filesystem:
+            raise UsageError(f"{path} is on {filesystem}, in RAM; MLPerf requires the data to "
+                             f"start on durable storage, which excludes RAM. Fix: copy the "
+                             f"files to a directory on disk and pass --data-dir DIR")
     if distributed.job() is not None:
         import jax
 
@@ -97,76 +156,91 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
             raise UsageError(f"global_batch_size {hp['global_batch_size']} is not divisible by "
                              f"the {jax.device_count()} devices of the job: each takes an "
                              f"equal shard of every batch")
-
+        # every process uses process 0's seeds (drawn from its system randomness)
+        run_seeds = list(zip(distributed.broadcast_from_0([s for s, _ in run_seeds]),
+                             [source for _, source in run_seeds]))
+        if not distributed.is_logger():
+            return _follow(bench, impl, division, dtype, hp, max_epochs, run_seeds, paths,
+                           check_replicas)
     log_dir = Path(log_dir if log_dir is not None else Path("runs") / bench.name / impl)
-    if logger:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        _clear_old_results(log_dir)
+    cpu = loop.cpu_model()
+    sibling = _sibling_summary(log_dir, impl)
+    reference = reference_result(bench, impl, division, dtype, sibling, cpu)
+    set_dir = new_set_dir(log_dir)
+
+    config = {"benchmark": bench.name, "impl": impl, "division": division, "dtype": dtype,
+              "max_epochs": max_epochs, "target": bench.target, "hparams": hp,
+              "hparams_file": str(Path(hparams_file).resolve()) if hparams_file else None,
+              "data_files": {k: str(v) for k, v in paths.items()}}
+    (set_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
-                         max_epochs=max_epochs, config_filename=config_filename,
+                         max_epochs=max_epochs, config_filename="config.json",
                          target=bench.target, check_replicas=check_replicas)
-    # System randomness unless a seed is given (then run i uses seed + i); every process
-    # of a job uses process 0's.
-    seeds = [secrets.randbits(31) if seed is None else seed + i for i in range(runs)]
-    seeds = distributed.broadcast_from_0(seeds)
-    progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress and logger else None
+    progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress else None
 
     results = []
-    for i, run_seed in enumerate(seeds):
-        log_path = log_dir / f"result_{i}.txt"
-        if not logger:  # the same run, logged by process 0 only
-            results.append(loop.run(cfg, i, run_seed, paths, Path(os.devnull), None))
-            continue
-        result = loop.run(cfg, i, run_seed, paths, log_path, progress)
+    for i, (run_seed, seed_source) in enumerate(run_seeds):
+        log_path = set_dir / f"result_{i}.txt"
+        result = loop.run(cfg, i, run_seed, seed_source, paths, log_path, progress)
         result.compliance, output = compliance.run_checker(
-            log_path, log_dir / f"compliance_{i}.log", bench.name)
+            log_path, set_dir / f"compliance_{i}.log", bench.name)
         print(f"  compliance checker on {log_path}: "
               f"{'PASSED' if result.compliance else 'FAILED'}", file=out)
         if not result.compliance:
             print("    " + output.strip().replace("\n", "\n    "), file=out)
         results.append(result)
 
-    if not logger:
-        return {"runs": [dataclasses.asdict(r) for r in results]}
     score = scoring.olympic_mean([r.time_to_train if r.converged else math.inf for r in results])
-    ref_value, ref_source = _reference_result(bench, impl, division, dtype, log_dir)
-    if division == "closed":
-        recorded = bench.reference_summary()
-        rcp = scoring.rcp_check(recorded and recorded["rcp"], hp["global_batch_size"],
-                                [r.epochs if r.converged else math.inf for r in results])
-    else:
-        rcp = {"status": "n/a", "message": "RCPs apply to the closed division only"}
+    rcp_check = rcp.check(bench, set_dir, runs, division)
+    score = scoring.apply_rcp(score, rcp_check)
+    normalized = scoring.normalized(reference["result"], score) if reference["same_cpu"] else None
     summary = {
         "benchmark": bench.name, "impl": impl, "division": division, "dtype": dtype,
-        "target": bench.target, "max_epochs": max_epochs, "hparams": hp,
+        "set": str(set_dir), "cpu_model": cpu, "target": bench.target,
+        "max_epochs": max_epochs, "hparams": hp,
         "compliance_config": compliance.compliance_config(bench.name),
-        "data_files": {k: str(v) for k, v in paths.items()},
+        "data_files": config["data_files"],
         "runs": [dataclasses.asdict(r) for r in results],
         "score": dataclasses.asdict(score),
-        "official": score.method == "olympic" and runs == bench.num_runs and score.valid,
-        "reference": {"result": ref_value, "source": ref_source},
-        "normalized_score": scoring.normalized(ref_value, score),
-        "rcp": rcp,
+        "official": (division == "closed" and score.method == "olympic" and score.valid
+                     and runs == bench.num_runs and rcp_check["status"] == "pass"),
+        "reference": reference,
+        "normalized_score": normalized,
+        "rcp": rcp_check,
+        "final_quality_geomean": scoring.geometric_mean(
+            [r.evals[-1]["accuracy"] if r.evals else 0.0 for r in results]),
     }
-    report.write_summary(log_dir, summary)
+    report.write_summary(set_dir, summary)
     print(report.table(summary), file=out)
 
     series = {impl: [r.evals for r in results]}
-    other = "xla" if impl != "xla" else "brgemm"
-    sibling = report.read_summary(log_dir.parent / other)
-    if sibling and sibling.get("benchmark") == bench.name:
-        series[other] = [r["evals"] for r in sibling["runs"]]
-    png = report.plot(log_dir / "accuracy.png", series, bench.target,
+    if sibling and sibling["benchmark"] == bench.name:
+        series["xla" if impl != "xla" else "brgemm"] = [r["evals"] for r in sibling["runs"]]
+    png = report.plot(set_dir / "accuracy.png", series, bench.target,
                       f"{bench.name} ({division}, {dtype})", f"{bench.metric.name} (eval set)")
-    print(f"logs, summary.json and {png.name} in {log_dir}", file=out)
+    print(f"set {set_dir}: logs, config.json, summary.json and {png.name}", file=out)
     return summary
 
 
+def _follow(bench, impl, division, dtype, hp, max_epochs, run_seeds, paths,
+            check_replicas) -> dict:
+    """A process other than 0 of a job: the same runs, nothing written, nothing checked.
+    Its summary holds the runs only, with ``"follower": True``."""
+    from . import loop
+
+    cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
+                         max_epochs=max_epochs, config_filename="config.json",
+                         target=bench.target, check_replicas=check_replicas)
+    runs = [loop.run(cfg, i, run_seed, source, paths, Path(os.devnull), None)
+            for i, (run_seed, source) in enumerate(run_seeds)]
+    return {"follower": True, "runs": [dataclasses.asdict(r) for r in runs]}
+
+
 def exit_code(summary: dict) -> int:
-    # compliance is None on the processes other than 0, which do not check logs
-    ok = all(r["status"] == "success" and r["compliance"] is not False
-             for r in summary["runs"])
-    return EXIT_OK if ok else EXIT_NOT_CONVERGED
+    if summary.get("follower"):  # process 0 reports the job's result
+        return EXIT_OK
+    ok = all(r["status"] == "success" and r["compliance"] for r in summary["runs"])
+    return EXIT_OK if ok and summary["score"]["valid"] else EXIT_NOT_CONVERGED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,18 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="MLPerf-style time-to-quality training runs with MLPerf logs.",
         epilog=f"benchmarks:\n{benchmarks}\n\n"
-               "Each run writes LOG_DIR/result_<i>.txt (an MLPerf log) and is checked with\n"
-               "`python -m mlperf_logging.compliance_checker --config <ruleset>` (the ruleset\n"
-               "is jax_brgemm.train.compliance_config(BENCHMARK)); LOG_DIR also gets\n"
-               "summary.json and accuracy.png (with the other impl's runs when LOG_DIR's\n"
-               "sibling directory for it has a summary.json).\n\n"
-               "exit status: 0 every run reached the target and passed the checker,\n"
-               "1 some run did not, 2 usage, configuration or data error (nothing trained),\n"
-               f"{distributed.EXIT_WORKER_FAILED} a worker of a multi-process job died or hung.\n\n"
+               "Each invocation writes a new set directory LOG_DIR/<date>-<time>/ (earlier\n"
+               "sets are kept): result_<i>.txt (an MLPerf log per run, checked with\n"
+               "`python -m mlperf_logging.compliance_checker --config <ruleset>`, the ruleset\n"
+               "being jax_brgemm.train.compliance_config(BENCHMARK)), config.json,\n"
+               "summary.json and accuracy.png (with the newest set of the other impl in\n"
+               "LOG_DIR's sibling directory). A closed-division set of the benchmark's full\n"
+               "run count gets mlperf_logging's RCP check (scaling.json when it scales).\n\n"
+               "exit status: 0 every run reached the target and passed the checker and the\n"
+               "result is valid (RCP check included), 1 otherwise, 2 usage, configuration or\n"
+               "data error (nothing trained, nothing written), "
+               f"{distributed.EXIT_WORKER_FAILED} a worker of a\n"
+               "multi-process job died or hung.\n\n"
                "scale-out: --processes N runs N data-parallel processes on this machine;\n"
-               "on several hosts start one process per host (or more) with\n"
-               "--coordinator HOST:PORT --num-processes N --process-id I (HOST:PORT of\n"
-               "process 0, reachable from every host; all other options the same).")
+               "on several hosts start the processes with --coordinator HOST:PORT\n"
+               "--num-processes N --process-id I (HOST:PORT of process 0, reachable from\n"
+               "every host; all other options the same). Process 0 writes the set.")
     parser.add_argument("benchmark", choices=sorted(SUITE), metavar="BENCHMARK",
                         help=f"which benchmark to run: {', '.join(sorted(SUITE))}")
     parser.add_argument("--impl", choices=IMPLS, default="brgemm",
@@ -202,21 +280,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="number of runs (default 1); the suite's official count is 5, "
                              "scored as the olympic mean (fastest and slowest dropped)")
     parser.add_argument("--seed", type=int, default=None, metavar="S",
-                        help="seed of the first run, run i uses S+i (default: each run draws "
-                             "its seed from system randomness; seeds are logged)")
+                        help="open division only, for reproduction: seed of the first run, run "
+                             "i uses S+i (default, and always in the closed division: each run "
+                             "draws its seed from system randomness; seeds and their source "
+                             "are logged)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype of the model (parameters stay float32)")
     parser.add_argument("--data-dir", metavar="DIR",
-                        help="directory with the dataset's IDX files (.gz or not), searched "
-                             f"first; then ${data.ENV_VAR}, then the system directory "
-                             "(e.g. /usr/share/datasets/fashion-mnist from the Debian package "
-                             "dataset-fashion-mnist); missing files are downloaded into DIR "
-                             f"(or ${data.ENV_VAR}, or ~/.cache/jax_brgemm). Every file's "
-                             "SHA-256 is verified before use")
+                        help="directory holding every IDX file of the dataset (.gz or not); "
+                             "nothing else is searched. Without it: the first of "
+                             f"${data.ENV_VAR} and the system directory (e.g. "
+                             "/usr/share/datasets/fashion-mnist from the Debian package "
+                             "dataset-fashion-mnist) that holds every file, else a download "
+                             f"into ${data.ENV_VAR} or ~/.cache/jax_brgemm. Every file's "
+                             "SHA-256 is verified before use; data in RAM (tmpfs) is refused")
     parser.add_argument("--log-dir", metavar="DIR",
-                        help="output directory (default runs/BENCHMARK/IMPL); previous "
-                             "result_*.txt, compliance_*.log, summary.json, accuracy.png "
-                             "there are replaced")
+                        help="output directory (default runs/BENCHMARK/IMPL); each invocation "
+                             "adds a new set directory DIR/<date>-<time>/, nothing is deleted")
     parser.add_argument("--hparams", metavar="FILE.json",
                         help="JSON object of hyperparameters keyed by MLPerf log names, e.g. "
                              '{"opt_name": "adamw", "opt_base_learning_rate": 0.001, '
@@ -308,8 +388,7 @@ def main(argv=None, worker_command=None) -> int:
         summary = run_benchmark(
             SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
             seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
-            overrides=overrides, config_filename=Path(args.hparams).name if args.hparams
-            else "suite defaults", max_epochs=args.max_epochs,
+            overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
             check_replicas=args.check_replicas)
     except (UsageError, HparamError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

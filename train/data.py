@@ -1,9 +1,13 @@
-"""Datasets stored as IDX files: locate, verify, download, load and batch.
+"""Datasets stored as IDX files: locate, verify, download, load, batch, evict from cache.
 
-A dataset file is found in the first of these places that has it:
-``--data-dir``, ``$JAX_BRGEMM_DATA``, the dataset's system directory (a Debian
-package), and otherwise downloaded from upstream into the first writable of
-``--data-dir``, ``$JAX_BRGEMM_DATA`` or ``~/.cache/jax_brgemm/<dataset>``.
+Every file of a dataset comes from one directory:
+
+- ``--data-dir DIR`` given: DIR must hold every file, nothing is looked up elsewhere
+  or downloaded;
+- otherwise the first of ``$JAX_BRGEMM_DATA`` and the dataset's system directory (a
+  Debian package) that holds every file; if neither does, the missing files are
+  downloaded from upstream into ``$JAX_BRGEMM_DATA`` (when set) or
+  ``~/.cache/jax_brgemm/<dataset>``, and all files are read from there.
 
 Checksums are SHA-256 of the *decompressed* IDX bytes. The Debian package ships
 the same IDX contents as upstream but re-gzipped (different gzip headers), so a
@@ -11,9 +15,11 @@ checksum of the .gz files could not accept both; the payload checksum does, and
 also accepts files a user has already gunzipped.
 """
 
+import ctypes
 import dataclasses
 import gzip
 import hashlib
+import mmap
 import os
 import shutil
 import tempfile
@@ -99,37 +105,66 @@ FASHION_MNIST = Dataset(
 # --------------------------------------------------------------------------- locate
 
 
-def search_dirs(dataset: Dataset, data_dir=None) -> list[Path]:
-    """The directories searched for dataset files, in lookup order."""
-    dirs = [data_dir, os.environ.get(ENV_VAR) or None, dataset.system_dir]
+def search_dirs(dataset: Dataset) -> list[Path]:
+    """The directories searched when no --data-dir is given, in lookup order."""
+    dirs = [os.environ.get(ENV_VAR) or None, dataset.system_dir]
     return [Path(d).expanduser() for d in dirs if d]
 
 
-def download_dir(dataset: Dataset, data_dir=None) -> Path:
-    if data_dir:
-        return Path(data_dir).expanduser()
+def download_dir(dataset: Dataset) -> Path:
     if os.environ.get(ENV_VAR):
         return Path(os.environ[ENV_VAR]).expanduser()
     return Path("~/.cache/jax_brgemm").expanduser() / dataset.name
 
 
 def locate(dataset: Dataset, data_dir=None, download: bool = True) -> dict[str, Path]:
-    """Finds (or downloads) every file of ``dataset`` and verifies its checksum.
+    """Finds (or downloads) every file of ``dataset``, all in one directory, and
+    verifies their checksums.
 
     Returns a mapping from role (``train_images`` ...) to the verified path.
     Raises DataError naming the file and the fix when a file is missing or bad.
     """
-    paths = {}
-    dirs = search_dirs(dataset, data_dir)
-    for role, spec in dataset.files.items():
-        path = _find(spec, dirs)
+    if data_dir is not None:
+        directory = Path(data_dir).expanduser()
+        if not directory.is_dir():
+            raise DataError(f"{dataset.name}: --data-dir {directory} is not a directory. Fix: "
+                            f"pass the directory that holds the files, or drop --data-dir "
+                            f"to use {_lookup_description(dataset)}.")
+        found = _find_all(dataset, directory)
+        missing = [dataset.files[role].name for role, path in found.items() if path is None]
+        if missing:
+            raise DataError(f"{dataset.name}: --data-dir {directory} lacks {', '.join(missing)} "
+                            f"(.gz or not); an explicit --data-dir must hold every file. Fix: "
+                            f"put them there, or drop --data-dir to use "
+                            f"{_lookup_description(dataset)}.")
+    else:
+        complete = (f for f in (_find_all(dataset, d) for d in search_dirs(dataset))
+                    if None not in f.values())
+        found = next(complete, None) or _download_missing(dataset, download)
+    for role, path in found.items():
+        verify(path, dataset.files[role], dataset)
+    return found
+
+
+def _download_missing(dataset: Dataset, download: bool) -> dict[str, Path]:
+    """The download directory's files, after downloading those it lacks."""
+    directory = download_dir(dataset)
+    found = _find_all(dataset, directory)
+    for role, path in found.items():
         if path is None:
             if not download:
-                raise DataError(_missing_message(dataset, spec, dirs))
-            path = fetch_file(dataset, spec, download_dir(dataset, data_dir), dirs)
-        verify(path, spec, dataset)
-        paths[role] = path
-    return paths
+                raise DataError(_missing_message(dataset, dataset.files[role]))
+            found[role] = fetch_file(dataset, dataset.files[role], directory)
+    return found
+
+
+def _lookup_description(dataset) -> str:
+    where = [f"${ENV_VAR}"] + ([dataset.system_dir] if dataset.system_dir else [])
+    return " or ".join(where) + " or a download"
+
+
+def _find_all(dataset: Dataset, directory: Path) -> dict[str, Optional[Path]]:
+    return {role: _find(spec, [directory]) for role, spec in dataset.files.items()}
 
 
 def _find(spec: IdxFile, dirs: Sequence[Path]) -> Optional[Path]:
@@ -147,8 +182,8 @@ def _fix_hint(dataset: Dataset) -> str:
     return hint
 
 
-def _missing_message(dataset, spec, dirs):
-    where = ", ".join(str(d) for d in dirs)
+def _missing_message(dataset, spec):
+    where = ", ".join(str(d) for d in [*search_dirs(dataset), download_dir(dataset)])
     return (f"{dataset.name}: file {spec.name}(.gz) not found in {where}. "
             f"Fix: {_fix_hint(dataset)}.")
 
@@ -192,7 +227,7 @@ def fetch(url: str, dest: Path, timeout: float = 60.0) -> None:
         shutil.copyfileobj(response, out)
 
 
-def fetch_file(dataset: Dataset, spec: IdxFile, dest_dir: Path, searched) -> Path:
+def fetch_file(dataset: Dataset, spec: IdxFile, dest_dir: Path) -> Path:
     """Downloads ``spec`` from the first mirror that serves a valid copy."""
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +252,7 @@ def fetch_file(dataset: Dataset, spec: IdxFile, dest_dir: Path, searched) -> Pat
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    searched_dirs = ", ".join(str(d) for d in searched)
+    searched_dirs = ", ".join(str(d) for d in [*search_dirs(dataset), dest_dir])
     raise DataError(f"{dataset.name}: file {spec.name}(.gz) is not in {searched_dirs} "
                     f"and could not be downloaded: " + "; ".join(errors)
                     + f". Fix: {_fix_hint(dataset)}.")
@@ -254,24 +289,72 @@ def load(dataset: Dataset, paths: Mapping[str, Path]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def drop_page_cache(paths) -> bool:
-    """Evicts the files from the OS page cache, so the timed run reads them from disk.
+def drop_page_cache(paths) -> dict:
+    """Evicts the files from the OS page cache, so the timed run reads them from disk,
+    and checks with mincore(2) that it worked.
 
-    Uses posix_fadvise(DONTNEED) on each file, which needs no privileges and leaves
-    other users' cached data alone. Returns whether it worked for every file.
+    Uses fsync and posix_fadvise(DONTNEED) on each file, which need no privileges and leave
+    other users' cached data alone. Returns ``{"cleared": bool, "cached_pages": n,
+    "pages": total}``: cleared only when no page of any file is left in the cache.
     """
-    if not hasattr(os, "posix_fadvise"):
-        return False
+    cached = total = 0
     try:
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages (a file just written) cannot be dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-    except OSError:
-        return False
-    return True
+            file_cached, file_pages = cached_pages(path)
+            cached, total = cached + file_cached, total + file_pages
+    except (OSError, AttributeError):  # AttributeError: no posix_fadvise on this OS
+        return {"cleared": False, "cached_pages": None, "pages": None}
+    return {"cleared": cached == 0, "cached_pages": cached, "pages": total}
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def cached_pages(path) -> tuple[int, int]:
+    """(pages of the file in the page cache, pages of the file), from mincore(2)."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    if size == 0:
+        return 0, 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Mapping a file reads nothing; mincore reports which of its pages are cached.
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(address, size, vector) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(v & 1 for v in vector), pages
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+# statfs(2) f_type of file systems that keep files in RAM.
+_IN_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def in_memory_filesystem(path) -> Optional[str]:
+    """"tmpfs" or "ramfs" when ``path`` lives in RAM, else None (also where unknown)."""
+    buffer = ctypes.create_string_buffer(512)  # struct statfs; f_type is its first field
+    if _libc.statfs(os.fsencode(str(path)), buffer) != 0:
+        return None
+    return _IN_MEMORY_FILESYSTEMS.get(ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF)
 
 
 # --------------------------------------------------------------------------- batch
@@ -328,10 +411,6 @@ def eval_batches(inputs, labels, batch_size: int, shard=(0, 1)) -> Iterator[Batc
     order = np.arange(len(inputs))
     for start in range(0, len(order), batch_size):
         yield _batch(inputs, labels, order[start:start + batch_size], batch_size, shard)
-
-
-def num_batches(num_examples: int, batch_size: int) -> int:
-    return -(-num_examples // batch_size)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

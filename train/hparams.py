@@ -77,10 +77,21 @@ class OneOf:
         return f"(type({x}).__name__ in {types!r} and {x} in {list(self.values)!r})"
 
 
-def defaults(bench, opt_name: str) -> dict[str, Any]:
-    """Reference hyperparameters of ``bench`` for optimizer ``opt_name``."""
-    return {**bench.hparams["common"], "opt_name": opt_name,
-            **optim.OPTIMIZERS[opt_name].defaults, **bench.hparams.get(opt_name, {})}
+SCHEDULE_KEY = "opt_learning_rate_decay_schedule"
+
+
+def defaults(bench, opt_name: str, schedule: Optional[str] = None) -> dict[str, Any]:
+    """Reference hyperparameters of ``bench`` for optimizer ``opt_name`` and decay
+    ``schedule`` (default: the reference schedule), with that schedule's own keys."""
+    common = bench.hparams["common"]
+    schedule = common[SCHEDULE_KEY] if schedule is None else schedule
+    return {**common, SCHEDULE_KEY: schedule, **optim.SCHEDULE_OPTIONS[schedule],
+            "opt_name": opt_name, **optim.OPTIMIZERS[opt_name].defaults,
+            **bench.hparams.get(opt_name, {})}
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (str, bool, numbers.Real))
 
 
 def closed_optimizers(bench) -> list[str]:
@@ -106,6 +117,11 @@ def resolve(bench, overrides: Mapping[str, Any], division: str) -> dict[str, Any
     """
     if division not in ("closed", "open"):
         raise HparamError("division", f"division must be 'closed' or 'open', got {division!r}")
+    for key, value in overrides.items():
+        if not _is_scalar(value):
+            raise HparamError("hyperparameter-type",
+                              f"{key}={value!r} has the wrong type: a hyperparameter is a JSON "
+                              f"number, boolean or string")
     opt_name = overrides.get("opt_name", bench.hparams["common"]["opt_name"])
     if opt_name not in optim.OPTIMIZERS:
         raise HparamError("known-optimizer", f"opt_name {opt_name!r} is not an optimizer this "
@@ -117,12 +133,16 @@ def resolve(bench, overrides: Mapping[str, Any], division: str) -> dict[str, Any
             f"allowed: {closed_optimizers(bench)} (MLPerf closed division: the optimizer must "
             f"be one of the allowed optimizers; use --division open to experiment)")
 
-    reference = defaults(bench, opt_name)
+    schedule = overrides.get(SCHEDULE_KEY, bench.hparams["common"][SCHEDULE_KEY])
+    if schedule not in optim.DECAY_SCHEDULES:
+        raise HparamError("schedule", f"{SCHEDULE_KEY} must be one of "
+                          f"{list(optim.DECAY_SCHEDULES)}, got {schedule!r}")
+    reference = defaults(bench, opt_name, schedule)
     unknown = sorted(set(overrides) - set(reference))
     if unknown:
         raise HparamError("known-hyperparameter",
-                          f"unknown hyperparameter(s) {unknown} for optimizer {opt_name!r}; "
-                          f"known: {sorted(reference)}")
+                          f"unknown hyperparameter(s) {unknown} for optimizer {opt_name!r} "
+                          f"with the {schedule} schedule; known: {sorted(reference)}")
     hp = {**reference, **overrides}
     for key, value in hp.items():
         if not _same_type(value, reference[key]):
@@ -151,10 +171,6 @@ def resolve(bench, overrides: Mapping[str, Any], division: str) -> dict[str, Any
 
 
 def _check_schedule(hp):
-    if hp["opt_learning_rate_decay_schedule"] not in optim.DECAY_SCHEDULES:
-        raise HparamError("schedule", f"opt_learning_rate_decay_schedule must be one of "
-                          f"{list(optim.DECAY_SCHEDULES)}, got "
-                          f"{hp['opt_learning_rate_decay_schedule']!r}")
     positive = ("global_batch_size", "opt_base_learning_rate", "opt_learning_rate_decay_epochs")
     for key in positive:
         if not hp[key] > 0:

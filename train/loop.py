@@ -2,7 +2,7 @@
 
     init (untimed): log the configuration, build the model, compile the train and
         eval steps on synthetic batches of the real shapes
-    cache_clear:    evict the dataset files from the page cache
+    cache_clear:    evict the dataset files from the page cache (verified with mincore)
     run (timed):    run_start, read the dataset, train and evaluate epoch by epoch
                     (epochs numbered from 1), run_stop when the target is reached
                     ("success") or the epoch limit is ("aborted")
@@ -10,9 +10,11 @@
 
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -42,7 +44,7 @@ class RunConfig:
     dtype: str
     hparams: Mapping[str, Any]
     max_epochs: int
-    config_filename: str = "suite defaults"
+    config_filename: str
     target: Optional[float] = None
     check_replicas: bool = False  # debug: parameters identical on every process, each epoch
 
@@ -51,6 +53,7 @@ class RunConfig:
 class RunResult:
     index: int
     seed: int
+    seed_source: str
     status: str                 # "success" | "aborted"
     epochs: int                 # epochs trained
     time_to_train: float        # seconds from run_start to run_stop
@@ -68,16 +71,70 @@ class RunResult:
 # --------------------------------------------------------------------------- logging
 
 
-def platform_name() -> str:
-    model = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), the key normalization compares."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} x{os.cpu_count()} CPUs"
+    return platform.processor() or platform.machine()
+
+
+def platform_name() -> str:
+    return f"{cpu_model()} x{os.cpu_count()} CPUs"
+
+
+def host_cpus() -> dict:
+    """Logical CPUs, the ones this process may use, and physical cores."""
+    cores, core = set(), {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key in ("physical id", "core id"):
+                core[key] = value
+            elif not line.strip() and core:
+                cores.add((core.get("physical id"), core.get("core id")))
+                core = {}
+    except OSError:
+        pass
+    return {"logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "physical_cores": len(cores) or None, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+SOFTWARE = ("jax", "jaxlib", "flax", "optax", "numpy", "mlperf-logging", "jax_brgemm")
+
+
+def software_versions() -> dict:
+    versions = {}
+    for name in SOFTWARE:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def source_commit() -> str:
+    """The git commit of the jax_brgemm checkout the package was installed from, when
+    known: the package's own directory (editable install) or the current directory,
+    if either is inside a jax_brgemm checkout; "+dirty" marks uncommitted changes."""
+    for directory in (Path(__file__).resolve().parent, Path.cwd()):
+        git = ["git", "-C", str(directory)]
+        try:
+            top = subprocess.run(git + ["rev-parse", "--show-toplevel"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            if 'name = "jax_brgemm"' not in (Path(top) / "pyproject.toml").read_text():
+                continue
+            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+            dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        return commit + ("+dirty" if dirty else "")
+    return "unknown (not run from a jax_brgemm git checkout)"
 
 
 def open_log(path: Path) -> tuple[MLLogger, logging.Handler]:
@@ -92,15 +149,22 @@ def open_log(path: Path) -> tuple[MLLogger, logging.Handler]:
     return MLLogger(logger=logger, root_dir=root), handler
 
 
-def log_config(mll, cfg: RunConfig, seed: int, topo=None):
+SEED_USES = "model init: jax.random.key(seed); data order of epoch e: numpy default_rng([seed, e])"
+
+
+def log_config(mll, cfg: RunConfig, seed: int, seed_source: str, topo=None):
     bench, hp = cfg.bench, cfg.hparams
     mll.event(C.SUBMISSION_BENCHMARK, bench.name)
     mll.event(C.SUBMISSION_DIVISION, cfg.division)
     mll.event(C.SUBMISSION_ORG, "jax_brgemm")
     mll.event(C.SUBMISSION_PLATFORM, platform_name())
     mll.event(C.SUBMISSION_STATUS, C.RESEARCH)
-    mll.event("model_impl", cfg.impl)  # not an MLPerf key: brgemm kernels or stock XLA
-    mll.event(C.SEED, seed)
+    # Not MLPerf keys: what a reviewer needs to reproduce and judge the run.
+    mll.event("model_impl", cfg.impl)  # brgemm kernels or stock XLA
+    mll.event("framework_versions", software_versions())
+    mll.event("git_commit", source_commit())
+    mll.event("host_cpus", host_cpus())
+    mll.event(C.SEED, seed, metadata={"source": seed_source, "uses": SEED_USES})
     mll.event(C.TRAIN_SAMPLES, bench.train_size)
     mll.event(C.EVAL_SAMPLES, bench.eval_size)
     mll.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
@@ -108,10 +172,12 @@ def log_config(mll, cfg: RunConfig, seed: int, topo=None):
     mll.event(C.OPT_NAME, hp["opt_name"])
     for key in sorted(k for k in hp if k != "opt_name"):
         mll.event(key, hp[key])
-    precision = PRECISION[cfg.dtype]
-    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, precision)
-    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, precision)  # no attention layers
-    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")  # gradients all-reduced in fp32
+    # Only keys with a meaning for these models and this harness: no
+    # lowest_numerical_precision_in_attn (no attention); _in_comm only when there is
+    # communication (several devices: the gradients are all-reduced in fp32).
+    mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, PRECISION[cfg.dtype])
+    if topo:
+        mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
     for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM,
                 C.EXPERT_PARALLELISM):
         mll.event(key, 1)
@@ -134,18 +200,18 @@ def _now_ms() -> int:
     return int(time.time() * 1e3)
 
 
-def run(cfg: RunConfig, index: int, seed: int, paths: Mapping[str, Path], log_path: Path,
-        progress=None) -> RunResult:
+def run(cfg: RunConfig, index: int, seed: int, seed_source: str, paths: Mapping[str, Path],
+        log_path: Path, progress=None) -> RunResult:
     """Performs one run and writes its MLPerf log to ``log_path``."""
     mll, handler = open_log(log_path)
     try:
-        return _run(cfg, index, seed, paths, log_path, progress, mll)
+        return _run(cfg, index, seed, seed_source, paths, log_path, progress, mll)
     finally:
         handler.close()
         logging.getLogger(f"jax_brgemm.train.run.{log_path}").removeHandler(handler)
 
 
-def _run(cfg, index, seed, paths, log_path, progress, mll):
+def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
     bench, hp = cfg.bench, cfg.hparams
     pipeline, batch_size = bench.pipeline, hp["global_batch_size"]
 
@@ -157,7 +223,7 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
         topo.check_batch("global_batch_size", batch_size)
         eval_batch_size = -(-eval_batch_size // topo.num_devices) * topo.num_devices
     shard = topo.shard if topo else (0, 1)
-    log_config(mll, cfg, seed, topo)
+    log_config(mll, cfg, seed, seed_source, topo)
     model = bench.model(impl=cfg.impl, dtype=DTYPES[cfg.dtype])
     steps = optim.steps_per_epoch(bench.train_size, batch_size)
     example = pipeline.preprocess(jnp.asarray(pipeline.synthetic_batch(bench.dataset, 1).inputs))
@@ -181,8 +247,10 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
     value = topo.local if topo else np.asarray
     mll.end(C.INIT_STOP)
 
-    cleared = data.drop_page_cache(paths.values())
-    mll.event(C.CACHE_CLEAR, cleared, metadata={"method": "posix_fadvise DONTNEED"})
+    cache = data.drop_page_cache(paths.values())
+    mll.event(C.CACHE_CLEAR, cache["cleared"], metadata={
+        "method": "fsync + posix_fadvise DONTNEED, verified with mincore",
+        "cached_pages": cache["cached_pages"], "pages": cache["pages"]})
 
     # ---- run: timed from here, once every process has initialized.
     distributed.barrier("run_start")
@@ -223,6 +291,7 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
                 topo.check_replicas(state.params)
             train_seconds += time.perf_counter() - t0
             mll.end(C.EPOCH_STOP, metadata={"epoch_num": epoch})
+            mll.event("train_loss", loss, metadata={"epoch_num": epoch})
 
         mll.start(C.EVAL_START, metadata={"epoch_num": epoch})
         total = 0.0
@@ -232,7 +301,11 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
                 total += float(value(evaluate(state, to_device(b))))
         accuracy = total / len(eval_split.labels)
         mll.end(C.EVAL_STOP, metadata={"epoch_num": epoch})
-        mll.event(C.EVAL_ACCURACY, accuracy, metadata={"epoch_num": epoch})
+        # samples_count: training samples seen (MLPerf's meaning: the evaluation
+        # frequency); eval_samples: examples this evaluation scored (its thoroughness).
+        mll.event(C.EVAL_ACCURACY, accuracy, metadata={
+            "epoch_num": epoch, C.SAMPLES_COUNT: epoch * bench.train_size,
+            "eval_samples": len(eval_split.labels)})
         mll.end(C.BLOCK_STOP, metadata={"first_epoch_num": first})
 
         elapsed = (_now_ms() - t_start) / 1e3
@@ -252,7 +325,7 @@ def _run(cfg, index, seed, paths, log_path, progress, mll):
         on_run_end(state)
     if progress:
         progress.end_run(status, (t_stop - t_start) / 1e3)
-    return RunResult(index=index, seed=seed, status=status, epochs=epoch,
+    return RunResult(index=index, seed=seed, seed_source=seed_source, status=status, epochs=epoch,
                      time_to_train=(t_stop - t_start) / 1e3, evals=evals,
                      throughput=epoch * bench.train_size / train_seconds,
                      data_fraction=data_seconds / train_seconds, log_path=str(log_path))

@@ -13,13 +13,10 @@ import argparse
 import datetime
 import json
 import math
-import secrets
 import sys
 from pathlib import Path
 
-import jax
-
-from . import data, scoring
+from . import cli, data, scoring
 from .hparams import resolve
 from .suite import REFERENCE_DIR, SUITE
 
@@ -48,14 +45,20 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
 
     hp = resolve(bench, {}, "closed")
     paths = data.locate(bench.dataset, data_dir)
-    cfg = loop.RunConfig(bench=bench, impl="xla", division="closed", dtype="float32",
-                         hparams=hp, max_epochs=bench.max_epochs, target=None)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # Closed-division hyperparameters; a fixed seed makes the logs say open (seed rule).
+    division = "closed" if seed is None else "open"
+    run_seeds = cli.seeds(seed, runs, division)
+    cfg = loop.RunConfig(bench=bench, impl="xla", division=division, dtype="float32",
+                         hparams=hp, max_epochs=bench.max_epochs, config_filename="config.json",
+                         target=None)
+    log_dir = cli.new_set_dir(log_dir)
+    (log_dir / "config.json").write_text(json.dumps(
+        {"benchmark": bench.name, "impl": "xla", "division": division, "dtype": "float32",
+         "max_epochs": bench.max_epochs, "hparams": hp, "reference_runs": runs}, indent=2) + "\n")
     progress = Progress(runs, f"{bench.name}/reference")
     curves = []
-    for i in range(runs):
-        run_seed = secrets.randbits(31) if seed is None else seed + i
-        result = loop.run(cfg, i, run_seed, paths, log_dir / f"result_{i}.txt", progress)
+    for i, (run_seed, source) in enumerate(run_seeds):
+        result = loop.run(cfg, i, run_seed, source, paths, log_dir / f"result_{i}.txt", progress)
         curves.append({"seed": run_seed,
                        "accuracies": [e["accuracy"] for e in result.evals],
                        "times": [round(e["time"], 2) for e in result.evals],
@@ -64,7 +67,8 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
         "benchmark": bench.name, "impl": "xla", "dtype": "float32", "division": "closed",
         "hparams": hp, "max_epochs": bench.max_epochs,
         "eval_every_epochs": bench.eval_every_epochs,
-        "machine": loop.platform_name(), "jax": jax.__version__,
+        "machine": loop.platform_name(), "cpu_model": loop.cpu_model(),
+        "software": loop.software_versions(), "git_commit": loop.source_commit(),
         "date": datetime.date.today().isoformat(),
         "command": "python -m jax_brgemm.train.reference " + " ".join(sys.argv[1:]),
         "runs": curves,
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("benchmark", choices=sorted(SUITE))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the first run (default: system randomness)")
+                        help="seed of the first run (default: system randomness); the logs "
+                             "then say open division (closed-division runs use system seeds)")
     parser.add_argument("--data-dir")
     parser.add_argument("--log-dir", help="default runs/BENCHMARK/reference")
     parser.add_argument("--summarize", action="store_true",
@@ -94,7 +99,11 @@ def main(argv=None) -> int:
             return 2
     else:
         log_dir = Path(args.log_dir or Path("runs") / bench.name / "reference")
-        reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
+        try:
+            reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
+        except (cli.UsageError, data.DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     reference["summary"] = summarize(bench, reference)
     if not args.summarize:
         path.write_text(json.dumps(reference, indent=1) + "\n")

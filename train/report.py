@@ -1,4 +1,4 @@
-"""Results: LOG_DIR/summary.json, a printed table, LOG_DIR/accuracy.png."""
+"""Results of a set: SET/summary.json, a printed table, SET/accuracy.png."""
 
 import json
 import math
@@ -23,12 +23,38 @@ def write_summary(log_dir: Path, summary: dict) -> Path:
     return path
 
 
-def read_summary(log_dir: Path) -> Optional[dict]:
-    path = Path(log_dir) / "summary.json"
+class SummaryError(Exception):
+    """A summary.json exists but is not one this harness writes."""
+
+
+# What other sets' summaries must hold to be used (normalization, plots).
+_SUMMARY_FIELDS = {"benchmark": str, "division": str, "dtype": str, "set": str,
+                   "cpu_model": str, "score": dict, "runs": list}
+
+
+def read_summary(path: Path) -> dict:
+    """Reads a set's summary.json; SummaryError when it is malformed."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        summary = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SummaryError(f"{path}: cannot read it as JSON ({e})") from e
+    if not isinstance(summary, dict):
+        raise SummaryError(f"{path}: not a summary (a JSON {type(summary).__name__})")
+    for key, kind in _SUMMARY_FIELDS.items():
+        if not isinstance(summary.get(key), kind):
+            raise SummaryError(f"{path}: not a summary this harness writes ({key!r} is missing "
+                               f"or not a {kind.__name__})")
+    if not {"value", "valid"} <= set(summary["score"]) or not all(
+            isinstance(r, dict) and isinstance(r.get("evals"), list) for r in summary["runs"]):
+        raise SummaryError(f"{path}: not a summary this harness writes (bad score or runs)")
+    return summary
+
+
+def latest_summary(log_dir: Path) -> Optional[dict]:
+    """The summary of the newest set directory in ``log_dir`` (sets sort by their
+    date-time names), or None when there is none."""
+    sets = sorted(p for p in Path(log_dir).glob("*/summary.json") if p.is_file())
+    return read_summary(sets[-1]) if sets else None
 
 
 def _fmt(x, spec):
@@ -38,7 +64,7 @@ def _fmt(x, spec):
 def table(summary: dict) -> str:
     """The runs and the score as text, for the terminal."""
     lines = [f"{summary['benchmark']} ({summary['division']}, impl={summary['impl']}, "
-             f"dtype={summary['dtype']}), target {summary['target']:.4f}",
+             f"dtype={summary['dtype']}), target {summary['target']:.4f}, set {summary['set']}",
              f"{'run':>3}  {'seed':>10}  {'status':>8}  {'epochs':>6}  {'accuracy':>8}  "
              f"{'time (s)':>8}  {'img/s':>7}  {'data':>5}  compliance"]
     for r in summary["runs"]:
@@ -47,16 +73,29 @@ def table(summary: dict) -> str:
         lines.append(f"{r['index']:>3}  {r['seed']:>10}  {r['status']:>8}  {r['epochs']:>6}  "
                      f"{_fmt(accuracy, '.4f'):>8}  {r['time_to_train']:>8.1f}  "
                      f"{r['throughput']:>7.0f}  {100 * r['data_fraction']:>4.1f}%  {compliance}")
+    lines.append(f"seeds: {summary['runs'][0]['seed_source']}" if summary["runs"] else "")
     s = summary["score"]
     value = "invalid" if s["value"] is None else f"{s['value']:.1f} s"
     method = "olympic mean" if s["method"] == "olympic" else "mean"
     lines.append(f"score ({method} of {len(summary['runs'])} run times): {value}"
                  + (f"  [{s['reason']}]" if s["reason"] else ""))
-    ref = summary["reference"]
-    if ref["result"] is not None:
-        lines.append(f"reference result ({ref['source']}): {ref['result']:.1f} s  ->  normalized "
-                     f"score {_fmt(summary['normalized_score'], '.3f')}")
     lines.append(f"RCP check: {summary['rcp']['status']}: {summary['rcp']['message']}")
+    ref = summary["reference"]
+    if ref["result"] is not None and ref["same_cpu"]:
+        lines.append(f"reference result ({ref['source']}, {ref['cpu_model']}): "
+                     f"{ref['result']:.1f} s  ->  normalized score "
+                     f"{_fmt(summary['normalized_score'], '.3f')}")
+    elif ref["result"] is not None:
+        lines.append(f"WARNING: no normalized score: the reference result ({ref['source']}) "
+                     f"was recorded on {ref['cpu_model'] or 'an unrecorded CPU'}, not on this "
+                     f"CPU ({summary['cpu_model']}); record xla runs here (--impl xla) to "
+                     f"normalize")
+    if summary["division"] == "open":
+        lines.append(f"geometric mean of the final quality: "
+                     f"{_fmt(summary['final_quality_geomean'], '.4f')}")
+    if not summary["official"]:
+        lines.append("not an official result (an official one is a closed-division set of "
+                     "the benchmark's run count with a valid score and a passed RCP check)")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from . import hparams as hparams_lib
+from . import optim
 from .compliance import RULES_DIR
 from .suite import SUITE
 
@@ -29,7 +30,7 @@ def _closed_check(bench, key: str) -> str:
     by_expr = {}  # expression -> optimizers it applies to, in table order
     for opt in hparams_lib.closed_optimizers(bench):
         table = {**bench.tunable["common"], **bench.tunable[opt]}
-        reference = hparams_lib.defaults(bench, opt)
+        reference = _reference_with_all_schedule_keys(bench, opt)
         if key in table:
             by_expr.setdefault(table[key].expr("v['value']"), []).append(opt)
         elif key in reference:
@@ -40,16 +41,27 @@ def _closed_check(bench, key: str) -> str:
     return f"s['division'] == 'open' or ({chain}False)"
 
 
+def _reference_with_all_schedule_keys(bench, opt) -> dict:
+    """Reference values of ``opt`` plus the defaults of every schedule's own keys."""
+    reference = {}
+    for schedule in optim.DECAY_SCHEDULES:
+        reference.update(hparams_lib.defaults(bench, opt, schedule))
+    return {**reference, **hparams_lib.defaults(bench, opt)}
+
+
 def ruleset(bench) -> list:
     """The benchmark's checker rules as the YAML structure the checker reads."""
     optimizers = hparams_lib.closed_optimizers(bench)
-    required = {opt: sorted(k for k in hparams_lib.defaults(bench, opt) if k != "opt_name")
-                for opt in optimizers}
-    hp_keys = sorted({k for keys in required.values() for k in keys})
+    schedule_keys = {name: sorted(keys) for name, keys in optim.SCHEDULE_OPTIONS.items()}
+    own = {k for keys in schedule_keys.values() for k in keys}
+    required = {opt: sorted(k for k in hparams_lib.defaults(bench, opt)
+                            if k != "opt_name" and k not in own) for opt in optimizers}
+    hp_keys = sorted({k for keys in required.values() for k in keys} | own)
     count = "s['seen'][ll.key] = s['seen'].get(ll.key, 0) + 1"
     rules = [
-        {"BEGIN": {"CODE": "s.update({'division': None, 'opt_name': None, 'seen': {}, "
-                           f"'last_eval_epoch': 0, 'required': {required!r}}})"}},
+        {"BEGIN": {"CODE": "s.update({'division': None, 'opt_name': None, 'schedule': None, "
+                           f"'seen': {{}}, 'last_eval_epoch': 0, 'required': {required!r}, "
+                           f"'schedule_keys': {schedule_keys!r}}})"}},
         {"KEY": {"NAME": "submission_benchmark", "REQ": "EXACTLY_ONE",
                  "CHECK": f"v['value'] == {bench.name!r}"}},
         {"KEY": {"NAME": "submission_division", "REQ": "EXACTLY_ONE",
@@ -67,7 +79,8 @@ def ruleset(bench) -> list:
         rule["CHECK"] = [_closed_check(bench, key)]
         if key == "global_batch_size":
             rule["CHECK"].insert(0, "is_integer(v['value']) and v['value'] > 0")
-        rule["POST"] = count
+        rule["POST"] = count + ("; s['schedule'] = v['value']"
+                                if key == hparams_lib.SCHEDULE_KEY else "")
         rules.append({"KEY": rule})
     rules += [
         {"KEY": {"NAME": "train_samples", "REQ": "EXACTLY_ONE",
@@ -77,14 +90,22 @@ def ruleset(bench) -> list:
         {"KEY": {"NAME": "eval_accuracy", "REQ": "AT_LEAST_ONE",
                  "CHECK": ["'epoch_num' in v['metadata']",
                            "v['metadata']['epoch_num'] == s['last_eval_epoch'] + "
-                           f"{bench.eval_every_epochs}"],
+                           f"{bench.eval_every_epochs}",
+                           # Frequency in training samples, and thoroughness: every
+                           # example of the eval split scored.
+                           "v['metadata'].get('samples_count') == "
+                           f"v['metadata']['epoch_num'] * {bench.train_size}",
+                           f"v['metadata'].get('eval_samples') == {bench.eval_size}"],
                  "POST": "s['last_eval_epoch'] = v['metadata']['epoch_num']",
                  # As in the official rules, a log passes only if the run reached the target.
                  "ATLEAST_ONE_CHECK": f"v['value'] >= {bench.target!r} and v['value'] <= 1.0"}},
         {"END": {"CHECK": [
             # Closed: every hyperparameter of the chosen optimizer logged exactly once.
             "s['division'] == 'open' or all(s['seen'].get(k) == 1 for k in "
-            "s['required'].get(s['opt_name'], ['<opt_name>']))"]}},
+            "s['required'].get(s['opt_name'], ['<opt_name>']))",
+            # Both: the keys of the chosen decay schedule once, other schedules' never.
+            "all(s['seen'].get(k, 0) == (1 if name == s['schedule'] else 0) "
+            "for name, keys in s['schedule_keys'].items() for k in keys)"]}},
     ]
     return rules
 

@@ -3,9 +3,8 @@
 MLPerf's rules: a benchmark result is the mean of N run results after dropping the
 fastest and the slowest; a run that did not converge counts as infinitely slow,
 so one may be dropped and more make the result invalid. The normalized score is
-reference result / benchmark result. The RCP check compares the (olympic) mean
-number of epochs to converge with the reference's, as mlperf_logging's RCP checker
-does, and fails a submission that converges significantly faster.
+reference result / benchmark result. The RCP statistics of the recorded reference
+runs are those of mlperf_logging's RCP checker (rcp.py runs that checker on a set).
 """
 
 import dataclasses
@@ -41,6 +40,30 @@ def olympic_mean(results: Sequence[float]) -> Score:
                      f"slowest run)")
     kept = sorted(results)[1:-1]
     return Score(float(np.mean(kept)), True, "olympic")
+
+
+def apply_rcp(score: Score, rcp_check: dict) -> Score:
+    """The score after the RCP verdict: rejected on "fail" or "missing", multiplied by
+    the scaling factor on a scaled "pass" (MLPerf's scaling.json), else unchanged."""
+    if not score.valid:
+        return score
+    if rcp_check["status"] in ("fail", "missing"):
+        return dataclasses.replace(score, value=None, valid=False,
+                                   reason=f"RCP check {rcp_check['status']}")
+    factor = rcp_check["scaling_factor"]
+    if factor != 1.0:
+        return dataclasses.replace(score, value=score.value * factor,
+                                   reason=f"scaled by the RCP factor {factor:.4f}")
+    return score
+
+
+def geometric_mean(values: Sequence[float]) -> Optional[float]:
+    """Geometric mean (the open division's summary of the final quality of the runs)."""
+    if not values:
+        return None
+    if min(values) <= 0:
+        return 0.0
+    return float(np.exp(np.mean(np.log(values))))
 
 
 def normalized(reference: Optional[float], result: Score) -> Optional[float]:
@@ -87,33 +110,6 @@ def make_rcp(batch_size: int, epochs: Sequence[float], submission_runs: int,
         t_crit = stats.t.ppf(alpha, n_ref + n_sub - 2)  # negative
         min_epochs = mean + t_crit * stdev * math.sqrt(1 / n_ref + 1 / n_sub)
     return Rcp(batch_size, epochs, mean, stdev, min_epochs)
-
-
-def rcp_check(rcp: Optional[Rcp], batch_size: int, run_epochs: Sequence[float]) -> dict:
-    """Compares runs' epochs to converge (``math.inf``: did not converge) with the RCP.
-
-    Returns {"status": "pass" | "fail" | "missing" | "insufficient", "message", ...}.
-    "pass" may carry a ``scale`` > 1: converging faster than the RCP mean but within
-    the allowed range, the score is normalized by that factor (as in MLPerf).
-    """
-    if rcp is None or rcp.batch_size != batch_size:
-        return {"status": "missing",
-                "message": f"no reference convergence point for global_batch_size "
-                           f"{batch_size}" + (f" (the RCP is for {rcp.batch_size})" if rcp else "")}
-    failed = sum(1 for e in run_epochs if math.isinf(e))
-    if failed > 1 or (failed and len(run_epochs) < 3):
-        return {"status": "insufficient", "message": f"{failed} runs did not converge"}
-    mean = _trimmed_mean(run_epochs)
-    out = {"mean_epochs": mean, "rcp_mean": rcp.mean, "rcp_min_epochs": rcp.min_epochs}
-    if mean < rcp.min_epochs:
-        return {**out, "status": "fail",
-                "message": f"converges faster than the reference allows: mean {mean:.2f} epochs "
-                           f"< {rcp.min_epochs:.2f} (RCP mean {rcp.mean:.2f})"}
-    scale = max(rcp.mean / mean, 1.0)
-    message = f"mean {mean:.2f} epochs, RCP mean {rcp.mean:.2f}, minimum {rcp.min_epochs:.2f}"
-    if scale > 1:
-        message += f"; faster than the RCP mean: scores scale by {scale:.3f}"
-    return {**out, "status": "pass", "scale": scale, "message": message}
 
 
 # --------------------------------------------------------------------------- reference

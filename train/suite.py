@@ -100,7 +100,7 @@ _SCHEDULE_TABLE = {
     "opt_learning_rate_warmup_epochs": Range(0, 5),
     "opt_learning_rate_decay_epochs": Range(1, 50),
     "opt_learning_rate_decay_schedule": OneOf(["cosine", "polynomial"]),
-    "opt_learning_rate_decay_poly_power": Range(1, 2),
+    "opt_learning_rate_decay_poly_power": Range(1, 2),  # polynomial schedule only
 }
 
 # Fashion-MNIST's four IDX files as train and eval splits.
@@ -132,7 +132,6 @@ MLP = Benchmark(
             "opt_learning_rate_warmup_epochs": 1.0,
             "opt_learning_rate_decay_schedule": "cosine",
             "opt_learning_rate_decay_epochs": 16.0,
-            "opt_learning_rate_decay_poly_power": 2.0,
         },
         "sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True, "opt_weight_decay": 0.0},
         "lars": {"opt_base_learning_rate": 2.0},

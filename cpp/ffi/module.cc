@@ -17,6 +17,7 @@ namespace nb = nanobind;
   X(jb_brgemm) X(jb_brgemm_acc)                            \
   X(jb_peak_probe)                                         \
   X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd) \
+  X(jb_lstm_fwd) X(jb_lstm_bptt)                           \
   /* a new layer's line goes above */
 
 #define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);

@@ -1,0 +1,370 @@
+// The LSTM layer against a naive double-precision LSTM: forward outputs, the final carry and
+// every gradient (x, both kernels, the bias, the initial carry) for both forward variants,
+// both layouts, fp32 and bf16 (both multiply paths), odd sizes and sizes of 1, forced small
+// blockings (edge tiles everywhere), one thread and several, every ISA this CPU runs. The
+// backward's dx, dW and dR come from the fully-connected passes over bptt's da, as in the
+// Python op. The reference's own gradients are checked by finite differences once.
+#include <array>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "layers/fc.h"
+#include "layers/lstm.h"
+
+namespace {
+
+using jb::DType;
+namespace lstm = jb::lstm;
+
+struct TestPool {
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  jb::Executor executor(int64_t n) {
+    jb::Executor ex;
+    ex.num_threads = n;
+    if (n > 1)
+      ex.schedule = [this](std::function<void()> task) {
+        std::lock_guard<std::mutex> lock(mu);
+        threads.emplace_back(std::move(task));
+      };
+    return ex;
+  }
+  ~TestPool() {
+    for (auto& t : threads) t.join();
+  }
+};
+
+// Values in fp32 plus their storage in dt (bf16-rounded values for bf16).
+struct Tensor {
+  DType dt;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  Tensor(DType dt, size_t size) : dt(dt), f(size), h(dt == DType::bf16 ? size : 0) {}
+  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
+  void fill(std::mt19937& rng, float scale) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
+  }
+  void set(size_t i, float v) {
+    if (dt == DType::bf16) {
+      h[i] = jb::f32_to_bf16(v);
+      f[i] = jb::bf16_to_f32(h[i]);
+    } else {
+      f[i] = v;
+    }
+  }
+  double get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
+};
+
+bool close(const Tensor& got, const std::vector<double>& want, double tol, const char* what,
+           const char* ctx) {
+  int bad = 0;
+  double scale = 0;
+  for (double v : want) scale = std::max(scale, std::fabs(v));
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(i);
+    if (!(std::fabs(g - want[i]) <= tol * (0.5 * scale + std::fabs(want[i])) + 1e-6)) {
+      if (bad++ < 3) CHECK(false) << ctx << " " << what << "[" << i << "] = " << g << ", want " << want[i];
+    }
+  }
+  return bad == 0;
+}
+
+double sig(double v) { return 1 / (1 + std::exp(-v)); }
+
+// The problem: sizes, layout, and the values as the kernels see them (x, h0 in dt; the
+// weights as the multiply dtype rounds them).
+struct Problem {
+  int64_t t, n, c, k;
+  bool tm;
+  std::vector<double> x, w, r, b, c0, h0, dy, dcl, dhl;  // x in (t, n, c) order here
+  int64_t row(int64_t tt, int64_t nn) const { return tm ? tt * n + nn : nn * t + tt; }
+};
+
+struct Ref {
+  std::vector<double> y, cl, hl;                // y in (t, n, k) order
+  std::vector<double> dx, dw, dr, db, dc0, dh0;  // dx in (t, n, c) order
+};
+
+// The naive LSTM in double precision, forward and reverse mode. `hround` rounds h before
+// it is multiplied by R (bf16 multiplies).
+Ref reference(const Problem& p, const std::function<double(double)>& hround) {
+  const int64_t T = p.t, N = p.n, C = p.c, K = p.k, G = 4 * K;
+  Ref o;
+  std::vector<double> gates(T * N * G), cs(T * N * K), hs((T + 1) * N * K);
+  for (int64_t i = 0; i < N * K; ++i) hs[i] = p.h0[i];
+  std::vector<double> cprev = p.c0;
+  o.y.assign(T * N * K, 0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double* g = &gates[(t * N + n) * G];
+      for (int64_t j = 0; j < G; ++j) {
+        double acc = p.b[j];
+        for (int64_t q = 0; q < C; ++q) acc += p.x[(t * N + n) * C + q] * p.w[q * G + j];
+        for (int64_t q = 0; q < K; ++q) acc += hround(hs[(t * N + n) * K + q]) * p.r[q * G + j];
+        g[j] = acc;
+      }
+      for (int64_t j = 0; j < K; ++j) {
+        const double i = sig(g[j]), f = sig(g[K + j]), gg = std::tanh(g[2 * K + j]), og = sig(g[3 * K + j]);
+        g[j] = i, g[K + j] = f, g[2 * K + j] = gg, g[3 * K + j] = og;
+        const double c = f * cprev[n * K + j] + i * gg;
+        cs[(t * N + n) * K + j] = c;
+        hs[((t + 1) * N + n) * K + j] = og * std::tanh(c);
+        o.y[(t * N + n) * K + j] = og * std::tanh(c);
+      }
+      if (n == N - 1)
+        for (int64_t q = 0; q < N * K; ++q) cprev[q] = cs[t * N * K + q];
+    }
+  o.cl = T ? std::vector<double>(cs.end() - N * K, cs.end()) : p.c0;
+  o.hl = std::vector<double>(hs.end() - N * K, hs.end());
+  // Reverse mode.
+  o.dx.assign(T * N * C, 0), o.dw.assign(C * G, 0), o.dr.assign(K * G, 0), o.db.assign(G, 0);
+  std::vector<double> dh = p.dhl, dc = p.dcl, da(G);
+  for (int64_t t = T - 1; t >= 0; --t) {
+    std::vector<double> dh_prev(N * K, 0);
+    for (int64_t n = 0; n < N; ++n) {
+      const double* g = &gates[(t * N + n) * G];
+      for (int64_t j = 0; j < K; ++j) {
+        const double h = dh[n * K + j] + p.dy[(t * N + n) * K + j];
+        const double c = cs[(t * N + n) * K + j];
+        const double cp = t ? cs[((t - 1) * N + n) * K + j] : p.c0[n * K + j];
+        const double i = g[j], f = g[K + j], gg = g[2 * K + j], og = g[3 * K + j], tc = std::tanh(c);
+        const double dcur = dc[n * K + j] + h * og * (1 - tc * tc);
+        da[j] = dcur * gg * i * (1 - i);
+        da[K + j] = dcur * cp * f * (1 - f);
+        da[2 * K + j] = dcur * i * (1 - gg * gg);
+        da[3 * K + j] = h * tc * og * (1 - og);
+        dc[n * K + j] = dcur * f;
+      }
+      for (int64_t j = 0; j < G; ++j) {
+        o.db[j] += da[j];
+        for (int64_t q = 0; q < C; ++q) {
+          o.dx[(t * N + n) * C + q] += da[j] * p.w[q * G + j];
+          o.dw[q * G + j] += p.x[(t * N + n) * C + q] * da[j];
+        }
+        for (int64_t q = 0; q < K; ++q) {
+          dh_prev[n * K + q] += da[j] * p.r[q * G + j];
+          o.dr[q * G + j] += hround(hs[(t * N + n) * K + q]) * da[j];
+        }
+      }
+    }
+    dh = dh_prev;
+  }
+  o.dc0 = dc;
+  o.dh0 = dh;
+  return o;
+}
+
+Problem make_problem(int64_t t, int64_t n, int64_t c, int64_t k, bool tm, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(-1, 1);
+  Problem p{t, n, c, k, tm, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  auto fill = [&](std::vector<double>& v, size_t size, double scale) {
+    v.resize(size);
+    for (auto& e : v) e = scale * u(rng);
+  };
+  fill(p.x, t * n * c, 1.0);
+  fill(p.w, c * 4 * k, 1.0 / std::sqrt(double(c)));
+  fill(p.r, k * 4 * k, 1.0 / std::sqrt(double(k)));
+  fill(p.b, 4 * k, 0.5);
+  fill(p.c0, n * k, 1.0);
+  fill(p.h0, n * k, 1.0);
+  fill(p.dy, t * n * k, 1.0);
+  fill(p.dcl, n * k, 1.0);
+  fill(p.dhl, n * k, 1.0);
+  return p;
+}
+
+struct Opts {
+  DType dt = DType::f32;
+  DType w_dt = DType::f32;
+  lstm::Variant variant = lstm::Variant::automatic;
+  int64_t threads = 2;
+  const jb::Blocking* force = nullptr;
+  jb::Dispatch dp = jb::dispatch();
+};
+
+void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o) {
+  char ctx[160];
+  std::snprintf(ctx, sizeof ctx, "[T=%ld N=%ld C=%ld K=%ld tm=%d dt=%d w=%d var=%d thr=%ld isa=%s mul=%d]",
+                long(T), long(N), long(C), long(K), int(tm), int(o.dt), int(o.w_dt), int(o.variant),
+                long(o.threads), jb::isa_name(o.dp.isa), int(o.dp.bf16_multiply));
+  Problem p = make_problem(T, N, C, K, tm, unsigned(T * 1000 + N * 100 + C * 10 + K));
+  const int64_t G = 4 * K;
+  const DType kd = jb::multiply_dtype(o.dt, o.dp);
+  // Storage in the layer's layouts and dtypes; the problem's values become the stored ones.
+  Tensor x(o.dt, T * N * C), w(o.w_dt, C * G), r(o.w_dt, K * G), h0(o.dt, N * K), dy(o.dt, T * N * K),
+      dhl(o.dt, N * K);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t q = 0; q < C; ++q) {
+        x.set(p.row(t, n) * C + q, float(p.x[(t * N + n) * C + q]));
+        p.x[(t * N + n) * C + q] = x.get(p.row(t, n) * C + q);
+      }
+  auto rnd = [&](double v) { return kd == DType::bf16 ? double(jb::bf16_to_f32(jb::f32_to_bf16(float(v)))) : double(float(v)); };
+  for (size_t i = 0; i < p.w.size(); ++i) w.set(i, float(p.w[i])), p.w[i] = rnd(w.get(i));
+  for (size_t i = 0; i < p.r.size(); ++i) r.set(i, float(p.r[i])), p.r[i] = rnd(r.get(i));
+  for (size_t i = 0; i < p.h0.size(); ++i) h0.set(i, float(p.h0[i])), p.h0[i] = h0.get(i);
+  for (size_t i = 0; i < p.dhl.size(); ++i) dhl.set(i, float(p.dhl[i])), p.dhl[i] = dhl.get(i);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t q = 0; q < K; ++q) {
+        dy.set(p.row(t, n) * K + q, float(p.dy[(t * N + n) * K + q]));
+        p.dy[(t * N + n) * K + q] = dy.get(p.row(t, n) * K + q);
+      }
+  std::vector<float> b(p.b.begin(), p.b.end()), c0(p.c0.begin(), p.c0.end()),
+      dcl(p.dcl.begin(), p.dcl.end());
+  for (size_t i = 0; i < b.size(); ++i) p.b[i] = b[i];
+  for (size_t i = 0; i < c0.size(); ++i) p.c0[i] = c0[i], p.dcl[i] = dcl[i];
+
+  const Ref ref = reference(p, [&](double v) { return kd == DType::bf16 ? double(jb::bf16_to_f32(jb::f32_to_bf16(float(v)))) : v; });
+
+  TestPool pool;
+  const jb::Executor ex = pool.executor(o.threads);
+  const lstm::Shape s{T, N, C, K, o.dt, tm};
+  const double tol = o.dt == DType::bf16 ? 3e-2 : 2e-4;
+
+  // Inference forward (nothing saved) and training forward (gates and cell states saved).
+  for (bool save : {false, true}) {
+    Tensor y(o.dt, T * N * K), hl(o.dt, N * K), cl(DType::f32, N * K);
+    std::vector<float> gates(save ? T * N * G : 0), cs(save ? T * N * K : 0);
+    lstm::forward(ex, o.dp, s, x.data(), w.data(), r.data(), o.w_dt, b.data(), c0.data(), h0.data(),
+                  y.data(), cl.f.data(), hl.data(), save ? gates.data() : nullptr,
+                  save ? cs.data() : nullptr, o.variant, o.force);
+    std::vector<double> y_ref(T * N * K);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t q = 0; q < K; ++q) y_ref[p.row(t, n) * K + q] = ref.y[(t * N + n) * K + q];
+    close(y, y_ref, tol, save ? "y(train)" : "y", ctx);
+    close(hl, ref.hl, tol, "h_T", ctx);
+    close(cl, ref.cl, tol, "c_T", ctx);
+    if (!save) continue;
+
+    Tensor da(o.dt, T * N * G), dh0(o.dt, N * K), dc0(DType::f32, N * K), db(DType::f32, G);
+    lstm::bptt(ex, o.dp, s, r.data(), o.w_dt, gates.data(), cs.data(), c0.data(), dy.data(), dcl.data(),
+               dhl.data(), da.data(), db.f.data(), dc0.f.data(), dh0.data(), o.force);
+    const double gtol = o.dt == DType::bf16 ? 5e-2 : 5e-4;
+    close(db, ref.db, gtol, "db", ctx);
+    close(dc0, ref.dc0, gtol, "dc0", ctx);
+    close(dh0, ref.dh0, gtol, "dh0", ctx);
+    // The rest of the backward: the FC passes over all steps at once.
+    const jb::fc::Shape fx{T * N, C, G, o.dt, jb::Activation::none};
+    const jb::fc::Shape fh{T * N, K, G, o.dt, jb::Activation::none};
+    Tensor dx(o.dt, T * N * C), dw(o.w_dt, C * G), dr(o.w_dt, K * G), hprev(o.dt, T * N * K);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t q = 0; q < K; ++q)
+          hprev.set(p.row(t, n) * K + q, float(t ? y.get(p.row(t - 1, n) * K + q) : h0.get(n * K + q)));
+    jb::fc::backward(ex, o.dp, fx, da.data(), nullptr, w.data(), o.w_dt, dx.data());
+    jb::fc::update(ex, o.dp, fx, x.data(), da.data(), nullptr, dw.data(), o.w_dt, nullptr);
+    jb::fc::update(ex, o.dp, fh, hprev.data(), da.data(), nullptr, dr.data(), o.w_dt, nullptr);
+    std::vector<double> dx_ref(T * N * C);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t q = 0; q < C; ++q) dx_ref[p.row(t, n) * C + q] = ref.dx[(t * N + n) * C + q];
+    close(dx, dx_ref, gtol, "dx", ctx);
+    close(dw, ref.dw, gtol, "dW", ctx);
+    close(dr, ref.dr, gtol, "dR", ctx);
+  }
+}
+
+}  // namespace
+
+TEST(lstm_reference_gradients_match_finite_differences) {
+  // The double reference's reverse mode against central differences of its forward, for a
+  // loss sum(y * dy) + sum(c_T * dc) + sum(h_T * dh).
+  Problem p = make_problem(3, 2, 3, 2, true, 7);
+  auto id = [](double v) { return v; };
+  auto loss = [&](const Problem& q) {
+    const Ref o = reference(q, id);
+    double l = 0;
+    for (size_t i = 0; i < o.y.size(); ++i) l += o.y[i] * q.dy[i];
+    for (size_t i = 0; i < o.cl.size(); ++i) l += o.cl[i] * q.dcl[i] + o.hl[i] * q.dhl[i];
+    return l;
+  };
+  const Ref g = reference(p, id);
+  const double eps = 1e-6;
+  auto check = [&](std::vector<double> Problem::*field, const std::vector<double>& grad, const char* what) {
+    for (size_t i = 0; i < grad.size(); ++i) {
+      Problem a = p, b = p;
+      (a.*field)[i] += eps;
+      (b.*field)[i] -= eps;
+      const double fd = (loss(a) - loss(b)) / (2 * eps);
+      CHECK(std::fabs(fd - grad[i]) < 1e-6 * (1 + std::fabs(fd))) << what << "[" << i << "] " << grad[i] << " vs " << fd;
+    }
+  };
+  check(&Problem::x, g.dx, "dx");
+  check(&Problem::w, g.dw, "dw");
+  check(&Problem::r, g.dr, "dr");
+  check(&Problem::b, g.db, "db");
+  check(&Problem::c0, g.dc0, "dc0");
+  check(&Problem::h0, g.dh0, "dh0");
+}
+
+TEST(lstm_fp32_shapes_variants_layouts) {
+  const std::array<int64_t, 4> shapes[] = {{1, 1, 1, 1}, {3, 5, 7, 9}, {4, 13, 37, 33}, {2, 30, 64, 70},
+                                           {5, 3, 20, 1}, {1, 25, 1, 40}, {3, 17, 100, 48}};
+  for (const auto& sh : shapes)
+    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
+      for (bool tm : {false, true}) {
+        Opts o;
+        o.variant = v;
+        run_case(sh[0], sh[1], sh[2], sh[3], tm, o);
+      }
+}
+
+TEST(lstm_bf16_both_multiply_paths) {
+  for (const char* mode : {"dot", "fp32"})
+    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute}) {
+      Opts o;
+      o.dt = DType::bf16;
+      o.dp = jb::make_dispatch(jb::best_isa(), mode);
+      o.variant = v;
+      run_case(4, 13, 37, 33, false, o);
+      run_case(2, 7, 64, 20, true, o);
+      o.w_dt = DType::bf16;
+      run_case(3, 12, 16, 32, false, o);
+    }
+}
+
+TEST(lstm_forced_small_blocks_and_threads) {
+  const jb::Blocking blockings[] = {{5, 7, 0}, {1, 1, 0}, {12, 16, 0}};
+  for (const auto& bl : blockings)
+    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
+      for (int64_t threads : {1, 3}) {
+        Opts o;
+        o.force = &bl;
+        o.variant = v;
+        o.threads = threads;
+        run_case(3, 11, 9, 19, threads == 1, o);
+        o.dt = DType::bf16;
+        run_case(2, 11, 9, 19, threads != 1, o);
+      }
+}
+
+TEST(lstm_every_isa) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    for (DType dt : {DType::f32, DType::bf16}) {
+      Opts o;
+      o.dt = dt;
+      o.dp = jb::make_dispatch(isa, "");
+      run_case(3, 14, 23, 35, false, o);
+    }
+  }
+}
+
+TEST(lstm_empty_sequence_passes_the_carry) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  const lstm::Shape s{0, 3, 4, 5, DType::f32, false};
+  std::vector<float> w(4 * 20), r(5 * 20), b(20), c0(15, 0.5f), h0(15, -0.25f), cl(15), hl(15);
+  lstm::forward(ex, jb::dispatch(), s, nullptr, w.data(), r.data(), DType::f32, b.data(), c0.data(),
+                h0.data(), nullptr, cl.data(), hl.data(), nullptr, nullptr);
+  for (int i = 0; i < 15; ++i) CHECK(cl[i] == 0.5f && hl[i] == -0.25f) << i;
+}

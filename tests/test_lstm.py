@@ -1,0 +1,207 @@
+"""jb.lstm and jb.nn.LSTM against stock Flax (nn.RNN(nn.OptimizedLSTMCell)) and a lax.scan
+reference: outputs, final carry and gradients; layouts, initial carry, bf16, bad input."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_brgemm as jb
+
+
+def scan_lstm(x, wi, wh, b, c0, h0, time_major=False):
+    """The reference: OptimizedLSTMCell's math as a lax.scan."""
+    xs = x if time_major else jnp.swapaxes(x, 0, 1)
+
+    def step(carry, xt):
+        c, h = carry
+        i, f, g, o = jnp.split(xt @ wi + h @ wh + b, 4, -1)
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (c, h), h
+
+    carry, y = jax.lax.scan(step, (c0, h0), xs)
+    return carry, (y if time_major else jnp.swapaxes(y, 0, 1))
+
+
+def stock(features, **kw):
+    return nn.RNN(nn.OptimizedLSTMCell(features, dtype=kw.pop("dtype", None)), **kw)
+
+
+def close(a, b, tol):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert u.shape == v.shape and u.dtype == v.dtype, (u.shape, v.shape, u.dtype, v.dtype)
+        np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32), rtol=tol, atol=tol)
+
+
+def test_params_are_stock_params():
+    x = jnp.ones((2, 3, 5))
+    ours = jb.nn.LSTM(4).init(jax.random.key(1), x)
+    theirs = stock(4).init(jax.random.key(1), x)
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
+    close(ours, theirs, 0)  # same initializers, same keys: the same values
+    assert set(ours["params"]["cell"]) == {"ii", "if", "ig", "io", "hi", "hf", "hg", "ho"}
+
+
+@pytest.mark.parametrize("n,t,c,k", [(1, 1, 1, 1), (3, 5, 7, 9), (13, 4, 37, 33), (2, 3, 64, 70)])
+def test_module_matches_stock_outputs_carry_grads(n, t, c, k):
+    x = jax.random.normal(jax.random.key(n + t), (n, t, c))
+    params = stock(k).init(jax.random.key(2), x)
+    # Non-zero biases, so their gradients and effect are tested too.
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, v: v + 0.1 if p[-1].key == "bias" else v, params)
+    ours, theirs = jb.nn.LSTM(k, return_carry=True), stock(k, return_carry=True)
+    close(jax.jit(ours.apply)(params, x), jax.jit(theirs.apply)(params, x), 2e-5)
+
+    def loss(m):
+        def f(p, x):
+            (c_, h_), y = m.apply(p, x)
+            return jnp.sum(y * jnp.cos(y)) + jnp.sum(c_ ** 2) + 0.5 * jnp.sum(h_)
+        return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+    close(loss(ours)(params, x), loss(theirs)(params, x), 5e-5)
+
+
+def test_time_major_initial_carry_multi_batch_dims():
+    t, b1, b2, c, k = 4, 2, 3, 6, 5
+    x = jax.random.normal(jax.random.key(0), (t, b1, b2, c))
+    ks = jax.random.split(jax.random.key(1), 2)
+    carry = (jax.random.normal(ks[0], (b1, b2, k)), jax.random.normal(ks[1], (b1, b2, k)))
+    m_ours = jb.nn.LSTM(k, time_major=True, return_carry=True)
+    m_stock = stock(k, time_major=True, return_carry=True)
+    params = m_stock.init(jax.random.key(3), x)
+
+    def run(m):
+        return jax.jit(lambda p, x, cc: m.apply(p, x, initial_carry=cc))
+
+    close(run(m_ours)(params, x, carry), run(m_stock)(params, x, carry), 2e-5)
+
+    def grads(m):
+        def f(p, x, cc):
+            (c_, h_), y = m.apply(p, x, initial_carry=cc)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(c_ * h_)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+    close(grads(m_ours)(params, x, carry), grads(m_stock)(params, x, carry), 5e-5)
+
+
+def test_reverse_keep_order_and_seq_lengths():
+    x = jax.random.normal(jax.random.key(0), (3, 6, 4))
+    lengths = jnp.array([6, 2, 4])
+    params = stock(5).init(jax.random.key(1), x)
+    for kw in ({"reverse": True}, {"reverse": True, "keep_order": True}):
+        got = jb.nn.LSTM(5, **kw).apply(params, x, seq_lengths=lengths)
+        want = stock(5, **kw).apply(params, x, seq_lengths=lengths)
+        close(got, want, 2e-5)
+    with pytest.raises(NotImplementedError, match="seq_lengths"):
+        jb.nn.LSTM(5, return_carry=True).apply(params, x, seq_lengths=lengths)
+
+
+def test_bf16_matches_stock_loosely():
+    x = jax.random.normal(jax.random.key(0), (6, 5, 24))
+    params = stock(20).init(jax.random.key(1), x)
+    ours = jb.nn.LSTM(20, dtype=jnp.bfloat16, return_carry=True)
+    theirs = stock(20, dtype=jnp.bfloat16, return_carry=True)
+    got, want = jax.jit(ours.apply)(params, x), jax.jit(theirs.apply)(params, x)
+    close(got, want, 5e-2)
+
+    def loss(m):
+        return jax.jit(jax.grad(lambda p, x: jnp.sum(m.apply(p, x)[1] ** 2), argnums=(0, 1)))
+
+    g_ours, g_stock = loss(ours)(params, x), loss(theirs)(params, x)
+    for u, v in zip(jax.tree_util.tree_leaves(g_ours), jax.tree_util.tree_leaves(g_stock)):
+        assert u.dtype == v.dtype
+        scale = float(jnp.max(jnp.abs(v.astype(jnp.float32)))) + 1e-3
+        assert float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32)))) < 0.1 * scale
+
+
+def _args(key, n, t, c, k, time_major=False, dtype=jnp.float32):
+    ks = jax.random.split(key, 6)
+    x = jax.random.normal(ks[0], (t, n, c) if time_major else (n, t, c), dtype)
+    wi = jax.random.normal(ks[1], (c, 4 * k)) / np.sqrt(c)
+    wh = jax.random.normal(ks[2], (k, 4 * k)) / np.sqrt(k)
+    b = 0.1 * jax.random.normal(ks[3], (4 * k,))
+    c0 = jax.random.normal(ks[4], (n, k))
+    h0 = jax.random.normal(ks[5], (n, k))
+    return x, wi, wh, b, c0, h0
+
+
+def _loss(fn, time_major):
+    def f(x, wi, wh, b, c0, h0):
+        (c, h), y = fn(x, wi, wh, b, c0, h0)
+        return jnp.sum(y * jnp.sin(3 * y)) + jnp.sum(jnp.tanh(c)) + jnp.sum(h * h)
+    return jax.jit(jax.grad(f, argnums=range(6)))
+
+
+def _ours(time_major):
+    return lambda x, wi, wh, b, c0, h0: jb.lstm(x, wi, wh, b, initial_carry=(c0, h0), time_major=time_major)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(n=st.integers(1, 20), t=st.integers(1, 6), c=st.integers(1, 40), k=st.integers(1, 40),
+       time_major=st.booleans())
+def test_lstm_matches_scan(n, t, c, k, time_major):
+    args = _args(jax.random.key(n * 7 + t), n, t, c, k, time_major)
+    ref = lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
+    close(jax.jit(_ours(time_major))(*args), jax.jit(ref)(*args), 2e-5)
+    close(_loss(_ours(time_major), time_major)(*args), _loss(ref, time_major)(*args), 1e-4)
+
+
+def test_lstm_default_carry_is_zeros_and_dtypes():
+    x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 3, 4, 5, 6)
+    (c, h), y = jb.lstm(x, wi, wh, b)
+    (c_r, h_r), y_r = scan_lstm(x, wi, wh, b, jnp.zeros_like(c0), jnp.zeros_like(h0))
+    close(((c, h), y), ((c_r, h_r), y_r), 2e-5)
+    (c, h), y = jb.lstm(x.astype(jnp.bfloat16), wi, wh, b, dtype=jnp.bfloat16)
+    assert (c.dtype, h.dtype, y.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+
+
+def test_lstm_bf16_vs_scan():
+    args = _args(jax.random.key(0), 9, 5, 33, 17)
+    (c, h), y = jb.lstm(args[0].astype(jnp.bfloat16), *args[1:4], initial_carry=args[4:], dtype=jnp.bfloat16)
+    (c_r, h_r), y_r = scan_lstm(*args)
+    for u, v in ((c, c_r), (h, h_r), (y, y_r)):
+        np.testing.assert_allclose(np.asarray(u, np.float32), v, atol=6e-2, rtol=6e-2)
+
+
+def test_lstm_empty_batch_and_sequence():
+    x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 2, 3, 4, 5)
+    (c, h), y = jb.lstm(x[:0], wi, wh, b)
+    assert y.shape == (0, 3, 5) and c.shape == (0, 5) and h.shape == (0, 5)
+    (c, h), y = jb.lstm(x[:, :0], wi, wh, b, initial_carry=(c0, h0))
+    assert y.shape == (2, 0, 5)
+    close((c, h), (c0, h0), 0)
+
+
+def test_lstm_vmap():
+    args = _args(jax.random.key(0), 3, 4, 5, 6)
+    xs = jnp.stack([args[0], 2 * args[0]])
+    got = jax.vmap(lambda x: jb.lstm(x, *args[1:4], initial_carry=args[4:]))(xs)
+    want = jax.vmap(lambda x: scan_lstm(x, *args[1:]))(xs)
+    close(got, want, 2e-5)
+
+
+def test_lstm_bad_input():
+    x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="rank 3"):
+        jb.lstm(x[0], wi, wh, b)
+    with pytest.raises(ValueError, match="kernel_i"):
+        jb.lstm(x, wi[:3], wh, b)
+    with pytest.raises(ValueError, match="kernel_h"):
+        jb.lstm(x, wi, wh[:, :7], b)
+    with pytest.raises(ValueError, match="bias"):
+        jb.lstm(x, wi, wh, b[:3])
+    with pytest.raises(ValueError, match="c0"):
+        jb.lstm(x, wi, wh, b, initial_carry=(c0[:1], h0))
+    with pytest.raises(ValueError, match="pair"):
+        jb.lstm(x, wi, wh, b, initial_carry=c0)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        jb.lstm(x.astype(jnp.int32), wi, wh, b)
+    with pytest.raises(TypeError, match="computation dtype"):
+        jb.lstm(x, wi, wh, b, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="no features"):
+        jb.lstm(x[:, :, :0], wi[:0], wh, b)
+    with pytest.raises(ValueError, match="inputs must be"):
+        jb.nn.LSTM(5).init(jax.random.key(0), x[0])
