@@ -97,7 +97,8 @@ def _exit_reason(code: int) -> str:
 
 
 def launch(args: Sequence[str], processes: int, *, command: Optional[Sequence[str]] = None,
-           grace: float = 10.0, finish_timeout: float = 120.0, err=None) -> int:
+           cores: Optional[Sequence[int]] = None, grace: float = 10.0,
+           finish_timeout: float = 120.0, err=None) -> int:
     """Runs ``command + args`` as ``processes`` workers of one job on this machine.
 
     Returns process 0's exit code when every worker ends normally (0 or 1: the run's
@@ -105,11 +106,12 @@ def launch(args: Sequence[str], processes: int, *, command: Optional[Sequence[st
     signal), prints which and why, stops the others (SIGTERM, then SIGKILL after
     ``grace`` s) and returns that worker's code (or ``EXIT_WORKER_FAILED`` for a signal).
     Workers still running ``finish_timeout`` s after process 0 finished are stopped too.
+    ``cores``: the cores to share out (default: this process's CPU affinity).
     """
     err = err or sys.stderr
     command = list(command or entry_command())
     port = free_port()
-    shares = core_shares(sorted(os.sched_getaffinity(0)), processes)
+    shares = core_shares(sorted(cores or os.sched_getaffinity(0)), processes)
     env = dict(os.environ)
     procs = []
     for i, cores in enumerate(shares):
