@@ -396,4 +396,10 @@ def main(argv=None, worker_command=None) -> int:
     except distributed.DistributedError as e:
         print(f"error: process {distributed.process_index()}: {e}", file=sys.stderr)
         return distributed.EXIT_WORKER_FAILED
+    except KeyboardInterrupt:
+        if args.coordinator is None:
+            raise
+        # a worker of a job: the launcher (or the user) stopped it; no traceback per worker
+        print(f"process {distributed.process_index()}: interrupted", file=sys.stderr)
+        return 128 + 2
     return exit_code(summary)
