@@ -2,5 +2,7 @@
 
 from .layers import ACTIVATIONS, IMPLS, LAYERS, Layers, activated, layers
 from .mlp import MLP
+from .resnet import BottleneckResNetBlock, ResNet, ResNet18, ResNet34, ResNet50, ResNetBlock
 
-__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "Layers", "MLP", "activated", "layers"]
+__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "Layers", "MLP", "BottleneckResNetBlock", "ResNet", "ResNet18",
+           "ResNet34", "ResNet50", "ResNetBlock", "activated", "layers"]

@@ -35,14 +35,16 @@ class Layers:
 
     Attributes:
       dense: a ``flax.linen.Dense``-compatible module class.
+      conv: a ``flax.linen.Conv``-compatible module class.
     """
 
     dense: type
+    conv: type = nn.Conv
 
 
 LAYERS: dict[str, Layers] = {
-    "brgemm": Layers(dense=jbnn.Dense),
-    "xla": Layers(dense=nn.Dense),
+    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv),
+    "xla": Layers(dense=nn.Dense, conv=nn.Conv),
 }
 
 

@@ -2,11 +2,12 @@
 
 from jax_brgemm._native import export_safety_checks, isa
 from jax_brgemm.ops.brgemm import brgemm
+from jax_brgemm.ops.conv import conv2d
 from jax_brgemm.ops.dense import dense
 from jax_brgemm.ops.lstm import lstm
 from jax_brgemm.peak import peak_gflops
 from jax_brgemm import nn
 from jax_brgemm.accelerate import accelerate
 
-__all__ = ["accelerate", "brgemm", "dense", "export_safety_checks", "isa", "lstm", "nn", "peak_gflops"]
+__all__ = ["accelerate", "brgemm", "conv2d", "dense", "export_safety_checks", "isa", "lstm", "nn", "peak_gflops"]
 __version__ = "0.1.0"

@@ -290,3 +290,192 @@ class LSTM(Module):
         if reverse and keep_order:
             y = flip_sequences(y, seq_lengths, num_batch_dims=len(batch_dims), time_major=time_major)
         return (carry, y) if return_carry else y
+
+
+# --- Conv ---------------------------------------------------------------------------------
+
+from typing import Sequence  # noqa: E402
+
+from flax.linen.linear import _conv_dimension_numbers, canonicalize_padding  # noqa: E402
+
+from jax_brgemm.ops.conv import conv2d  # noqa: E402
+
+__all__ += ["Conv"]
+
+
+class Conv(Module):
+    """A convolution (channels last) with an optional fused activation, on jax_brgemm's
+    convolution kernels.
+
+    A drop-in for ``flax.linen.Conv``: the same fields in the same order, the same
+    parameters (names, shapes, initializers, dtypes), the same results; ``activation``
+    comes after the stock fields::
+
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_brgemm as jb
+      >>> layer = jb.nn.Conv(features=4, kernel_size=(3, 3), activation="relu")
+      >>> params = layer.init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+      >>> jax.tree_util.tree_map(jnp.shape, params)
+      {'params': {'bias': (4,), 'kernel': (3, 3, 3, 4)}}
+
+    The kernels run 1-D and 2-D convolutions without dilation or feature groups, with
+    non-negative paddings (every Flax padding form: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``,
+    ``'REFLECT'``, ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs), a float32 or
+    bfloat16 computation, Flax's ``promote_dtype`` (or one returning arrays of those
+    dtypes) and no custom ``conv_general_dilated``. Anything else computes as
+    ``flax.linen.Conv`` does (followed by the activation).
+
+    Attributes:
+      features: number of convolution filters.
+      kernel_size: shape of the convolutional kernel; an int is a 1-D kernel (as in Flax).
+      strides: an int or a sequence of ints, the inter-window strides (default: 1).
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D),
+        an int, or a sequence of ints / ``(low, high)`` pairs, one per spatial dim.
+      input_dilation: an int or a sequence of ints (default: 1).
+      kernel_dilation: an int or a sequence of ints (default: 1).
+      feature_group_count: divides the input features into groups (default: 1).
+      use_bias: whether to add a bias to the output (default: True).
+      mask: optional mask for the weights, of the kernel's shape.
+      dtype: the dtype of the computation (default: infer from input and params).
+        bfloat16 computes with float32 accumulation, bias and activation.
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the stock computation; on the kernels products are
+        in the computation dtype with float32 accumulation.
+      kernel_init: initializer for the convolutional kernel.
+      bias_init: initializer for the bias.
+      promote_dtype: as in ``flax.linen.Conv``.
+      conv_general_dilated: a custom ``lax.conv_general_dilated``; given, the layer computes
+        as ``flax.linen.Conv`` with it (not on the kernels).
+      conv_general_dilated_cls: a class whose instances are one; as above.
+      activation: ``None``, ``"relu"``, ``"gelu"``, ``"sigmoid"`` or ``"tanh"``, applied in
+        the kernel while the output is in registers (default: None).
+    """
+
+    features: int
+    kernel_size: int | Sequence[int]
+    strides: None | int | Sequence[int] = 1
+    padding: Any = 'SAME'
+    input_dilation: None | int | Sequence[int] = 1
+    kernel_dilation: None | int | Sequence[int] = 1
+    feature_group_count: int = 1
+    use_bias: bool = True
+    mask: Array | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = initializers.zeros_init()
+    promote_dtype: PromoteDtypeFn = promote_dtype
+    conv_general_dilated: Any = None
+    conv_general_dilated_cls: Any = None
+    activation: str | None = None
+
+    @compact
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the convolution to ``inputs`` of shape ``(*batch_dims, spatial...,
+        features)``: several batch dims are flattened and restored, a missing one is added
+        and removed (as in Flax).
+
+        Returns:
+          The convolved data, in the computation dtype.
+        """
+        op = "jb.nn.Conv"
+        check.activation(self.activation, op)
+        kernel_size = ((self.kernel_size,) if isinstance(self.kernel_size, int)
+                       else tuple(self.kernel_size))
+        rank = len(kernel_size)
+
+        def broadcast(v):
+            v = 1 if v is None else v
+            return (v,) * rank if isinstance(v, int) else tuple(v)
+
+        inputs = jnp.asarray(inputs)
+        batch_dims = inputs.ndim - (rank + 1)
+        if batch_dims < 0:
+            raise ValueError(f"{op}: a {rank}-D convolution needs inputs of rank >= {rank + 1} "
+                             f"(spatial dims and features), got shape {inputs.shape}")
+        batch_shape = inputs.shape[:batch_dims]
+        if batch_dims != 1:
+            inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
+        strides, input_dilation, kernel_dilation = map(
+            broadcast, (self.strides, self.input_dilation, self.kernel_dilation))
+
+        padding = canonicalize_padding(self.padding, rank)
+        if padding in ('CIRCULAR', 'REFLECT'):
+            dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]
+            pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+            inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
+            padding = 'VALID'
+        elif padding == 'CAUSAL':
+            if rank != 1:
+                raise ValueError('Causal padding is only implemented for 1D convolutions.')
+            inputs = jnp.pad(inputs, [(0, 0), (kernel_dilation[0] * (kernel_size[0] - 1), 0), (0, 0)])
+            padding = 'VALID'
+
+        in_features = jnp.shape(inputs)[-1]
+        if in_features % self.feature_group_count:
+            raise ValueError(f"{op}: {in_features} input features do not divide into "
+                             f"feature_group_count={self.feature_group_count} groups")
+        kernel_shape = kernel_size + (in_features // self.feature_group_count, self.features)
+        if self.mask is not None and self.mask.shape != kernel_shape:
+            raise ValueError('Mask needs to have the same shape as weights. '
+                             f'Shapes are: {self.mask.shape}, {kernel_shape}')
+        kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
+        if self.mask is not None:
+            kernel *= self.mask
+        bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+
+        y = self._on_kernels(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation)
+        if y is None:  # flax.linen.Conv's computation, for what the kernels cannot run
+            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+            if self.conv_general_dilated_cls is not None:
+                conv = self.conv_general_dilated_cls()
+            else:
+                conv = self.conv_general_dilated or lax.conv_general_dilated
+            y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
+                     rhs_dilation=kernel_dilation, dimension_numbers=_conv_dimension_numbers(inputs.shape),
+                     feature_group_count=self.feature_group_count, precision=self.precision)
+            if bias is not None:
+                y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            y = _activations.apply(self.activation, y)
+        if batch_dims != 1:
+            y = jnp.reshape(y, batch_shape + y.shape[1:])
+        return y
+
+    def _on_kernels(self, inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation):
+        """The convolution on the kernels, or None where they cannot run it."""
+        rank = len(strides)
+        if (rank not in (1, 2) or self.feature_group_count != 1 or self.conv_general_dilated is not None
+                or self.conv_general_dilated_cls is not None
+                or any(d != 1 for d in input_dilation + kernel_dilation)):
+            return None
+        if not isinstance(padding, str):
+            padding = [tuple(p) for p in padding]
+            if any(v < 0 for p in padding for v in p):
+                return None  # cropping: only the stock convolution takes negative paddings
+        elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
+            return None
+        if self.promote_dtype is promote_dtype:
+            try:
+                dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype))
+            except ValueError:
+                return None
+            if dtype not in check.KERNEL_DTYPES:
+                return None
+            # the kernel and bias go in as they are and are cast inside the custom call
+            kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
+                            for a in (kernel, bias))
+            inputs = jnp.asarray(inputs, dtype)
+        else:
+            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+            dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
+            if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+                return None
+            dtype = dtypes.pop()
+        if rank == 1:  # a 1-D convolution is a 2-D one over a single row
+            if not isinstance(padding, str):
+                padding = [(0, 0)] + padding
+            return conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
+                          activation=self.activation, dtype=dtype)[:, 0]
+        return conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=self.activation,
+                      dtype=dtype)

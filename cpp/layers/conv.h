@@ -1,0 +1,70 @@
+// The 2-D convolution layer (paper, Algorithm 4 and its "dual convolutions"): all three
+// training passes as loops around the batch-reduce GEMM kernel, nothing else.
+//
+//   forward   y[n,p,q,k]  = act(sum_{r,s,c} x[n, p*sh + r - pt, q*sw + s - pl, c] w[r,s,c,k] + b[k])
+//   act_grad  dz = dy * act'(saved)            saved: y (relu, sigmoid, tanh) or z (gelu)
+//   backward  dx[n,h,w,c] = sum over (p, q, r, s) with p*sh + r - pt = h, q*sw + s - pl = w
+//                           of dz[n,p,q,k] w[r,s,c,k]
+//   update    dw[r,s,c,k] = sum_{n,p,q} x[n, p*sh + r - pt, q*sw + s - pl, c] dz[n,p,q,k]
+//             db[k]       = sum_{n,p,q} dz[n,p,q,k]
+//
+// Activations stay in the framework's NHWC layout, weights in Flax's HWIO; each pass
+// re-blocks its weight-like operand inside the call ([Kb][Cb][R][S][bc][bk], VNNI-2 pairs
+// for bf16, cast to the multiply dtype on the way). Out-of-range taps (padding) are never
+// multiplied: the batch of each BRGEMM call holds only the valid (r, s, C-block) triples.
+// dtype `dt` is the compute dtype of x, y, z, dy, dz and dx; accumulation is always fp32,
+// the bias and db are fp32, w and dw are fp32 or bf16.
+#pragma once
+
+#include <cstdint>
+
+#include "brgemm/brgemm.h"
+#include "layers/common/blocking.h"
+#include "parallel/parallel_for.h"
+
+namespace jb::conv {
+
+struct Shape {
+  int64_t n = 0, h = 0, w = 0, c = 0;  // input: mini-batch, rows, columns, channels
+  int64_t k = 0, r = 0, s = 0;         // output channels, filter rows, filter columns
+  int64_t sh = 1, sw = 1;              // strides
+  int64_t pt = 0, pb = 0, pl = 0, pr = 0;  // zero padding: top, bottom, left, right
+  DType dt = DType::f32;               // compute dtype
+  Activation act = Activation::none;
+
+  int64_t p() const { return (h + pt + pb - r) / sh + 1; }  // output rows
+  int64_t q() const { return (w + pl + pr - s) / sw + 1; }  // output columns
+};
+
+// Throws std::invalid_argument unless the shape makes sense: sizes >= 1 (n >= 0), strides
+// >= 1, paddings >= 0 and a filter that fits the padded input.
+void validate(const Shape& s);
+
+// What the forward leaves for the backward besides x and w (as fc::Saved).
+enum class Saved : uint8_t { none, output, preactivation };
+Saved saved_for(Activation act);
+
+// Every pass finds its plan (blocking, tap tables, kernels, work split, scratch sizes) in a
+// cache keyed by the shape, dtypes, thread count and dispatch. `force` overrides the
+// blocking heuristic (tests use it to exercise edge blocks): forward / backward take
+// rows = output pixels per block, cols = output channels per block, red = reduced
+// channels per batch element (must divide them); update takes rows = input channels and
+// cols = output channels per block of dw.
+
+// y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+             DType w_dt, const float* bias, void* y, void* z, const Blocking* force = nullptr);
+
+// dz = dy * act'(saved), element-wise over the N x P x Q x K output (all in dt).
+void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
+              const void* saved, void* dz);
+
+// dx from dz and w: the dual convolution.
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force = nullptr);
+
+// dw (written in dw_dt) and, when db is not null, db.
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
+
+}  // namespace jb::conv

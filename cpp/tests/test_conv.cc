@@ -1,0 +1,290 @@
+// The convolution layer's passes against naive loops in double precision: every padding
+// form (none, symmetric, asymmetric, larger than the filter), strides 1, 2, 3 and mixed,
+// 1x1 (the collapsed pointwise path and strided), 3x3, 5x5, 7x7 and non-square filters,
+// C = 1 and 3 and channel counts that are multiples of no block, small images (the padded
+// copy) and larger ones (border blocks in place), fp32 and bf16 (both multiply paths),
+// forced small blockings, one thread and several, every ISA up to the best.
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "layers/conv.h"
+
+namespace {
+
+using jb::Activation;
+using jb::DType;
+namespace conv = jb::conv;
+
+struct TestPool {
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  jb::Executor executor(int64_t n) {
+    jb::Executor ex;
+    ex.num_threads = n;
+    if (n > 1)
+      ex.schedule = [this](std::function<void()> task) {
+        std::lock_guard<std::mutex> lock(mu);
+        threads.emplace_back(std::move(task));
+      };
+    return ex;
+  }
+  ~TestPool() {
+    for (auto& t : threads) t.join();
+  }
+};
+
+struct Tensor {
+  DType dt;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  Tensor(DType dt, int64_t size) : dt(dt), f(size_t(size)), h(dt == DType::bf16 ? size_t(size) : 0) {}
+  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
+  void fill(std::mt19937& rng, float scale = 1.0f) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
+  }
+  void set(size_t i, float v) {
+    if (dt == DType::bf16) {
+      h[i] = jb::f32_to_bf16(v);
+      f[i] = jb::bf16_to_f32(h[i]);
+    } else {
+      f[i] = v;
+    }
+  }
+  float get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
+};
+
+double act_ref(Activation a, double z) {
+  switch (a) {
+    case Activation::relu: return z > 0 ? z : 0;
+    case Activation::sigmoid: return 1 / (1 + std::exp(-z));
+    case Activation::tanh: return std::tanh(z);
+    case Activation::gelu: return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
+    default: return z;
+  }
+}
+
+bool close(const Tensor& got, const std::vector<double>& want, double tol, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(i);
+    if (!(std::fabs(g - want[i]) <= tol * (1 + std::fabs(want[i]))))
+      if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
+  }
+  return bad == 0;
+}
+
+struct Case {
+  int64_t n, h, w, c, k, r, s, sh, sw, pt, pb, pl, pr;
+};
+
+std::string name(const Case& c, DType dt) {
+  return "n" + std::to_string(c.n) + " " + std::to_string(c.h) + "x" + std::to_string(c.w) + "x" +
+         std::to_string(c.c) + " -> " + std::to_string(c.k) + " f" + std::to_string(c.r) + "x" +
+         std::to_string(c.s) + " st" + std::to_string(c.sh) + "," + std::to_string(c.sw) + " pad" +
+         std::to_string(c.pt) + "," + std::to_string(c.pb) + "," + std::to_string(c.pl) + "," +
+         std::to_string(c.pr) + (dt == DType::bf16 ? " bf16" : " f32");
+}
+
+void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, int64_t threads,
+              const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch()) {
+  const std::string tag = name(cs, dt);
+  conv::Shape s{cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.s, cs.sh, cs.sw, cs.pt, cs.pb, cs.pl, cs.pr, dt, act};
+  const int64_t P = s.p(), Q = s.q();
+  std::mt19937 rng(unsigned(cs.n * 7 + cs.h * 131 + cs.c * 17 + cs.k + cs.r * 1000));
+  TestPool pool;
+  const jb::Executor ex = pool.executor(threads);
+  Tensor x(dt, s.n * s.h * s.w * s.c), w(w_dt, s.r * s.s * s.c * s.k), dy(dt, s.n * P * Q * s.k);
+  x.fill(rng);
+  w.fill(rng, 1.0f / std::sqrt(float(s.r * s.s * s.c)));
+  dy.fill(rng);
+  std::vector<float> b(size_t(s.k));
+  for (auto& v : b) v = std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
+  auto wv = [&](int64_t i) -> double {
+    return dt == DType::bf16 ? jb::bf16_to_f32(jb::f32_to_bf16(w.f[size_t(i)])) : w.f[size_t(i)];
+  };
+  auto xi = [&](int64_t n, int64_t h, int64_t ww, int64_t c) { return ((n * s.h + h) * s.w + ww) * s.c + c; };
+  auto yi = [&](int64_t n, int64_t p, int64_t q, int64_t k) { return ((n * P + p) * Q + q) * s.k + k; };
+  auto wi = [&](int64_t r, int64_t t, int64_t c, int64_t k) { return ((r * s.s + t) * s.c + c) * s.k + k; };
+  // Visits every (output pixel, tap, input pixel) triple with a valid input pixel.
+  auto taps = [&](auto&& f) {
+    for (int64_t n = 0; n < s.n; ++n)
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t q = 0; q < Q; ++q)
+          for (int64_t r = 0; r < s.r; ++r)
+            for (int64_t t = 0; t < s.s; ++t) {
+              const int64_t ih = p * s.sh + r - s.pt, iw = q * s.sw + t - s.pl;
+              if (ih >= 0 && ih < s.h && iw >= 0 && iw < s.w) f(n, p, q, r, t, ih, iw);
+            }
+  };
+
+  // forward
+  std::vector<double> z_ref(size_t(s.n * P * Q * s.k), 0.0), y_ref(z_ref.size());
+  if (bias)
+    for (size_t i = 0; i < z_ref.size(); ++i) z_ref[i] = b[i % size_t(s.k)];
+  taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
+    for (int64_t k = 0; k < s.k; ++k) {
+      double acc = 0;
+      for (int64_t c = 0; c < s.c; ++c) acc += double(x.f[size_t(xi(n, ih, iw, c))]) * wv(wi(r, t, c, k));
+      z_ref[size_t(yi(n, p, q, k))] += acc;
+    }
+  });
+  for (size_t i = 0; i < z_ref.size(); ++i) y_ref[i] = act_ref(act, z_ref[i]);
+  Tensor y(dt, s.n * P * Q * s.k), z(dt, s.n * P * Q * s.k);
+  conv::forward(ex, dp, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
+                act == Activation::gelu ? z.data() : nullptr, force);
+  const double tol = dt == DType::bf16 ? 2e-2 : 1e-4;
+  close(y, y_ref, tol, tag + " y");
+
+  // backward by data, from dz = dy (the layer's own act_grad is element-wise, tested by fc)
+  std::vector<double> dx_ref(size_t(s.n * s.h * s.w * s.c), 0.0);
+  taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
+    for (int64_t c = 0; c < s.c; ++c) {
+      double acc = 0;
+      for (int64_t k = 0; k < s.k; ++k) acc += double(dy.f[size_t(yi(n, p, q, k))]) * wv(wi(r, t, c, k));
+      dx_ref[size_t(xi(n, ih, iw, c))] += acc;
+    }
+  });
+  Tensor dx(dt, s.n * s.h * s.w * s.c);
+  for (size_t i = 0; i < dx.f.size(); ++i) dx.set(i, 12345.0f);  // every element must be written
+  conv::backward(ex, dp, s, dy.data(), w.data(), w_dt, dx.data(), force);
+  close(dx, dx_ref, tol, tag + " dx");
+
+  // weight update
+  std::vector<double> dw_ref(size_t(s.r * s.s * s.c * s.k), 0.0), db_ref(size_t(s.k), 0.0);
+  taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
+    for (int64_t c = 0; c < s.c; ++c)
+      for (int64_t k = 0; k < s.k; ++k)
+        dw_ref[size_t(wi(r, t, c, k))] += double(x.f[size_t(xi(n, ih, iw, c))]) * dy.f[size_t(yi(n, p, q, k))];
+  });
+  for (size_t i = 0; i < dy.f.size(); ++i) db_ref[i % size_t(s.k)] += dy.f[i];
+  Tensor dw(w_dt, s.r * s.s * s.c * s.k);
+  for (size_t i = 0; i < dw.f.size(); ++i) dw.set(i, 12345.0f);
+  std::vector<float> db(size_t(s.k), -1.0f);
+  conv::update(ex, dp, s, x.data(), dy.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
+  // dw sums N * P * Q products: scale the tolerance with the reduction length.
+  const double red = std::sqrt(double(s.n * P * Q));
+  close(dw, dw_ref, (w_dt == DType::bf16 || dt == DType::bf16 ? 2e-2 : 1e-4) * std::max(1.0, red / 4), tag + " dw");
+  if (bias) {
+    Tensor dbt(DType::f32, s.k);
+    dbt.f = db;
+    close(dbt, db_ref, 1e-4 * std::max(1.0, red / 4), tag + " db");
+  }
+}
+
+// n, h, w, c, k, r, s, sh, sw, pt, pb, pl, pr
+const Case kCases[] = {
+    {2, 7, 9, 3, 5, 3, 3, 1, 1, 1, 1, 1, 1},      // SAME 3x3, C = 3, odd sizes
+    {1, 11, 10, 1, 7, 7, 7, 2, 2, 3, 3, 3, 3},    // a 7x7 stride-2 stem, C = 1
+    {2, 9, 8, 13, 70, 1, 1, 1, 1, 0, 0, 0, 0},    // pointwise: one collapsed pixel row
+    {2, 9, 7, 16, 33, 1, 1, 2, 2, 0, 0, 0, 0},    // 1x1 stride 2 (a projection shortcut)
+    {1, 8, 13, 5, 9, 3, 2, 2, 1, 0, 1, 2, 0},     // non-square filter, mixed strides, asymmetric pads
+    {2, 6, 6, 70, 40, 3, 3, 2, 2, 0, 1, 0, 1},    // SAME for stride 2 on an even input
+    {1, 5, 6, 3, 8, 5, 5, 1, 1, 6, 4, 5, 6},      // padding larger than the filter: rows of zeros
+    {1, 7, 8, 2, 3, 1, 1, 3, 3, 0, 0, 0, 0},      // stride > filter: dx pixels no tap reaches
+    {1, 3, 3, 4, 6, 3, 3, 1, 1, 0, 0, 0, 0},      // VALID to a single pixel
+    {2, 14, 14, 40, 72, 3, 3, 1, 1, 1, 1, 1, 1},  // a small image: the padded copy
+    {1, 30, 31, 24, 20, 3, 3, 1, 1, 1, 1, 1, 1},  // a larger one: border blocks in place
+    {1, 13, 12, 6, 10, 2, 4, 3, 2, 1, 0, 0, 2},   // 2x4 filter, strides 3 / 2
+};
+
+}  // namespace
+
+TEST(conv_all_passes_fp32) {
+  for (const Case& c : kCases) run_case(c, DType::f32, DType::f32, Activation::none, true, 2);
+}
+
+TEST(conv_all_passes_bf16) {
+  for (const Case& c : kCases) run_case(c, DType::bf16, DType::bf16, Activation::relu, true, 2);
+  run_case(kCases[0], DType::bf16, DType::f32, Activation::none, false, 2);  // fp32 weights
+}
+
+TEST(conv_activations_and_no_bias) {
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::sigmoid, Activation::tanh})
+    run_case(kCases[4], DType::f32, DType::f32, act, act != Activation::tanh, 1);
+  run_case(kCases[2], DType::f32, DType::f32, Activation::relu, false, 3);
+}
+
+TEST(conv_forced_small_blocks) {
+  // Many pixel blocks (and short edge ones), channel blocks with tails, several reduced
+  // blocks per tap, odd bf16 reduction blocks (VNNI pads per block), update blocks of dw
+  // with edges; more items than threads.
+  const jb::Blocking blockings[] = {{5, 16, 4}, {1, 1, 1}, {12, 32, 5}};
+  const Case cases[] = {{2, 7, 9, 20, 35, 3, 3, 1, 1, 1, 1, 1, 1}, {1, 9, 10, 15, 17, 3, 3, 2, 2, 1, 1, 1, 1},
+                        {1, 5, 6, 10, 9, 1, 1, 1, 1, 0, 0, 0, 0}};
+  for (const auto& bl : blockings)
+    for (const Case& c : cases)
+      for (DType dt : {DType::f32, DType::bf16}) run_case(c, dt, dt, Activation::none, true, 3, &bl);
+}
+
+TEST(conv_bf16_both_multiply_paths) {
+  for (const char* mode : {"dot", "fp32"}) {
+    const jb::Dispatch dp = jb::make_dispatch(jb::best_isa(), mode);
+    for (int i : {0, 2, 5, 9}) run_case(kCases[i], DType::bf16, DType::f32, Activation::relu, true, 2, nullptr, dp);
+  }
+}
+
+TEST(conv_every_isa) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    const jb::Dispatch dp = jb::make_dispatch(isa, "");
+    for (DType dt : {DType::f32, DType::bf16})
+      for (int i : {0, 3, 5, 11}) run_case(kCases[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
+  }
+}
+
+TEST(conv_empty_batch_and_bad_shapes) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  conv::Shape s{0, 5, 5, 3, 4, 3, 3, 1, 1, 1, 1, 1, 1, DType::f32, Activation::none};
+  std::vector<float> dw(3 * 3 * 3 * 4, 7.0f), db(4, 7.0f);
+  conv::forward(ex, jb::dispatch(), s, nullptr, dw.data(), DType::f32, nullptr, nullptr, nullptr);
+  conv::update(ex, jb::dispatch(), s, nullptr, nullptr, dw.data(), DType::f32, db.data());
+  for (float v : dw) CHECK(v == 0.0f);
+  for (float v : db) CHECK(v == 0.0f);
+  auto throws = [](conv::Shape t) {
+    try {
+      conv::validate(t);
+    } catch (const std::invalid_argument&) {
+      return true;
+    }
+    return false;
+  };
+  conv::Shape ok{1, 5, 5, 3, 4, 3, 3, 1, 1, 0, 0, 0, 0, DType::f32, Activation::none};
+  CHECK(!throws(ok));
+  auto t = ok;
+  t.sh = 0;
+  CHECK(throws(t));
+  t = ok;
+  t.pl = -1;
+  CHECK(throws(t));
+  t = ok;
+  t.r = 6;
+  CHECK(throws(t));
+  t = ok;
+  t.c = 0;
+  CHECK(throws(t));
+}
+
+TEST(conv_nan_propagates) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  conv::Shape s{1, 4, 4, 2, 3, 3, 3, 1, 1, 1, 1, 1, 1, DType::f32, Activation::none};
+  std::vector<float> x(4 * 4 * 2, 1.0f), w(3 * 3 * 2 * 3, 1.0f), y(4 * 4 * 3);
+  x[(0 * 4 + 0) * 2 + 1] = NAN;  // pixel (0, 0): reaches outputs (0..1, 0..1) only
+  conv::forward(ex, jb::dispatch(), s, x.data(), w.data(), DType::f32, nullptr, y.data(), nullptr);
+  for (int p = 0; p < 4; ++p)
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 3; ++k) {
+        const float v = y[size_t((p * 4 + q) * 3 + k)];
+        CHECK((p <= 1 && q <= 1) == std::isnan(v)) << p << "," << q << " = " << v;
+      }
+}

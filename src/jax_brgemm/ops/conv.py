@@ -1,0 +1,204 @@
+"""jb.conv2d: a 2-D convolution (NHWC x HWIO) as BRGEMM custom calls with a custom VJP.
+
+Forward, backward-by-data and weight update are each one XLA FFI call into
+``cpp/layers/conv`` (the paper's Algorithm 4 and its dual convolutions):
+
+* ``jb_conv_fwd``: ``y = act(conv(x, kernel) + bias)``, bias and activation fused into the
+  kernel's epilogue; the kernel is re-blocked (and cast to the compute dtype) inside the call.
+* ``jb_fc_act_grad``: ``dz = dy * act'(saved)``, element-wise over the output's pixels.
+* ``jb_conv_bwd``: ``dx``, the dual convolution of ``dz`` with the transposed kernel.
+* ``jb_conv_upd``: ``dkernel`` and ``dbias``, reduced over the batch without races.
+
+The backward is split in separate calls so that XLA drops ``dx`` where nobody needs it
+(the first layer of a network).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
+from jax_brgemm import _validate as check
+from jax_brgemm._native import ACTIVATION_CODES
+from jax_brgemm.ops.dense import _act_grad_call
+
+_NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
+_OP = "jb.conv2d"
+_STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
+
+
+def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None):
+    """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.
+
+    Same result as ``flax.linen.Conv`` / ``lax.conv_general_dilated`` with NHWC inputs and
+    HWIO kernels.
+
+    Args:
+      x: ``(N, H, W, C)`` float32 or bfloat16. ``N = 0`` gives an empty result.
+      kernel: ``(R, S, C, K)`` float32 or bfloat16 (Flax's ``Conv`` kernel layout).
+      bias: optional ``(K,)``.
+      strides: an int or a pair of ints >= 1.
+      padding: ``"SAME"`` (as XLA: ``lax.padtype_to_pads``, the extra row / column at the
+        bottom / right), ``"VALID"``, an int (both sides of both dims), or a pair of
+        per-dimension paddings, each an int or a ``(low, high)`` pair, all >= 0.
+      activation: ``None``, ``"relu"``, ``"gelu"``, ``"sigmoid"`` or ``"tanh"``, fused.
+      dtype: the computation dtype (float32 or bfloat16); ``None`` promotes the arguments'
+        dtypes. Accumulation, bias and activation are float32; gradients come back in
+        each argument's own dtype.
+
+    Returns:
+      ``(N, P, Q, K)`` in ``dtype``.
+    """
+    x = check.array(x, "x", _OP)
+    kernel = check.array(kernel, "kernel", _OP)
+    if bias is not None:
+        bias = check.array(bias, "bias", _OP)
+    act = check.activation(activation, _OP)
+    check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
+    check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
+    r, s, c, k = kernel.shape
+    n, h, w, cx = x.shape
+    if cx != c:
+        hint = (f"; grouped convolutions (feature_group_count = {cx // c}) are not supported, use "
+                f"{_STOCK}" if c and cx % c == 0 and cx > c else "")
+        raise ValueError(f"{_OP}: x {x.shape} has {cx} channels but kernel {kernel.shape} expects "
+                         f"C = {c}{hint}")
+    if bias is not None:
+        check.shape(bias, "bias", _OP, (k,), "(K,)")
+    zero = {name: d for name, d in dict(H=h, W=w, C=c, K=k, R=r, S=s).items() if d < 1}
+    if zero:
+        raise ValueError(f"{_OP}: sizes must be >= 1, got " + ", ".join(f"{a}={d}" for a, d in zero.items()))
+    st = _strides(strides)
+    pads = resolve_padding(padding, (h, w), (r, s), st)
+    p = (h + pads[0][0] + pads[0][1] - r) // st[0] + 1
+    q = (w + pads[1][0] + pads[1][1] - s) // st[1] + 1
+    if h + pads[0][0] + pads[0][1] < r or w + pads[1][0] + pads[1][1] < s:
+        raise ValueError(f"{_OP}: the {r}x{s} kernel is larger than the padded input "
+                         f"({h}x{w} with padding {pads})")
+    dtype = check.compute_dtype(_OP, dtype, x, kernel, bias)
+    x = x.astype(dtype)
+    if n == 0:
+        return jnp.zeros((0, p, q, k), dtype)
+    return _conv(x, kernel, bias, (act, st, pads))
+
+
+def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int]):
+    """Flax's padding forms as explicit ((low, high), ...) pairs, one per spatial dim:
+    "SAME" / "VALID" as XLA computes them (``lax.padtype_to_pads``), an int for every side,
+    or one int or (low, high) pair per dim. Negative paddings are a ValueError."""
+    rank = len(spatial)
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
+            raise ValueError(f"{_OP}: padding {padding!r} is not supported here (SAME, VALID, an int "
+                             f"or explicit pairs); for other modes use {_STOCK}")
+        pads = lax.padtype_to_pads(tuple(spatial), tuple(kernel), tuple(strides), padding.upper())
+    elif isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
+        pads = [(int(padding), int(padding))] * rank
+    elif isinstance(padding, Sequence) and len(padding) == rank:
+        pads = []
+        for pd in padding:
+            if isinstance(pd, (int, np.integer)) and not isinstance(pd, bool):
+                pads.append((int(pd), int(pd)))
+            elif (isinstance(pd, Sequence) and len(pd) == 2
+                  and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in pd)):
+                pads.append((int(pd[0]), int(pd[1])))
+            else:
+                raise ValueError(f"{_OP}: invalid padding {padding!r}: each entry must be an int or a "
+                                 "(low, high) pair of ints")
+    else:
+        raise ValueError(f"{_OP}: invalid padding {padding!r}: expected 'SAME', 'VALID', an int or "
+                         f"a sequence of {rank} ints or (low, high) pairs")
+    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+    if any(v < 0 for pair in pads for v in pair):
+        raise ValueError(f"{_OP}: paddings must be >= 0, got {pads}")
+    return pads
+
+
+def _strides(strides):
+    if isinstance(strides, (int, np.integer)) and not isinstance(strides, bool):
+        strides = (int(strides),) * 2
+    try:
+        st = tuple(int(v) for v in strides)
+        ok = len(st) == 2 and all(not isinstance(v, bool) for v in strides)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
+    if min(st) < 1:
+        raise ValueError(f"{_OP}: strides must be >= 1, got {st}")
+    return st
+
+
+# --- the custom calls --------------------------------------------------------------------
+# vmap_method="expand_dims": under vmap every operand arrives with the batch dims in front
+# (size 1 when unbatched); with a shared kernel the handlers fold them into the mini-batch.
+
+
+def _geometry(cfg):
+    _, (sh, sw), ((pt, pb), (pl, pr)) = cfg
+    return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb),
+                pl=np.int64(pl), pr=np.int64(pr))
+
+
+def _out_shape(x_shape, k_shape, cfg):
+    _, (sh, sw), ((pt, pb), (pl, pr)) = cfg
+    n, h, w, _ = x_shape
+    r, s, _, k = k_shape
+    return (n, (h + pt + pb - r) // sh + 1, (w + pl + pr - s) // sw + 1, k)
+
+
+def _forward(x, kernel, bias, cfg):
+    act = cfg[0]
+    shape = _out_shape(x.shape, kernel.shape, cfg)
+    b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    y = jax.ShapeDtypeStruct(shape, x.dtype)
+    z = jax.ShapeDtypeStruct(shape if act == _GELU else (0,), x.dtype)
+    return jax.ffi.ffi_call("jb_conv_fwd", (y, z), vmap_method="expand_dims")(
+        x, kernel, b, act=np.int32(act), **_geometry(cfg))
+
+
+def _act_grad(dy, saved, act):
+    k = dy.shape[-1]  # element-wise: the FC layer's call over the output's pixels
+    return _act_grad_call(dy.reshape(-1, k), saved.reshape(-1, k), act).reshape(dy.shape)
+
+
+def _backward(dz, kernel, x_shape, cfg):
+    out = jax.ShapeDtypeStruct(x_shape, dz.dtype)
+    return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_geometry(cfg))
+
+
+def _update(x, dz, kernel, with_bias, cfg):
+    dw = jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)
+    db = jax.ShapeDtypeStruct((kernel.shape[-1] if with_bias else 0,), jnp.float32)
+    return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv(x, kernel, bias, cfg):
+    return _forward(x, kernel, bias, cfg)[0]
+
+
+def _conv_fwd(x, kernel, bias, cfg):
+    y, z = _forward(x, kernel, bias, cfg)
+    act = cfg[0]
+    saved = None if act == _NONE else z if act == _GELU else y
+    return y, (x, kernel, bias, saved)
+
+
+def _conv_bwd(cfg, res, g):
+    x, kernel, bias, saved = res
+    act = cfg[0]
+    g = g.astype(x.dtype)
+    dz = g if act == _NONE else _act_grad(g, saved, act)
+    dx = _backward(dz, kernel, x.shape, cfg)
+    dw, db = _update(x, dz, kernel, bias is not None, cfg)
+    return dx, dw, None if bias is None else db.astype(bias.dtype)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)

@@ -1,0 +1,213 @@
+"""jb.conv2d and jb.nn.Conv against flax.linen.Conv / lax.conv_general_dilated: outputs and
+gradients (jax.grad of the stock layer with the same parameters) over kernel sizes, strides,
+every padding form, odd sizes, small and odd channel counts, bias, activations, bf16,
+batch dims, vmap, jit, empty batches and bad input."""
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_brgemm as jb
+
+HI = jax.lax.Precision.HIGHEST
+REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,
+           "sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh}
+
+
+def stock(features, kernel_size, activation=None, **kw):
+    """flax.linen.Conv followed by the activation: what jb.nn.Conv must equal."""
+    conv = fnn.Conv(features, kernel_size, precision=HI, **kw)
+    return lambda p, x: REF_ACT[activation](conv.apply(p, x)), conv
+
+
+def loss(apply, p, x, seed=3):
+    """A scalar with a non-trivial cotangent for every output element."""
+    y = apply(p, x)
+    w = np.random.default_rng(seed).standard_normal(y.shape).astype(np.float32)
+    return jnp.sum(y.astype(jnp.float32) * w)
+
+
+def check_layer(shape, features, kernel_size, activation=None, dtype=None, tol=2e-4, seed=0, grads=True,
+                **kw):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    ref_apply, ref = stock(features, kernel_size, activation, dtype=dtype, **kw)
+    layer = jb.nn.Conv(features, kernel_size, activation=activation, dtype=dtype, **kw)
+    # the same variable tree (shapes and dtypes, traced only: eager initializers are slow),
+    # filled with random values (non-zero biases, so that they matter)
+    tree = jax.eval_shape(ref.init, jax.random.key(seed), x)
+    assert jax.eval_shape(layer.init, jax.random.key(seed), x) == tree
+    params = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(rng.standard_normal(a.shape) / np.sqrt(np.prod(a.shape[:-1]) if a.ndim > 1 else 4),
+                              a.dtype), tree)
+    jb_apply = layer.apply
+    y, y_ref = jax.jit(jb_apply)(params, x), jax.jit(ref_apply)(params, x)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    scale = 1 + float(jnp.max(jnp.abs(y_ref.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), atol=tol * scale, rtol=tol)
+    if not grads:
+        return
+    g = jax.jit(jax.grad(lambda p, x: loss(jb_apply, p, x), argnums=(0, 1)))(params, x)
+    g_ref = jax.jit(jax.grad(lambda p, x: loss(ref_apply, p, x), argnums=(0, 1)))(params, x)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        s = 1 + float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * s, rtol=tol)
+
+
+# (input shape, features, kernel size, strides, padding)
+CASES = [
+    ((2, 9, 11, 3), 8, (3, 3), 1, "SAME"),             # a stem-like C = 3, odd sizes
+    ((2, 15, 13, 1), 5, (7, 7), 2, "SAME"),            # 7x7 stride 2, C = 1
+    ((2, 7, 9, 13), 70, (1, 1), 1, "VALID"),           # pointwise, channels of no block size
+    ((2, 9, 8, 16), 33, (1, 1), 2, "SAME"),            # 1x1 stride 2
+    ((1, 10, 12, 5), 9, (3, 2), (2, 1), ((0, 1), (2, 0))),  # non-square, mixed strides
+    ((2, 8, 8, 40), 72, (3, 3), 2, "SAME"),            # SAME stride 2 on an even input
+    ((1, 6, 7, 3), 6, (5, 5), 1, 6),                   # padding larger than the filter
+    ((1, 7, 8, 2), 3, (1, 1), 3, "VALID"),             # stride > filter
+    ((1, 5, 6, 4), 6, (3, 3), 1, [1, (0, 2)]),         # Flax's mixed per-dim form
+    ((1, 30, 29, 24), 20, (3, 3), 1, "SAME"),          # a larger image: borders in place
+    ((2, 11, 12, 6), 10, (2, 4), (3, 2), "VALID"),
+]
+
+
+@pytest.mark.parametrize("shape,features,kernel_size,strides,padding", CASES)
+def test_matches_flax(shape, features, kernel_size, strides, padding):
+    check_layer(shape, features, kernel_size, strides=strides, padding=padding)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "tanh"])
+def test_activations(activation):
+    check_layer((2, 8, 9, 5), 12, (3, 3), activation=activation, strides=1, padding="SAME")
+
+
+def test_no_bias_and_param_tree():
+    x = jnp.ones((1, 6, 6, 3))
+    for kw in (dict(use_bias=False), dict(use_bias=True, param_dtype=jnp.bfloat16)):
+        a = jb.nn.Conv(4, (3, 3), **kw).init(jax.random.key(0), x)
+        b = fnn.Conv(4, (3, 3), **kw).init(jax.random.key(0), x)
+        assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            assert u.dtype == v.dtype
+            np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+    check_layer((2, 7, 7, 3), 8, (3, 3), use_bias=False, activation="relu")
+
+
+def test_bf16():
+    check_layer((2, 9, 10, 6), 20, (3, 3), dtype=jnp.bfloat16, tol=5e-2, strides=2, padding="SAME")
+    check_layer((2, 8, 8, 16), 24, (1, 1), dtype=jnp.bfloat16, tol=5e-2)
+    # relu in bf16: outputs only (where z rounds to the other side of 0, the two masks differ)
+    check_layer((2, 8, 8, 16), 24, (3, 3), dtype=jnp.bfloat16, tol=5e-2, activation="relu", grads=False)
+
+
+@pytest.mark.parametrize("padding", ["CIRCULAR", "REFLECT"])
+def test_circular_and_reflect(padding):
+    check_layer((1, 7, 8, 3), 4, (3, 3), padding=padding)
+
+
+def test_1d_and_causal():
+    check_layer((2, 11, 3), 5, 3, padding="SAME")
+    check_layer((2, 11, 3), 5, (4,), padding="CAUSAL", strides=2)
+
+
+def test_batch_dims():
+    check_layer((2, 3, 6, 7, 3), 4, (3, 3))  # two batch dims, flattened and restored
+    check_layer((6, 7, 3), 4, (3, 3))        # unbatched
+
+
+def test_conv2d_against_lax_and_jit():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 9, 9, 4)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 3, 4, 5)), jnp.float32)
+    ref = jax.lax.conv_general_dilated(x, k, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                       precision=HI)
+    y = jax.jit(lambda x, k: jb.conv2d(x, k, strides=2))(x, k)
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_vmap():
+    rng = np.random.default_rng(2)
+    xs = jnp.asarray(rng.standard_normal((3, 2, 7, 6, 4)), jnp.float32)
+    ks = jnp.asarray(rng.standard_normal((3, 3, 3, 4, 5)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((5,)), jnp.float32)
+    f = lambda x, k: jb.conv2d(x, k, b, padding=1, activation="relu")
+    want = jnp.stack([f(xs[i], ks[0]) for i in range(3)])
+    np.testing.assert_allclose(jax.vmap(f, (0, None))(xs, ks[0]), want, rtol=1e-5, atol=1e-5)
+    want = jnp.stack([f(xs[i], ks[i]) for i in range(3)])
+    np.testing.assert_allclose(jax.vmap(f)(xs, ks), want, rtol=1e-5, atol=1e-5)
+    g = jax.vmap(jax.grad(lambda x, k: jnp.sum(f(x, k) ** 2), argnums=1))(xs, ks)
+    g_want = jnp.stack([jax.grad(lambda x, k: jnp.sum(f(x, k) ** 2), argnums=1)(xs[i], ks[i]) for i in range(3)])
+    np.testing.assert_allclose(g, g_want, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_batch():
+    x = jnp.zeros((0, 5, 5, 3))
+    k = jnp.ones((3, 3, 3, 4))
+    assert jb.conv2d(x, k, strides=2).shape == (0, 3, 3, 4)
+    g = jax.grad(lambda k: jnp.sum(jb.conv2d(x, k)))(k)
+    assert g.shape == k.shape and not np.any(np.asarray(g))
+
+
+def test_nan_propagates():
+    x = jnp.ones((1, 5, 5, 2)).at[0, 0, 0, 1].set(jnp.nan)
+    y = np.asarray(jb.conv2d(x, jnp.ones((3, 3, 2, 3))))
+    assert np.isnan(y[0, :2, :2]).all() and not np.isnan(y[0, 3:]).any()
+
+
+def test_bad_input():
+    x, k = jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+    with pytest.raises(ValueError, match="NHWC"):
+        jb.conv2d(jnp.ones((5, 5, 3)), k)
+    with pytest.raises(ValueError, match="HWIO"):
+        jb.conv2d(x, jnp.ones((3, 3, 4)))
+    with pytest.raises(ValueError, match="channels"):
+        jb.conv2d(x, jnp.ones((3, 3, 2, 4)))
+    with pytest.raises(ValueError, match="grouped"):
+        jb.conv2d(jnp.ones((1, 5, 5, 6)), k)
+    with pytest.raises(ValueError, match="strides must be >= 1"):
+        jb.conv2d(x, k, strides=0)
+    with pytest.raises(ValueError, match="strides must be >= 1"):
+        jb.conv2d(x, k, strides=(1, -2))
+    with pytest.raises(ValueError, match=">= 0"):
+        jb.conv2d(x, k, padding=((1, -1), (0, 0)))
+    with pytest.raises(ValueError, match="invalid padding"):
+        jb.conv2d(x, k, padding=((1, 1, 1), (0, 0)))
+    with pytest.raises(ValueError, match="flax.linen.Conv"):
+        jb.conv2d(x, k, padding="CIRCULAR")
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        jb.conv2d(x, jnp.ones((7, 7, 3, 4)), padding="VALID")
+    with pytest.raises(ValueError, match="bias"):
+        jb.conv2d(x, k, jnp.ones((3,)))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        jb.conv2d(x.astype(jnp.float16), k)
+    with pytest.raises(ValueError, match="unknown activation"):
+        jb.conv2d(x, k, activation="swish")
+    with pytest.raises(ValueError, match="rank"):
+        jb.nn.Conv(3, (3, 3)).init(jax.random.key(0), jnp.ones((5, 3)))
+
+
+def test_stock_fallback():
+    # What the kernels do not run computes as flax.linen.Conv does, with the same params.
+    check_layer((1, 9, 9, 6), 4, (3, 3), kernel_dilation=2)
+    check_layer((1, 9, 9, 6), 6, (3, 3), feature_group_count=3, activation="relu")
+    check_layer((1, 5, 5, 4, 2), 3, (3, 3, 3))  # 3-D
+    # negative paddings (cropping): outputs only; XLA's own gradient of that reads garbage now and then
+    check_layer((1, 9, 9, 2), 3, (3, 3), padding=((-1, 1), (0, 0)), grads=False)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(h=st.integers(1, 9), w=st.integers(1, 9), c=st.sampled_from([1, 3, 5, 17]),
+       k=st.sampled_from([1, 4, 19, 40]), r=st.integers(1, 4), s=st.integers(1, 4),
+       sh=st.integers(1, 3), sw=st.integers(1, 3), pad=st.sampled_from(["SAME", "VALID", 1, ((2, 0), (0, 3))]),
+       bf16=st.booleans())
+def test_hypothesis_shapes(h, w, c, k, r, s, sh, sw, pad, bf16):
+    if pad == "VALID" and (r > h or s > w):
+        return
+    if isinstance(pad, tuple) and (h + 2 < r or w + 3 < s):
+        return
+    check_layer((2, h, w, c), k, (r, s), strides=(sh, sw), padding=pad,
+                dtype=jnp.bfloat16 if bf16 else None, tol=5e-2 if bf16 else 2e-4)
