@@ -141,6 +141,23 @@ def test_killed_worker_ends_the_job_with_a_clear_message(root):
     assert _children(proc.pid) == []
 
 
+def test_watchdog_ends_a_process_that_waits_too_long():
+    code = ("import time; from jax_brgemm.train import distributed as d\n"
+            "dog = d.Watchdog(0.5)\n"
+            "with dog.waiting('a quick step'):\n    time.sleep(0.1)\n"
+            "with dog.waiting('a train step'):\n    time.sleep(30)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == distributed.EXIT_WORKER_FAILED
+    assert "for a train step (--collective-timeout)" in proc.stderr
+    assert "another worker died or hung" in proc.stderr
+    assert time.monotonic() - t0 < 20
+
+
+# The whole job with a hung (SIGSTOPped) worker: ~40 s, so outside the default CI run.
+@pytest.mark.skipif(not os.environ.get("JAX_BRGEMM_SLOW_TESTS"),
+                    reason="set JAX_BRGEMM_SLOW_TESTS=1 (a 2-process job, ~40 s)")
 def test_hung_worker_ends_the_job_after_the_collective_timeout(root):
     proc = _cli(root, "tiny_never", "--impl", "xla", "--log-dir",
                 str(root / "hung"), "--processes", "2", "--collective-timeout", "5")

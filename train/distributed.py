@@ -256,7 +256,7 @@ class Watchdog:
             with self._lock:
                 what, since = self._what, self._since
             if what is not None and time.monotonic() - since > self.timeout:
-                print(f"error: process {process_index()} waited {self.timeout:.0f} s for "
+                print(f"error: process {process_index()} waited {self.timeout:g} s for "
                       f"{what} (--collective-timeout): another worker died or hung; "
                       f"ending this process", file=sys.stderr, flush=True)
                 os._exit(EXIT_WORKER_FAILED)
