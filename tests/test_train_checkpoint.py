@@ -267,6 +267,8 @@ def test_resume_errors(tiny, tmp_path, capsys):
     assert cli.main(["--resume", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert cli.main([]) == 2
+    assert cli.main([NAME, "--processes", "2", "--checkpoint-every", "1"]) == 2
+    assert "single-process only" in capsys.readouterr().err
     # A set with checkpoints, resumed with an option of its own: refused.
     assert cli.main([NAME, *SEED, "--data-dir", tiny["data"], "--log-dir", str(log_dir),
                      "--max-epochs", "1", "--checkpoint-every", "1"]) == 1
