@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 from jax_brgemm.models import IMPLS
 
-from . import compliance, data, rcp, report, scoring
+from . import compliance, data, distributed, rcp, report, scoring
 from .hparams import HparamError, resolve
 from .suite import SUITE, Benchmark
 
@@ -113,11 +114,16 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
                   runs: int = 1, seed: Optional[int] = None, dtype: str = "float32",
                   data_dir=None, log_dir=None, overrides: Mapping[str, Any] = None,
                   hparams_file: Optional[str] = None, max_epochs: Optional[int] = None,
-                  show_progress: bool = True, out=None) -> dict:
+                  show_progress: bool = True, out=None,
+                  check_replicas: bool = False) -> dict:
     """Validates, runs ``runs`` times, checks every log, scores; returns the summary.
 
     Raises UsageError, HparamError or data.DataError before anything is trained or
     written.
+
+    In a multi-process job (distributed.initialize first), every process calls this with
+    the same arguments; only process 0 writes the set (logs, config, summary) and the
+    progress, and checks the logs.
     """
     from . import loop
     from .progress import Progress
@@ -143,6 +149,19 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
             raise UsageError(f"{path} is on {filesystem}, in RAM; MLPerf requires the data to "
                              f"start on durable storage, which excludes RAM. Fix: copy the "
                              f"files to a directory on disk and pass --data-dir DIR")
+    if distributed.job() is not None:
+        import jax
+
+        if hp["global_batch_size"] % jax.device_count():
+            raise UsageError(f"global_batch_size {hp['global_batch_size']} is not divisible by "
+                             f"the {jax.device_count()} devices of the job: each takes an "
+                             f"equal shard of every batch")
+        # every process uses process 0's seeds (drawn from its system randomness)
+        run_seeds = list(zip(distributed.broadcast_from_0([s for s, _ in run_seeds]),
+                             [source for _, source in run_seeds]))
+        if not distributed.is_logger():
+            return _follow(bench, impl, division, dtype, hp, max_epochs, run_seeds, paths,
+                           check_replicas)
     log_dir = Path(log_dir if log_dir is not None else Path("runs") / bench.name / impl)
     cpu = loop.cpu_model()
     sibling = _sibling_summary(log_dir, impl)
@@ -156,7 +175,7 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     (set_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
                          max_epochs=max_epochs, config_filename="config.json",
-                         target=bench.target)
+                         target=bench.target, check_replicas=check_replicas)
     progress = Progress(runs, f"{bench.name}/{impl}", out) if show_progress else None
 
     results = []
@@ -203,7 +222,23 @@ def run_benchmark(bench: Benchmark, *, impl: str = "brgemm", division: str = "cl
     return summary
 
 
+def _follow(bench, impl, division, dtype, hp, max_epochs, run_seeds, paths,
+            check_replicas) -> dict:
+    """A process other than 0 of a job: the same runs, nothing written, nothing checked.
+    Its summary holds the runs only, with ``"follower": True``."""
+    from . import loop
+
+    cfg = loop.RunConfig(bench=bench, impl=impl, division=division, dtype=dtype, hparams=hp,
+                         max_epochs=max_epochs, config_filename="config.json",
+                         target=bench.target, check_replicas=check_replicas)
+    runs = [loop.run(cfg, i, run_seed, source, paths, Path(os.devnull), None)
+            for i, (run_seed, source) in enumerate(run_seeds)]
+    return {"follower": True, "runs": [dataclasses.asdict(r) for r in runs]}
+
+
 def exit_code(summary: dict) -> int:
+    if summary.get("follower"):  # process 0 reports the job's result
+        return EXIT_OK
     ok = all(r["status"] == "success" and r["compliance"] for r in summary["runs"])
     return EXIT_OK if ok and summary["score"]["valid"] else EXIT_NOT_CONVERGED
 
@@ -225,7 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
                "run count gets mlperf_logging's RCP check (scaling.json when it scales).\n\n"
                "exit status: 0 every run reached the target and passed the checker and the\n"
                "result is valid (RCP check included), 1 otherwise, 2 usage, configuration or\n"
-               "data error (nothing trained, nothing written).")
+               "data error (nothing trained, nothing written), "
+               f"{distributed.EXIT_WORKER_FAILED} a worker of a\n"
+               "multi-process job died or hung.\n\n"
+               "scale-out: --processes N runs N data-parallel processes on this machine;\n"
+               "on several hosts start the processes with --coordinator HOST:PORT\n"
+               "--num-processes N --process-id I (HOST:PORT of process 0, reachable from\n"
+               "every host; all other options the same). Process 0 writes the set.")
     parser.add_argument("benchmark", choices=sorted(SUITE), metavar="BENCHMARK",
                         help=f"which benchmark to run: {', '.join(sorted(SUITE))}")
     parser.add_argument("--impl", choices=IMPLS, default="brgemm",
@@ -264,7 +305,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-epochs", type=int, default=None, metavar="E",
                         help="stop a run that has not reached the target after E epochs; it "
                              "is logged as aborted (default: the benchmark's limit)")
+    dist = parser.add_argument_group("scale-out (data parallel, jax.distributed over gloo)")
+    dist.add_argument("--processes", type=int, default=1, metavar="N",
+                      help="run N worker processes on this machine, each on its share of the "
+                           "cores, with a coordinator on a free localhost port (default 1)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="join a multi-host job whose process 0 listens on HOST:PORT "
+                           "(jax.distributed.initialize); needs --num-processes and "
+                           "--process-id")
+    dist.add_argument("--num-processes", type=int, metavar="N",
+                      help="number of processes of the job (with --coordinator)")
+    dist.add_argument("--process-id", type=int, metavar="I",
+                      help="this process's index in the job, 0 to N-1; process 0 logs "
+                           "(with --coordinator)")
+    dist.add_argument("--collective-timeout", type=float,
+                      default=distributed.DEFAULT_COLLECTIVE_TIMEOUT, metavar="S",
+                      help="a process that waits longer than S seconds for the others (a "
+                           "collective, a barrier) ends the job with exit status "
+                           f"{distributed.EXIT_WORKER_FAILED} (default %(default).0f)")
+    dist.add_argument("--check-replicas", action="store_true",
+                      help="debug: after every epoch, check that every process holds the "
+                           "same parameters (an error if not)")
     return parser
+
+
+def _without_processes(argv) -> list[str]:
+    """argv minus its --processes option (what each worker of --processes N runs)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            out.append(a)
+    return out
+
+
+def _join_job(args) -> None:
+    if args.processes != 1:
+        raise UsageError("--processes N starts its own job on this machine; with "
+                         "--coordinator give --num-processes and --process-id instead")
+    if args.num_processes is None or args.process_id is None:
+        raise UsageError("--coordinator needs --num-processes N and --process-id I")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in 0..{args.num_processes - 1} for "
+                         f"--num-processes {args.num_processes}, got {args.process_id}")
+    if args.collective_timeout <= 0:
+        raise UsageError(f"--collective-timeout must be positive, got {args.collective_timeout}")
+    distributed.initialize(distributed.JobSpec(args.coordinator, args.num_processes,
+                                               args.process_id, args.collective_timeout))
 
 
 def _read_hparams(path: str) -> dict:
@@ -278,15 +368,38 @@ def _read_hparams(path: str) -> dict:
     return overrides
 
 
-def main(argv=None) -> int:
+def main(argv=None, worker_command=None) -> int:
+    """The CLI. ``worker_command``: what --processes runs for each worker (default: the
+    command this process was started with)."""
     args = build_parser().parse_args(argv)
+    if args.processes < 1:
+        print(f"error: --processes must be at least 1, got {args.processes}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.processes > 1 and args.coordinator is None:
+        if worker_command is None and argv is not None and list(argv) != sys.argv[1:]:
+            worker_command = [sys.executable, "-m", "jax_brgemm.train"]  # called from code
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return distributed.launch(_without_processes(argv), args.processes,
+                                  command=worker_command)
     try:
+        if args.coordinator is not None:
+            _join_job(args)
         overrides = _read_hparams(args.hparams) if args.hparams else {}
         summary = run_benchmark(
             SUITE[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
             seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
-            overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs)
+            overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
+            check_replicas=args.check_replicas)
     except (UsageError, HparamError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except distributed.DistributedError as e:
+        print(f"error: process {distributed.process_index()}: {e}", file=sys.stderr)
+        return distributed.EXIT_WORKER_FAILED
+    except KeyboardInterrupt:
+        if args.coordinator is None:
+            raise
+        # a worker of a job: the launcher (or the user) stopped it; no traceback per worker
+        print(f"process {distributed.process_index()}: interrupted", file=sys.stderr)
+        return 128 + 2
     return exit_code(summary)

@@ -25,7 +25,7 @@ import numpy as np
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
-from . import data, optim, step
+from . import data, distributed, optim, step
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
@@ -46,6 +46,7 @@ class RunConfig:
     max_epochs: int
     config_filename: str
     target: Optional[float] = None
+    check_replicas: bool = False  # debug: parameters identical on every process, each epoch
 
 
 @dataclasses.dataclass
@@ -151,7 +152,7 @@ def open_log(path: Path) -> tuple[MLLogger, logging.Handler]:
 SEED_USES = "model init: jax.random.key(seed); data order of epoch e: numpy default_rng([seed, e])"
 
 
-def log_config(mll, cfg: RunConfig, seed: int, seed_source: str):
+def log_config(mll, cfg: RunConfig, seed: int, seed_source: str, topo=None):
     bench, hp = cfg.bench, cfg.hparams
     mll.event(C.SUBMISSION_BENCHMARK, bench.name)
     mll.event(C.SUBMISSION_DIVISION, cfg.division)
@@ -171,17 +172,28 @@ def log_config(mll, cfg: RunConfig, seed: int, seed_source: str):
     mll.event(C.OPT_NAME, hp["opt_name"])
     for key in sorted(k for k in hp if k != "opt_name"):
         mll.event(key, hp[key])
-    # Only keys with a meaning for these models and this single-process harness: no
-    # lowest_numerical_precision_in_attn (no attention) nor _in_comm (no communication).
+    # Only keys with a meaning for these models and this harness: no
+    # lowest_numerical_precision_in_attn (no attention); _in_comm only when there is
+    # communication (several devices: the gradients are all-reduced in fp32).
     mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, PRECISION[cfg.dtype])
+    if topo:
+        mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
     for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM,
                 C.EXPERT_PARALLELISM):
         mll.event(key, 1)
-    mll.event(C.MICRO_BATCH_SIZE, hp["global_batch_size"])
+    devices = topo.num_devices if topo else 1
+    mll.event(C.MICRO_BATCH_SIZE, hp["global_batch_size"] // devices)  # per device
+    # The scale of the system, as MLPerf's result summarizer reads it: hosts, and the
+    # devices (one per process on CPU) on each.
+    mll.event("number_of_nodes", topo.num_hosts if topo else 1)
+    mll.event("accelerators_per_node", topo.devices_per_host if topo else 1)
     mll.event(C.CONFIG_FILENAME, cfg.config_filename)
 
 
 # --------------------------------------------------------------------------- run
+
+#: For tests and tools: called on every process with the final TrainState of each run.
+on_run_end = None
 
 
 def _now_ms() -> int:
@@ -205,17 +217,34 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
 
     # ---- init: untimed. Nothing here reads the dataset, only its declared shapes.
     mll.start(C.INIT_START)
-    log_config(mll, cfg, seed, seed_source)
+    topo = distributed.topology()  # None in one process on one device
+    eval_batch_size = bench.eval_batch_size
+    if topo:
+        topo.check_batch("global_batch_size", batch_size)
+        eval_batch_size = -(-eval_batch_size // topo.num_devices) * topo.num_devices
+    shard = topo.shard if topo else (0, 1)
+    log_config(mll, cfg, seed, seed_source, topo)
     model = bench.model(impl=cfg.impl, dtype=DTYPES[cfg.dtype])
     steps = optim.steps_per_epoch(bench.train_size, batch_size)
     example = pipeline.preprocess(jnp.asarray(pipeline.synthetic_batch(bench.dataset, 1).inputs))
     state = step.create_state(bench, model, optim.make(hp, steps), jax.random.key(seed), example)
     # Compiled ahead of time: a batch of another shape would be an error, never a
     # silent recompilation inside the timed run.
-    train = jax.jit(functools.partial(step.train_step, bench=bench), donate_argnums=0).lower(
-        state, pipeline.synthetic_batch(bench.dataset, batch_size)).compile()
-    evaluate = jax.jit(functools.partial(step.eval_step, bench=bench)).lower(
-        state, pipeline.synthetic_batch(bench.dataset, bench.eval_batch_size)).compile()
+    train_fn = functools.partial(step.train_step, bench=bench)
+    eval_fn = functools.partial(step.eval_step, bench=bench)
+    train_batch = pipeline.synthetic_batch(bench.dataset, batch_size)
+    eval_batch = pipeline.synthetic_batch(bench.dataset, eval_batch_size)
+    if topo:  # data parallel: shard_map over the mesh, this process's rows of each batch
+        from jax.sharding import PartitionSpec as P
+
+        state = topo.replicate(state)
+        train_fn, eval_fn = topo.data_parallel(train_fn, (P(), P())), topo.data_parallel(
+            eval_fn, P())
+        train_batch, eval_batch = topo.batch_spec(train_batch), topo.batch_spec(eval_batch)
+    train = jax.jit(train_fn, donate_argnums=0).lower(state, train_batch).compile()
+    evaluate = jax.jit(eval_fn).lower(state, eval_batch).compile()
+    to_device = topo.global_batch if topo else (lambda b: b)
+    value = topo.local if topo else np.asarray
     mll.end(C.INIT_STOP)
 
     cache = data.drop_page_cache(paths.values())
@@ -223,7 +252,8 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
         "method": "fsync + posix_fadvise DONTNEED, verified with mincore",
         "cached_pages": cache["cached_pages"], "pages": cache["pages"]})
 
-    # ---- run: timed from here.
+    # ---- run: timed from here, once every process has initialized.
+    distributed.barrier("run_start")
     t_start = _now_ms()
     mll.start(C.RUN_START, time_ms=t_start)
     splits = pipeline.decode(data.load(bench.dataset, paths))
@@ -241,25 +271,34 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
             mll.start(C.EPOCH_START, metadata={"epoch_num": epoch})
             t0, losses = time.perf_counter(), []
             batches = pipeline.train_batches(train_split.inputs, train_split.labels, batch_size,
-                                             seed, epoch)
+                                             seed, epoch, shard=shard)
             while True:
                 t_data = time.perf_counter()
                 batch = next(batches, None)
                 data_seconds += time.perf_counter() - t_data
                 if batch is None:
                     break
-                state, loss = train(state, batch)
+                state, loss = train(state, to_device(batch))
                 losses.append(loss)
+                if topo and len(losses) > 2:  # at most two steps in flight: a wait on a
+                    with distributed.waiting("a train step"):  # dead peer is seen soon
+                        losses[-3].block_until_ready()
                 if progress:
                     progress.step()
-            loss = float(jnp.mean(jnp.stack(losses)))  # waits for the last step
+            with distributed.waiting("the last train step of the epoch"):
+                loss = float(np.mean([value(x) for x in losses]))  # waits for the last step
+            if topo and cfg.check_replicas:
+                topo.check_replicas(state.params)
             train_seconds += time.perf_counter() - t0
             mll.end(C.EPOCH_STOP, metadata={"epoch_num": epoch})
             mll.event("train_loss", loss, metadata={"epoch_num": epoch})
 
         mll.start(C.EVAL_START, metadata={"epoch_num": epoch})
-        total = sum(float(evaluate(state, b)) for b in pipeline.eval_batches(
-            eval_split.inputs, eval_split.labels, bench.eval_batch_size))
+        total = 0.0
+        for b in pipeline.eval_batches(eval_split.inputs, eval_split.labels, eval_batch_size,
+                                       shard=shard):
+            with distributed.waiting("an eval step"):
+                total += float(value(evaluate(state, to_device(b))))
         accuracy = total / len(eval_split.labels)
         mll.end(C.EVAL_STOP, metadata={"epoch_num": epoch})
         # samples_count: training samples seen (MLPerf's meaning: the evaluation
@@ -282,6 +321,8 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll):
 
     t_stop = _now_ms()
     mll.end(C.RUN_STOP, time_ms=t_stop, metadata={"status": status})
+    if on_run_end is not None:
+        on_run_end(state)
     if progress:
         progress.end_run(status, (t_stop - t_start) / 1e3)
     return RunResult(index=index, seed=seed, seed_source=seed_source, status=status, epochs=epoch,
