@@ -71,7 +71,14 @@ def test_epochs_to_target():
     assert scoring.epochs_to_target([0.5, 0.95], 0.9, eval_every=2) == 4
 
 
-@pytest.mark.parametrize("name", sorted(SUITE))
+# Benchmarks whose reference runs are not recorded yet: strict, so recording them (and the
+# test passing) turns this into a failure that asks for the entry's removal.
+PENDING_REFERENCE = {"resnet": "issue 10: reference runs not recorded yet "
+                               "(python -m jax_brgemm.train.reference resnet)"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    reason=PENDING_REFERENCE[n], strict=True)) if n in PENDING_REFERENCE else n for n in sorted(SUITE)])
 def test_recorded_reference_supports_the_target(name):
     """The target was chosen so that >= 4 of 5 reference runs reach it in max_epochs."""
     bench = SUITE[name]

@@ -1,7 +1,7 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
-Inside the context, every ``flax.linen.Dense`` call that the kernels support computes with
-``jb.dense`` on exactly the parameters the stock module created; everything else runs the
+Inside the context, every ``flax.linen.Dense`` and ``flax.linen.Conv`` call that the kernels
+support computes with ``jb.dense`` / ``jb.conv2d`` on exactly the parameters the stock module created; everything else runs the
 stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
 parameter trees, and checkpoints, are the stock ones by construction::
 
@@ -91,10 +91,13 @@ class Accelerate(contextlib.ContextDecorator):
 def accelerate(report: bool = False) -> Accelerate:
     """Runs the supported stock Flax layers traced inside the context on the kernels.
 
-    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation). A call
-    falls back to the stock module, unchanged, for a custom ``dot_general`` /
-    ``dot_general_cls`` / ``promote_dtype``, a computation dtype other than float32 or
-    bfloat16, or a subclass of the layer. ``report=True`` prints, on exit, which calls ran
+    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation) and
+    ``flax.linen.Conv`` (1-D and 2-D, every padding form with non-negative pads, strides,
+    masks; float32 or bfloat16). A call falls back to the stock module, unchanged, for a
+    custom ``dot_general`` / ``dot_general_cls`` / ``conv_general_dilated`` /
+    ``promote_dtype``, a computation dtype other than float32 or bfloat16, input or kernel
+    dilation, feature groups, negative (cropping) padding, a 3-D convolution, or a subclass
+    of the layer (e.g. ``ConvLocal``). ``report=True`` prints, on exit, which calls ran
     on the kernels and why the others did not (also in ``.calls``).
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
@@ -114,6 +117,15 @@ def _dense(module: nn.Dense, args, kwargs):
     return jbnn.dense_on_kernels(module, args[0], params["kernel"], params.get("bias"))
 
 
-_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense}
+def _conv(module: nn.Conv, args, kwargs):
+    params = module.variables.get("params", {})
+    if len(args) != 1 or kwargs:
+        return None, "unexpected arguments"
+    if "kernel" not in params or (module.use_bias and "bias" not in params):
+        return None, "parameters not created yet"
+    return jbnn.conv_on_kernels(module, args[0], params["kernel"], params.get("bias"))
+
+
+_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv}
 
 __all__ = ["accelerate", "Accelerate", "Call"]
