@@ -2,9 +2,11 @@
 
     python bench/bench_accelerate.py [--repeats 9] [--min-time 0.2]
 
-Three models written against flax.linen only, in the style of the Flax examples: an MLP
-784-1024-1024-1024-10, the MNIST example's CNN and a small ResNet with BatchNorm, trained
-on batches of 28x28 images (N=256 for the MLP, 128 otherwise) with optax SGD + momentum,
+Four models written against flax.linen only, in the style of the Flax examples: an MLP
+784-1024-1024-1024-10, the MNIST example's CNN, a small ResNet with BatchNorm and an RNN
+classifier (2 stacked nn.RNN(nn.OptimizedLSTMCell(128)) over the 28 rows of an image, then
+Dense), trained on batches of 28x28 images (N=256 for the MLP and the RNN, 128 otherwise)
+with optax SGD + momentum,
 fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock"
 is traced outside the context, "accelerate" inside it; timed round-robin in one process.
 Writes bench/results/accelerate.{json,png}.
@@ -66,7 +68,18 @@ class ResNet(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
 
 
-MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128)}
+class RNN(nn.Module):  # an RNN classifier: images as 28 rows of 28 pixels, 2 LSTM-128 + Dense
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = x.reshape(x.shape[:3])
+        for _ in range(2):
+            x = nn.RNN(nn.OptimizedLSTMCell(128, dtype=self.dtype))(x)
+        return nn.Dense(10, dtype=self.dtype)(x[:, -1])
+
+
+MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
@@ -106,10 +119,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--min-time", type=float, default=0.2)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args(argv)
     rows = []
     for dname, dtype in DTYPES.items():
-        for name in MODELS:
+        for name in args.models:
             cont, calls = contenders(name, dtype)
             samples = common.interleaved({k: v[0] for k, v in cont.items()},
                                          {k: v[1] for k, v in cont.items()},

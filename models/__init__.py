@@ -1,8 +1,10 @@
 """Models built on jax_brgemm layers, each switchable to stock XLA layers (``impl="xla"``)."""
 
-from .layers import ACTIVATIONS, IMPLS, LAYERS, Layers, activated, layers
+from .layers import ACTIVATIONS, IMPLS, LAYERS, Layers, activated, layers, stock_lstm
+from .lstm import GNMTEncoder, LSTMClassifier
 from .mlp import MLP
 from .resnet import BottleneckResNetBlock, ResNet, ResNet18, ResNet34, ResNet50, ResNetBlock
 
-__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "Layers", "MLP", "BottleneckResNetBlock", "ResNet", "ResNet18",
-           "ResNet34", "ResNet50", "ResNetBlock", "activated", "layers"]
+__all__ = ["ACTIVATIONS", "IMPLS", "LAYERS", "BottleneckResNetBlock", "GNMTEncoder", "LSTMClassifier",
+           "Layers", "MLP", "ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNetBlock", "activated",
+           "layers", "stock_lstm"]

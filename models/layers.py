@@ -5,11 +5,14 @@ public switch ``impl="brgemm" | "xla"`` names a set of them::
 
     LAYERS["brgemm"].dense is jax_brgemm.nn.Dense
     LAYERS["xla"].dense is flax.linen.Dense
+    LAYERS["brgemm"].conv is jax_brgemm.nn.Conv
+    LAYERS["brgemm"].lstm is jax_brgemm.nn.LSTM
+    LAYERS["xla"].lstm is stock_lstm      # flax.linen.RNN(flax.linen.OptimizedLSTMCell)
 
 Both sets create identical parameters. ``activated`` applies an activation after a layer:
 fused into it when the layer class has an ``activation`` field (jax_brgemm's modules), as
-a separate function after it otherwise (flax.linen's). Conv and LSTM models follow the same
-pattern (a ``conv`` / ``lstm`` entry in ``Layers``).
+a separate function after it otherwise (flax.linen's). Conv and LSTM models take their
+layer the same way (the ``conv`` / ``lstm`` entries of ``Layers``).
 """
 
 from __future__ import annotations
@@ -36,15 +39,33 @@ class Layers:
     Attributes:
       dense: a ``flax.linen.Dense``-compatible module class.
       conv: a ``flax.linen.Conv``-compatible module class.
+      lstm: ``lstm(features, **fields)`` -> a module with the fields and the call of
+        ``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` (``time_major``,
+        ``return_carry``, ``reverse``, ``keep_order``, ``dtype``, ``param_dtype``, ``name``)
+        and its parameters: ``jax_brgemm.nn.LSTM`` or ``stock_lstm``.
     """
 
     dense: type
     conv: type = nn.Conv
+    lstm: Optional[Callable[..., nn.Module]] = None
+
+
+_CELL_FIELDS = ("dtype", "param_dtype", "kernel_init", "recurrent_kernel_init", "bias_init",
+                "carry_init")
+
+
+def stock_lstm(features: int, **fields) -> nn.RNN:
+    """``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` built from
+    ``jax_brgemm.nn.LSTM``'s fields: the cell's (dtype, initializers) go to the cell, the
+    rest (time_major, return_carry, reverse, keep_order, name) to the RNN."""
+    cell = {k: fields.pop(k) for k in _CELL_FIELDS if k in fields}
+    # parent=None: the RNN adopts the cell (as 'cell'), not the module building the model.
+    return nn.RNN(nn.OptimizedLSTMCell(features, parent=None, **cell), **fields)
 
 
 LAYERS: dict[str, Layers] = {
-    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv),
-    "xla": Layers(dense=nn.Dense, conv=nn.Conv),
+    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv, lstm=jbnn.LSTM),
+    "xla": Layers(dense=nn.Dense, conv=nn.Conv, lstm=stock_lstm),
 }
 
 

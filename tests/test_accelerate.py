@@ -197,3 +197,75 @@ def test_conv_forms_and_fallbacks_say_why():
         _close(g, jax.grad(loss)(params), 1e-4)
         (call,) = acc.calls
         assert call.accelerated == (not reason) and call.reason == reason, call
+
+
+class RNNClassifier(nn.Module):  # an RNN classifier as in the Flax docs: stacked RNNs + Dense
+    cell: type = nn.OptimizedLSTMCell
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.RNN(self.cell(16))(x)
+        x = nn.RNN(self.cell(12))(x)
+        return nn.Dense(10)(x[:, -1])
+
+
+@pytest.mark.parametrize("cell", [nn.OptimizedLSTMCell, nn.LSTMCell])
+def test_rnn_classifier_same_outputs_gradients_and_trees(cell):
+    model = RNNClassifier(cell)
+    x = jax.random.normal(jax.random.key(0), (3, 5, 7))
+    params = model.init(jax.random.key(1), x)
+    with jb.accelerate() as acc:
+        inside = model.init(jax.random.key(1), x)
+        y = jax.jit(model.apply)(params, x)
+        g = jax.jit(jax.grad(_loss(model)))(params, x)
+        hlo = jax.jit(model.apply).lower(params, x).as_text()
+    assert jax.tree_util.tree_structure(inside) == jax.tree_util.tree_structure(params)
+    _close(inside, params, 0)
+    _close(y, model.apply(params, x), 2e-5)
+    _close(g, jax.grad(_loss(model))(params, x), 1e-4)
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [("RNN", True), ("RNN", True), ("Dense", True)]
+    assert "jb_lstm_fwd" in hlo
+
+
+def test_both_lstm_cells_have_one_parameter_tree():
+    x = jnp.ones((2, 4, 3))
+    trees = [jax.tree_util.tree_map(jnp.shape, nn.RNN(c(5)).init(jax.random.key(0), x))
+             for c in (nn.OptimizedLSTMCell, nn.LSTMCell)]
+    assert trees[0] == trees[1]
+
+
+def test_rnn_carry_reverse_time_major_and_bf16():
+    x = jax.random.normal(jax.random.key(0), (6, 2, 3))  # time-major
+    rnn = nn.RNN(nn.OptimizedLSTMCell(4), time_major=True, return_carry=True, reverse=True,
+                 keep_order=True)
+    params = rnn.init(jax.random.key(1), x)
+    carry0 = (jnp.full((2, 4), 0.3), jnp.full((2, 4), -0.2))
+    bf16 = nn.RNN(nn.LSTMCell(4, dtype=jnp.bfloat16))
+    xb = jnp.moveaxis(x, 0, 1)
+    with jb.accelerate() as acc:
+        got = jax.jit(lambda p, x, c: rnn.apply(p, x, initial_carry=c))(params, x, carry0)
+        gb = bf16.apply(params, xb)
+    _close(got, rnn.apply(params, x, initial_carry=carry0), 2e-5)
+    assert gb.dtype == bf16.apply(params, xb).dtype
+    _close(gb, bf16.apply(params, xb), 3e-2)
+    assert all(c.accelerated for c in acc.calls)
+
+
+def test_rnn_unsupported_run_stock_and_say_why():
+    x = jax.random.normal(jax.random.key(0), (2, 4, 3))
+    lengths = jnp.array([4, 2])
+    rnn = nn.RNN(nn.OptimizedLSTMCell(5), return_carry=True)
+    relu_cell = nn.RNN(nn.LSTMCell(5, activation_fn=nn.relu))
+    gru = nn.RNN(nn.GRUCell(5))
+    p, pr, pg = (m.init(jax.random.key(1), x) for m in (rnn, relu_cell, gru))
+    with jb.accelerate() as acc:
+        a = rnn.apply(p, x, seq_lengths=lengths)
+        b = relu_cell.apply(pr, x)
+        c = gru.apply(pg, x)
+    _close(a, rnn.apply(p, x, seq_lengths=lengths), 0)
+    # the stock LSTMCell / GRUCell run their Dense layers, which run on the kernels
+    _close(b, relu_cell.apply(pr, x), 2e-5)
+    _close(c, gru.apply(pg, x), 2e-5)
+    reasons = [c.reason for c in acc.calls if c.layer == "RNN"]
+    assert reasons == ["seq_lengths with return_carry (each sequence's own last carry)",
+                       "gate_fn / activation_fn other than sigmoid / tanh", "cell GRUCell"]

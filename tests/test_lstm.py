@@ -175,12 +175,25 @@ def test_lstm_empty_batch_and_sequence():
     close((c, h), (c0, h0), 0)
 
 
-def test_lstm_vmap():
-    args = _args(jax.random.key(0), 3, 4, 5, 6)
+@pytest.mark.parametrize("time_major", [False, True])
+def test_lstm_vmap_folds_and_differentiates(time_major):
+    # Shared weights: the mapped axis is folded into N (one call); mapped weights: one call
+    # per element. Outputs and gradients (from y and the final carry) as the scan's.
+    args = _args(jax.random.key(0), 3, 4, 5, 6, time_major)
     xs = jnp.stack([args[0], 2 * args[0]])
-    got = jax.vmap(lambda x: jb.lstm(x, *args[1:4], initial_carry=args[4:]))(xs)
-    want = jax.vmap(lambda x: scan_lstm(x, *args[1:]))(xs)
-    close(got, want, 2e-5)
+    c0s = jnp.stack([args[4], -args[4]])
+    ours, ref = _ours(time_major), lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
+    shared = (0, None, None, None, 0, None)
+    close(jax.jit(jax.vmap(ours, shared))(xs, *args[1:4], c0s, args[5]),
+          jax.vmap(ref, shared)(xs, *args[1:4], c0s, args[5]), 2e-5)
+    close(jax.jit(jax.vmap(_loss(ours, time_major), shared))(xs, *args[1:4], c0s, args[5]),
+          jax.vmap(_loss(ref, time_major), shared)(xs, *args[1:4], c0s, args[5]), 1e-4)
+    hlo = jax.jit(jax.vmap(ours, shared)).lower(xs, *args[1:4], c0s, args[5]).as_text()
+    assert hlo.count("jb_lstm_fwd") == 1 and "while" not in hlo
+    mapped = (None, 0, None, None, None, None)
+    wis = jnp.stack([args[1], 0.5 * args[1]])
+    close(jax.vmap(_loss(ours, time_major), mapped)(args[0], wis, *args[2:]),
+          jax.vmap(_loss(ref, time_major), mapped)(args[0], wis, *args[2:]), 1e-4)
 
 
 def test_lstm_bad_input():
@@ -199,8 +212,12 @@ def test_lstm_bad_input():
         jb.lstm(x, wi, wh, b, initial_carry=c0)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         jb.lstm(x.astype(jnp.int32), wi, wh, b)
-    with pytest.raises(TypeError, match="computation dtype"):
+    with pytest.raises(TypeError, match="jb.lstm: dtype must be float32 or bfloat16"):
         jb.lstm(x, wi, wh, b, dtype=jnp.float16)
+    with pytest.raises(TypeError, match="jb.lstm: kernel_i must be float32 or bfloat16, got float16"):
+        jb.lstm(x, wi.astype(jnp.float16), wh, b)
+    with pytest.raises(ValueError, match=r"kernel_i must have shape \(C, 4K\)"):
+        jb.lstm(x, wi[:-1], wh, b)
     with pytest.raises(ValueError, match="no features"):
         jb.lstm(x[:, :, :0], wi[:0], wh, b)
     with pytest.raises(ValueError, match="inputs must be"):

@@ -215,4 +215,54 @@ RESNET = Benchmark(
     },
 )
 
-SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP, RESNET]}
+def _lstm_model(impl, dtype):
+    from jax_brgemm.models import LSTMClassifier
+
+    return LSTMClassifier(features=(128, 128), num_classes=10, impl=impl, dtype=dtype)
+
+
+LSTM = Benchmark(
+    name="lstm",
+    description="2 stacked LSTM-128 + Dense on row-sequential Fashion-MNIST (28 steps of 28 pixels)",
+    dataset=data.FASHION_MNIST,
+    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
+        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "rows")),
+    model=_lstm_model,
+    loss=task.softmax_cross_entropy,
+    metric=task.TOP1,
+    target=0.89,
+    max_epochs=10,
+    eval_every_epochs=1,
+    eval_batch_size=2000,
+    num_runs=5,
+    hparams={
+        "common": {
+            "global_batch_size": 256,
+            "opt_name": "adam",
+            "opt_base_learning_rate": 2e-3,
+            "opt_end_learning_rate": 0.0,
+            "opt_learning_rate_warmup_epochs": 0.0,
+            "opt_learning_rate_decay_schedule": "cosine",
+            "opt_learning_rate_decay_epochs": 10.0,
+            "opt_learning_rate_decay_poly_power": 2.0,
+        },
+        "sgd": {"opt_base_learning_rate": 0.1, "sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True,
+                "opt_weight_decay": 0.0},
+        "adamw": {"opt_adamw_weight_decay": 1e-4},
+        "lamb": {"opt_base_learning_rate": 5e-3, "opt_lamb_weight_decay_rate": 0.0},
+    },
+    tunable={
+        "common": _SCHEDULE_TABLE,
+        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
+        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
+                "sgd_opt_momentum": Range(0.8, 0.99),
+                "sgd_opt_nesterov": OneOf([True, False]),
+                "opt_weight_decay": Range(0, 1e-3)},
+        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
+                  "opt_adamw_weight_decay": Range(0, 0.1)},
+        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
+                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
+    },
+)
+
+SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP, RESNET, LSTM]}

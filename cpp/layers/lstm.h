@@ -20,9 +20,10 @@
 //          tiles: da_t, and dc_{t-1} in place. The bias gradient is summed per N-block on
 //          the way (race-free, each block has one owner per step), the initial carry's
 //          gradient (dc_0, dh_0 = da_0 @ R^T) comes out at the end.
-// The rest of the backward is three big passes of the fully-connected layer over all time
-// steps at once, after the loop (cpp/layers/fc): dx = da @ W^T, dW = x^T @ da and
-// dR = h_prev^T @ da, where da is every step's gate gradient saved by bptt in x's row order.
+// The rest of the backward is two big passes of the fully-connected layer over all time
+// steps at once, after the loop (cpp/layers/fc, called from jax_brgemm/ops/lstm.py):
+// dx = da @ W^T and [dW; dR] = [x | h_prev]^T @ da, where da is every step's gate gradient
+// saved by bptt in x's row order.
 //
 // Layouts: x (and y, da) are (N, T, features) or, with time_major, (T, N, features), read
 // and written in place. The forward saves for the backward (when `gates` is not null) the

@@ -21,8 +21,12 @@ import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
+from flax.linen.dtypes import canonicalize_dtype
 
+from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
 
 
@@ -93,11 +97,17 @@ def accelerate(report: bool = False) -> Accelerate:
 
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation) and
     ``flax.linen.Conv`` (1-D and 2-D, every padding form with non-negative pads, strides,
-    masks; float32 or bfloat16). A call falls back to the stock module, unchanged, for a
-    custom ``dot_general`` / ``dot_general_cls`` / ``conv_general_dilated`` /
-    ``promote_dtype``, a computation dtype other than float32 or bfloat16, input or kernel
-    dilation, feature groups, negative (cropping) padding, a 3-D convolution, or a subclass
-    of the layer (e.g. ``ConvLocal``). ``report=True`` prints, on exit, which calls ran
+    masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
+    ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
+    A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
+    ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
+    other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
+    also for input or kernel dilation, feature groups, negative (cropping) padding or 3-D;
+    an RNN also for other cells (or subclasses of these), gate / activation functions other
+    than sigmoid / tanh, non-default scan settings (``variable_axes``,
+    ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
+    ``seq_lengths`` with ``return_carry=True`` (each sequence's own last carry).
+    ``report=True`` prints, on exit, which calls ran
     on the kernels and why the others did not (also in ``.calls``).
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
@@ -126,6 +136,81 @@ def _conv(module: nn.Conv, args, kwargs):
     return jbnn.conv_on_kernels(module, args[0], params["kernel"], params.get("bias"))
 
 
-_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv}
+_SIGMOIDS = {nn.sigmoid, jax.nn.sigmoid}
+_TANHS = {nn.tanh, jnp.tanh, jax.nn.tanh} if hasattr(jax.nn, "tanh") else {nn.tanh, jnp.tanh}
+_RNN_KWARGS = {"initial_carry", "init_key", "seq_lengths", "return_carry", "time_major",
+               "reverse", "keep_order"}
+# RNN's scan settings the fused call reproduces (the defaults: parameters broadcast over time).
+_RNN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.RNN)
+                 if f.name in ("variable_axes", "variable_broadcast", "variable_carry")}
+
+
+def _rnn(module: nn.RNN, args, kwargs):
+    """RNN over OptimizedLSTMCell / LSTMCell: both cells create the same parameters (per gate
+    ``i*`` input kernels without bias, ``h*`` recurrent kernels with bias) and compute the
+    same gates (i, f, g, o = sigmoid, sigmoid, tanh, sigmoid; c' = f c + i g, h' = o tanh c');
+    the kernels take them concatenated in that order."""
+    cell = module.cell
+    if type(cell) not in (nn.OptimizedLSTMCell, nn.LSTMCell):
+        return None, f"cell {type(cell).__name__}"
+    if cell.gate_fn not in _SIGMOIDS or cell.activation_fn not in _TANHS:
+        return None, "gate_fn / activation_fn other than sigmoid / tanh"
+    for name, default in _RNN_DEFAULTS.items():
+        if getattr(module, name) != default:
+            return None, f"non-default {name}"
+    if len(args) != 1 or set(kwargs) - _RNN_KWARGS:
+        return None, "unexpected arguments"
+    inputs = args[0]
+    opt = {k: module.__getattribute__(k) if kwargs.get(k) is None else kwargs[k]
+           for k in ("return_carry", "time_major", "reverse", "keep_order")}
+    seq_lengths = kwargs.get("seq_lengths")
+    if seq_lengths is not None and opt["return_carry"]:
+        return None, "seq_lengths with return_carry (each sequence's own last carry)"
+    if not hasattr(inputs, "ndim") or inputs.ndim < 3:
+        return None, "inputs without a batch dim"
+    # The cell's own scope: 'cell' under the RNN when the RNN adopted it (an RNN built
+    # outside a module), or the cell's name in the enclosing module (built inside a compact
+    # method, as in the Flax examples).
+    try:
+        params = cell.variables.get("params", {}) if cell.scope is not None else {}
+    except Exception:  # an unbound cell  # noqa: BLE001
+        params = {}
+    names = [f"{kind}{gate}" for kind in "ih" for gate in "ifgo"]
+    if any(n not in params or "kernel" not in params[n] for n in names) or any(
+            "bias" not in params[f"h{g}"] for g in "ifgo") or any("bias" in params[f"i{g}"]
+                                                                   for g in "ifgo"):
+        return None, "parameters not created yet"
+    kernel_i = jnp.concatenate([params[f"i{g}"]["kernel"] for g in "ifgo"], axis=-1)
+    kernel_h = jnp.concatenate([params[f"h{g}"]["kernel"] for g in "ifgo"], axis=-1)
+    bias = jnp.concatenate([params[f"h{g}"]["bias"] for g in "ifgo"], axis=-1)
+    k = cell.features
+    if kernel_h.shape != (k, 4 * k) or kernel_i.shape != (inputs.shape[-1], 4 * k):
+        return None, "parameter shapes do not match the inputs"
+    initial_carry = kwargs.get("initial_carry")
+    if initial_carry is None:
+        time_axis = 0 if opt["time_major"] else inputs.ndim - 2
+        init_key = kwargs.get("init_key")
+        initial_carry = cell.initialize_carry(
+            jax.random.key(0) if init_key is None else init_key,
+            inputs.shape[:time_axis] + inputs.shape[time_axis + 1:])
+    try:
+        c0, h0 = initial_carry
+    except (TypeError, ValueError):
+        return None, "initial_carry is not a pair (c, h)"
+    # The stock computation's dtype: the cell's promote_dtype of the inputs, the carry and
+    # the parameters (dtype=None) or the cell's dtype.
+    try:
+        dtype = np.dtype(canonicalize_dtype(inputs, h0, kernel_i, kernel_h, bias, dtype=cell.dtype))
+    except ValueError as e:
+        return None, f"dtype ({e})"
+    if dtype not in check.KERNEL_DTYPES:
+        return None, f"{dtype} computation"
+    if any(np.dtype(a.dtype) not in check.KERNEL_DTYPES for a in (kernel_i, kernel_h, bias)):
+        return None, "parameters neither float32 nor bfloat16"
+    return jbnn.lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),
+                                dtype=dtype, seq_lengths=seq_lengths, **opt), ""
+
+
+_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn}
 
 __all__ = ["accelerate", "Accelerate", "Call"]

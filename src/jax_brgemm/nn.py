@@ -243,10 +243,6 @@ class LSTM(Module):
         result does not depend on it beyond reversing (``return_carry=False``), and refused
         with ``return_carry=True`` (the stock module then picks each sequence's own last
         carry, which the fused kernel does not produce)."""
-        from flax.linen.recurrent import flip_sequences
-
-        from jax_brgemm.ops.lstm import lstm
-
         return_carry = self.return_carry if return_carry is None else return_carry
         time_major = self.time_major if time_major is None else time_major
         reverse = self.reverse if reverse is None else reverse
@@ -261,7 +257,6 @@ class LSTM(Module):
                              f"(time, *batch, features) with at least one batch dim; got shape "
                              f"{inputs.shape}")
         batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
-        n = int(np.prod(batch_dims))
         kernel_i, kernel_h, bias = _LSTMCellParams(
             self.features, self.param_dtype, self.kernel_init, self.recurrent_kernel_init,
             self.bias_init, name="cell")(inputs.shape[-1])
@@ -271,25 +266,44 @@ class LSTM(Module):
             mem_shape = tuple(batch_dims) + (self.features,)
             initial_carry = (self.carry_init(key1, mem_shape, self.param_dtype),
                              self.carry_init(key2, mem_shape, self.param_dtype))
-        c0, h0 = initial_carry
         dtype = check.compute_dtype("jb.nn.LSTM", self.dtype, inputs, kernel_i, bias)
-        # The stock cell's outputs take the dtype of f * c + i * g: the computation dtype
-        # promoted with the carry's.
-        out_dtype = jnp.result_type(dtype, c0.dtype, h0.dtype)
+        return lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, dtype=dtype,
+                               time_major=time_major, reverse=reverse, keep_order=keep_order,
+                               seq_lengths=seq_lengths, return_carry=return_carry)
 
-        if reverse:
-            inputs = flip_sequences(inputs, seq_lengths, num_batch_dims=len(batch_dims),
-                                    time_major=time_major)
-        t = inputs.shape[0] if time_major else inputs.shape[-2]
-        x = inputs.reshape((t, n, -1) if time_major else (n, t, -1))
-        carry0 = (jnp.reshape(c0, (n, self.features)), jnp.reshape(h0, (n, self.features)))
-        (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
-                         dtype=dtype)
-        y = y.astype(out_dtype).reshape(inputs.shape[:-1] + (self.features,))
-        carry = (c.astype(out_dtype).reshape(c0.shape), h.astype(out_dtype).reshape(h0.shape))
-        if reverse and keep_order:
-            y = flip_sequences(y, seq_lengths, num_batch_dims=len(batch_dims), time_major=time_major)
-        return (carry, y) if return_carry else y
+
+def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, time_major=False,
+                    reverse=False, keep_order=False, seq_lengths=None, return_carry=False):
+    """What ``flax.linen.RNN(OptimizedLSTMCell)`` computes on ``inputs`` (any number of batch
+    dims), as one fused ``jb.lstm`` call: the stock cell's gate math, the stock module's
+    conventions for ``reverse`` / ``keep_order`` / ``seq_lengths`` (flips only) and its output
+    dtypes. ``kernel_i (C, 4K)``, ``kernel_h (K, 4K)``, ``bias (4K,)`` are the cell's
+    parameters concatenated in gate order i, f, g, o; ``initial_carry`` is ``(c0, h0)``
+    shaped ``(*batch, K)``; ``dtype`` the computation dtype (float32 or bfloat16)."""
+    from flax.linen.recurrent import flip_sequences
+
+    from jax_brgemm.ops.lstm import lstm
+
+    features = kernel_h.shape[0]
+    batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
+    n = int(np.prod(batch_dims))
+    c0, h0 = initial_carry
+    # The stock cell's outputs take the dtype of f * c + i * g: the computation dtype
+    # promoted with the carry's.
+    out_dtype = jnp.result_type(dtype, c0.dtype, h0.dtype)
+    if reverse:
+        inputs = flip_sequences(inputs, seq_lengths, num_batch_dims=len(batch_dims),
+                                time_major=time_major)
+    t = inputs.shape[0] if time_major else inputs.shape[-2]
+    x = inputs.reshape((t, n, -1) if time_major else (n, t, -1))
+    carry0 = (jnp.reshape(c0, (n, features)), jnp.reshape(h0, (n, features)))
+    (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
+                     dtype=dtype)
+    y = y.astype(out_dtype).reshape(inputs.shape[:-1] + (features,))
+    carry = (c.astype(out_dtype).reshape(c0.shape), h.astype(out_dtype).reshape(h0.shape))
+    if reverse and keep_order:
+        y = flip_sequences(y, seq_lengths, num_batch_dims=len(batch_dims), time_major=time_major)
+    return (carry, y) if return_carry else y
 
 
 # --- Conv ---------------------------------------------------------------------------------

@@ -9,26 +9,31 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
   gate gradient ``da``, the bias gradient and the initial carry's gradients.
-* The remaining gradients are three big fully-connected passes over all steps at once
-  (``cpp/layers/fc``): ``dx = da @ kernel_i.T``, ``dkernel_i = x.T @ da`` and
-  ``dkernel_h = h_prev.T @ da``. XLA drops the ones nobody needs (e.g. ``dx`` of a first
-  layer).
+* The remaining gradients are two big fully-connected passes over all steps at once
+  (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
+  pass, ``[dkernel_i; dkernel_h] = [x | h_prev].T @ da`` (reduction over every step and row,
+  ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first layer).
+
+Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
+each kind for the whole map); mapped weights run one element at a time (``lax.map``).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
+from jax_brgemm import _validate as check
 from jax_brgemm.ops.dense import _bwd_call, _upd_call
 
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 # jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
 _AUTOMATIC = 0
+# The weight gradients as one update pass over [x | h_prev] (True) or two (see _lstm_bwd).
+_JOINT_UPDATE = True
 
 
 def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None):
@@ -56,31 +61,23 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
       Differentiable in ``x``, both kernels, the bias and the initial carry, from ``y`` and
       from the final carry.
     """
-    x = _as_array(x, "x")
-    kernel_i = _as_array(kernel_i, "kernel_i")
-    kernel_h = _as_array(kernel_h, "kernel_h")
-    bias = _as_array(bias, "bias")
-    if x.ndim != 3:
-        layout = "(T, N, C)" if time_major else "(N, T, C)"
-        raise ValueError(f"lstm: x must have rank 3 {layout}, got shape {x.shape}")
-    if kernel_h.ndim != 2 or kernel_h.shape[1] != 4 * kernel_h.shape[0]:
-        raise ValueError(f"lstm: kernel_h must be (K, 4K), got shape {kernel_h.shape}")
+    op = "jb.lstm"
+    x = check.array(x, "x", op)
+    kernel_i = check.array(kernel_i, "kernel_i", op)
+    kernel_h = check.array(kernel_h, "kernel_h", op)
+    bias = check.array(bias, "bias", op)
+    check.rank(x, "x", op, "(T, N, C)" if time_major else "(N, T, C)", exactly=3)
+    check.rank(kernel_h, "kernel_h", op, "(K, 4K)", exactly=2)
     k = kernel_h.shape[0]
+    if k < 1 or kernel_h.shape[1] != 4 * k:
+        raise ValueError(f"{op}: kernel_h must be (K, 4K) with K >= 1, got shape {kernel_h.shape}")
     t, n, c = (x.shape if time_major else (x.shape[1], x.shape[0], x.shape[2]))
-    if k < 1:
-        raise ValueError(f"lstm: the hidden size K must be >= 1, got kernel_h {kernel_h.shape}")
     if c < 1:
-        raise ValueError(f"lstm: x {x.shape} has no features (C = 0)")
-    if kernel_i.shape != (c, 4 * k):
-        raise ValueError(f"lstm: kernel_i must be (C, 4K) = ({c}, {4 * k}) for x {x.shape} and "
-                         f"kernel_h {kernel_h.shape}, got {kernel_i.shape}")
-    if bias.shape != (4 * k,):
-        raise ValueError(f"lstm: bias must be (4K,) = ({4 * k},), got {bias.shape}")
-    if dtype is None:
-        dtype = jnp.result_type(x, kernel_i, kernel_h)
-    dtype = np.dtype(dtype)
-    if dtype not in _DTYPES:
-        raise TypeError(f"lstm: the computation dtype must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"{op}: x {x.shape} has no features (C = 0)")
+    check.rank(kernel_i, "kernel_i", op, "(C, 4K)", exactly=2)
+    check.shape(kernel_i, "kernel_i", op, (c, 4 * k), "(C, 4K)")
+    check.shape(bias, "bias", op, (4 * k,), "(4K,)")
+    dtype = check.compute_dtype(op, dtype, x, kernel_i, kernel_h)
     x = x.astype(dtype)
     # The kernels go in as they are (cast while re-blocked) when both share a dtype.
     wdt = jnp.result_type(kernel_i, kernel_h)
@@ -92,13 +89,12 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
         h0 = jnp.zeros((n, k), dtype)
     else:
         if not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2:
-            raise ValueError("lstm: initial_carry must be a pair (c0, h0) of (N, K) arrays")
-        c0, h0 = initial_carry
-        c0 = _as_array(c0, "initial_carry[0] (c0)", any_float=True)
-        h0 = _as_array(h0, "initial_carry[1] (h0)", any_float=True)
-        for name, a in (("c0", c0), ("h0", h0)):
-            if a.shape != (n, k):
-                raise ValueError(f"lstm: initial carry {name} must be (N, K) = ({n}, {k}), got {a.shape}")
+            raise ValueError(f"{op}: initial_carry must be a pair (c0, h0) of (N, K) arrays")
+        floats = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
+        c0 = check.array(initial_carry[0], "initial_carry[0] (c0)", op, floats)
+        h0 = check.array(initial_carry[1], "initial_carry[1] (h0)", op, floats)
+        check.shape(c0, "initial_carry[0] (c0)", op, (n, k), "(N, K)")
+        check.shape(h0, "initial_carry[1] (h0)", op, (n, k), "(N, K)")
         c0 = c0.astype(jnp.float32)
         h0 = h0.astype(dtype)
 
@@ -109,20 +105,48 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     return (c_t, h_t), y
 
 
-def _as_array(a, name, any_float=False):
-    if not hasattr(a, "dtype"):
-        a = jnp.asarray(a, dtype=jnp.float32)
-    dt = np.dtype(a.dtype)
-    if dt not in _DTYPES and not (any_float and jnp.issubdtype(dt, jnp.floating)):
-        raise TypeError(f"lstm: {name} must be float32 or bfloat16, got {a.dtype}")
-    return jnp.asarray(a)
-
-
 # --- the custom calls --------------------------------------------------------------------
-# vmap runs them one mapped element at a time (vmap_method="sequential").
+# Under vmap with shared weights (the usual case: a batch of sequences through one layer)
+# the mapped axis is folded into the mini-batch N, so the kernels see one larger call;
+# mapped weights run one mapped element at a time (lax.map).
+
+
+def _fold(a, batched, size, time_major_axis):
+    """``a`` with its leading mapped axis (broadcast when unbatched) folded into N: the axis
+    after it (``time_major_axis`` False) or the one after the time axis (True)."""
+    if not batched:
+        a = jnp.broadcast_to(a, (size,) + a.shape)
+    if time_major_axis:  # (B, T, N, F) -> (T, B * N, F)
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape((a.shape[0], size * a.shape[2]) + a.shape[3:])
+    return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+
+def _unfold(a, size, time_major_axis):
+    if time_major_axis:  # (T, B * N, F) -> (B, T, N, F)
+        a = a.reshape((a.shape[0], size, a.shape[1] // size) + a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+    return a.reshape((size, a.shape[0] // size) + a.shape[1:])
+
+
+def _sequential(fn, args, in_batched, size):
+    """``fn`` once per mapped element (the unbatched arguments shared)."""
+    idx = [i for i, b in enumerate(in_batched) if b]
+
+    def one(batched_args):
+        full = list(args)
+        for i, a in zip(idx, batched_args):
+            full[i] = a
+        return fn(*full)
+
+    return jax.lax.map(one, [args[i] for i in idx])
 
 
 def _forward(x, wi, wh, b, c0, h0, time_major, save):
+    return _forward_vmappable(time_major, save)(x, wi, wh, b, c0, h0)
+
+
+def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
     t, n = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
@@ -133,13 +157,71 @@ def _forward(x, wi, wh, b, c0, h0, time_major, save):
         x, wi, wh, b, c0, h0, time_major=time_major, variant=np.int32(_AUTOMATIC))
 
 
+@lru_cache(maxsize=None)
+def _forward_vmappable(time_major, save):
+    call = partial(_forward_call, time_major=time_major, save=save)
+
+    @jax.custom_batching.custom_vmap
+    def fwd(x, wi, wh, b, c0, h0):
+        return tuple(call(x, wi, wh, b, c0, h0))
+
+    @fwd.def_vmap
+    def fwd_vmap(size, in_batched, x, wi, wh, b, c0, h0):
+        if any(in_batched[1:4]):
+            outs = _sequential(fwd, (x, wi, wh, b, c0, h0), in_batched, size)
+        else:
+            y, c_t, h_t, gates, cs = call(_fold(x, in_batched[0], size, time_major), wi, wh, b,
+                                          _fold(c0, in_batched[4], size, False),
+                                          _fold(h0, in_batched[5], size, False))
+            outs = (_unfold(y, size, time_major), _unfold(c_t, size, False),
+                    _unfold(h_t, size, False),
+                    _unfold(gates, size, True) if save else jnp.zeros((size, 0), gates.dtype),
+                    _unfold(cs, size, True) if save else jnp.zeros((size, 0), cs.dtype))
+        return tuple(outs), (True,) * 5
+
+    return fwd
+
+
 def _bptt(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+    return _bptt_vmappable(time_major)(wh, gates, cs, c0, dy, dc_t, dh_t)
+
+
+def _bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
     n, k = c0.shape
     da = jax.ShapeDtypeStruct(dy.shape[:2] + (4 * k,), dy.dtype)
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), dy.dtype))
     return jax.ffi.ffi_call("jb_lstm_bptt", outs, vmap_method="sequential")(
         wh, gates, cs, c0, dy, dc_t, dh_t, time_major=time_major)
+
+
+@lru_cache(maxsize=None)
+def _bptt_vmappable(time_major):
+    call = partial(_bptt_call, time_major=time_major)
+
+    @jax.custom_batching.custom_vmap
+    def bptt(wh, gates, cs, c0, dy, dc_t, dh_t):
+        return tuple(call(wh, gates, cs, c0, dy, dc_t, dh_t))
+
+    @bptt.def_vmap
+    def bptt_vmap(size, in_batched, wh, gates, cs, c0, dy, dc_t, dh_t):
+        if in_batched[0]:
+            return tuple(_sequential(bptt, (wh, gates, cs, c0, dy, dc_t, dh_t), in_batched, size)), (True,) * 4
+        # db sums over the mini-batch: folded, it is the sum over the mapped axis too, so
+        # the folded call cannot give each mapped element its own; it runs per element.
+        # The gate gradients (the expensive part) come from one folded call, and db from
+        # them (a sum over every step and row of each element).
+        da, _, dc0, dh0 = call(wh, _fold(gates, in_batched[1], size, True),
+                               _fold(cs, in_batched[2], size, True),
+                               _fold(c0, in_batched[3], size, False),
+                               _fold(dy, in_batched[4], size, time_major),
+                               _fold(dc_t, in_batched[5], size, False),
+                               _fold(dh_t, in_batched[6], size, False))
+        da = _unfold(da, size, time_major)
+        db = jnp.sum(da.astype(jnp.float32), axis=(1, 2))
+        return (da, db, _unfold(dc0, size, False), _unfold(dh0, size, False)), (True,) * 4
+
+    return bptt
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -163,12 +245,19 @@ def _lstm_bwd(time_major, res, g):
     rows = x.shape[0] * x.shape[1]
     da2 = da.reshape(rows, 4 * k)
     dx = _bwd_call(da2, wi).reshape(x.shape)
-    dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
     # h_{t-1} for every step, in x's row order.
     t_axis = 0 if time_major else 1
     h_prev = jnp.concatenate([jnp.expand_dims(h0, t_axis),
                               jax.lax.slice_in_dim(y, 0, y.shape[t_axis] - 1, axis=t_axis)], axis=t_axis)
-    dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
+    if _JOINT_UPDATE:
+        # dW and dR in one pass: [x_t | h_{t-1}]^T @ da_t summed over every step, one
+        # GEMM with reduction over all rows and C + K output rows; da is read once.
+        xh = jnp.concatenate([x.reshape(rows, c), h_prev.reshape(rows, k)], axis=-1)
+        dwr = _upd_call(xh, da2, (c + k, 4 * k), wi.dtype, False)[0]
+        dwi, dwh = dwr[:c], dwr[c:]
+    else:
+        dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
+        dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
     return dx, dwi, dwh, db, dc0, dh0
 
 
