@@ -5,6 +5,12 @@ the stride on the bottleneck's 3x3, with each layer's multiplicity in the networ
 
     python bench/bench_conv.py [--n 4] [--repeats 7] [--min-time 0.1] [--dtypes float32,bfloat16]
                                [--quick] [--layers 1,4,8]
+    python bench/bench_conv.py --resnet50-step [--n 4] [--repeats 5] [--dtypes float32]
+
+--resnet50-step instead times one whole ResNet-50 v1.5 training step (224x224 inputs, 1000
+classes, BatchNorm in train mode, forward + backward + SGD update, one jitted function) with
+impl="brgemm" vs impl="xla" on the same parameters, round-robin, and reports images/s
+(median, min-max); writes bench/results/resnet50_step.json.
 
 Passes (ResNet's convolutions have no bias; BatchNorm follows them):
 
@@ -150,7 +156,11 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help=f"layers {QUICK} only")
     p.add_argument("--layers", default="", help="comma-separated layer ids (default: all)")
     p.add_argument("--passes", default=",".join(PASSES))
+    p.add_argument("--resnet50-step", action="store_true",
+                   help="time a whole ResNet-50 training step (images/s) instead of the layers")
     args = p.parse_args(argv)
+    if args.resnet50_step:
+        return resnet50_step(args)
     torch = torch_or_none()
     ids = [int(v) for v in args.layers.split(",") if v] or (list(QUICK) if args.quick else list(RESNET50))
     passes = [v for v in args.passes.split(",") if v]
@@ -194,6 +204,55 @@ def main(argv=None):
                                   "min_time": args.min_time, "torch": bool(torch), "layers": ids,
                                   "rows": rows, "weighted": weighted, "paper_weighted": PAPER})
     plots(rows, weighted, peak)
+
+
+def resnet50_step(args):
+    """Whole ResNet-50 training step, impl="brgemm" vs impl="xla": images/s."""
+    import optax
+
+    from jax_brgemm.models import ResNet50
+
+    n = args.n
+    x = jax.random.normal(jax.random.key(0), (n, 224, 224, 3))
+    labels = jax.random.randint(jax.random.key(1), (n,), 0, 1000)
+    rows = []
+    for dname in args.dtypes.split(","):
+        dtype = DTYPES[dname]
+        models = {"jax_brgemm": ResNet50(num_classes=1000, impl="brgemm", dtype=dtype),
+                  "xla": ResNet50(num_classes=1000, impl="xla", dtype=dtype)}
+        variables = models["xla"].init(jax.random.key(2), x, train=False)  # identical trees
+        tx = optax.sgd(0.01, momentum=0.9, nesterov=True)
+        opt_state = tx.init(variables["params"])
+
+        def make_step(model):
+            def loss_fn(params, stats):
+                logits, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                                          mutable=["batch_stats"])
+                loss = optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), labels).mean()
+                return loss, new["batch_stats"]
+
+            @jax.jit
+            def step(params, stats, opt_state):
+                (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), stats, opt_state, loss
+
+            return step
+
+        fns = {name: make_step(m) for name, m in models.items()}
+        fargs = {name: (variables["params"], variables["batch_stats"], opt_state) for name in fns}
+        samples = common.interleaved(fns, fargs, repeats=args.repeats, min_time=args.min_time)
+        ips = {name: sorted(n / t for t in v) for name, v in samples.items()}
+        row = {"dtype": dname, "n": n, "seconds": {k: common.stats(v) for k, v in samples.items()},
+               "images_per_s": {k: common.stats(v) for k, v in ips.items()}}
+        row["vs_xla"] = row["images_per_s"]["jax_brgemm"]["median"] / row["images_per_s"]["xla"]["median"]
+        rows.append(row)
+        print(f"resnet50 step {dname:8s} N={n}: " + "  ".join(
+            f"{k} {v['median']:.2f} img/s ({v['min']:.2f}-{v['max']:.2f})" for k, v in row["images_per_s"].items())
+            + f"  | {row['vs_xla']:.2f}x xla", flush=True)
+    common.write_results("resnet50_step", {"n": n, "repeats": args.repeats, "rows": rows})
+    return 0
 
 
 def weighted_efficiency(rows, peak):

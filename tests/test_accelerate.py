@@ -1,5 +1,5 @@
 """jax_brgemm.accelerate(): unmodified Flax models, written as in the Flax examples, give the
-stock outputs, gradients and parameter trees, with their Dense layers on the kernels."""
+stock outputs, gradients and parameter trees, with their Dense and Conv layers on the kernels."""
 
 import flax.linen as nn
 import jax
@@ -60,8 +60,10 @@ def _loss(model, **kw):
     return lambda params, x: jnp.sum(model.apply(params, x, **kw) ** 2)
 
 
-@pytest.mark.parametrize("model,shape,dense_calls", [(MLP(), (5, 7, 3), 3), (CNN(), (2, 12, 12, 1), 2)])
-def test_same_outputs_gradients_and_trees(model, shape, dense_calls):
+@pytest.mark.parametrize("model,shape,fast_calls,targets", [
+    (MLP(), (5, 7, 3), 3, ["jb_fc_fwd"]),
+    (CNN(), (2, 12, 12, 1), 4, ["jb_fc_fwd", "jb_conv_fwd"])])
+def test_same_outputs_gradients_and_trees(model, shape, fast_calls, targets):
     x = jax.random.normal(jax.random.key(0), shape)
     params = model.init(jax.random.key(1), x)
     with jb.accelerate() as acc:
@@ -72,11 +74,14 @@ def test_same_outputs_gradients_and_trees(model, shape, dense_calls):
     _close(inside, params, 0)  # init runs the stock code: identical parameters
     _close(y, model.apply(params, x), 2e-5)
     _close(g, jax.grad(_loss(model))(params, x), 1e-4)
-    assert sum(c.accelerated for c in acc.calls) == dense_calls
-    # the kernels really ran: their custom calls are in the compiled program
+    assert sum(c.accelerated for c in acc.calls) == fast_calls == len(acc.calls)
+    # the kernels really ran: their custom calls are in the compiled programs
     with jb.accelerate():
         hlo = jax.jit(model.apply).lower(params, x).as_text()
-    assert "jb_fc_fwd" in hlo
+        grad_hlo = jax.jit(jax.grad(_loss(model))).lower(params, x).as_text()
+    assert all(t in hlo for t in targets)
+    if "jb_conv_fwd" in targets:
+        assert "jb_conv_bwd" in grad_hlo and "jb_conv_upd" in grad_hlo
 
 
 def test_batchnorm_model_train_and_eval_mode():
@@ -94,7 +99,8 @@ def test_batchnorm_model_train_and_eval_mode():
         y_eval = jax.jit(lambda v: model.apply(v, x, train=False))(variables)
     _close(fast, stock, 1e-4)
     _close(y_eval, model.apply(variables, x, train=False), 2e-5)
-    assert [c.path for c in acc.calls if c.accelerated] == ["Dense_0"]
+    assert [c.path for c in acc.calls if c.accelerated] == ["Conv_0", "ResBlock_0/Conv_0", "Dense_0"]
+    assert len(acc.calls) == 3
 
 
 def test_bfloat16_layers():
@@ -160,6 +166,37 @@ def test_decorator_and_outside_the_context_is_stock():
 
     assert "jb_fc_fwd" in hlo()
     assert "jb_fc_fwd" not in jax.jit(model.apply).lower(params, x).as_text()
+
+
+def test_conv_forms_and_fallbacks_say_why():
+    """Conv calls in every supported form run on the kernels with the stock results; dilation,
+    feature groups, 3-D, negative padding and a custom conv run stock, each with its reason."""
+    x = jax.random.normal(jax.random.key(0), (2, 9, 8, 4))
+    mask = (jnp.arange(3 * 3 * 4 * 6).reshape(3, 3, 4, 6) % 3 != 0).astype(jnp.float32)
+    fast = [nn.Conv(6, (3, 3), strides=2, padding="VALID"),
+            nn.Conv(6, (1, 3), padding=((1, 0), (2, 1)), use_bias=False),
+            nn.Conv(6, (3, 3), padding="CIRCULAR"),
+            nn.Conv(6, (3, 3), mask=mask),
+            nn.Conv(5, 3, padding="CAUSAL")]  # 1-D over the rows of each image
+    slow = [(nn.Conv(6, (3, 3), kernel_dilation=2), "kernel dilation"),
+            (nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)), input_dilation=2), "input dilation"),
+            (nn.Conv(6, (3, 3), feature_group_count=2), "feature groups"),
+            (nn.Conv(6, (3, 3), padding=((-1, 0), (0, 0))), "negative padding"),
+            (nn.Conv(6, (1, 1, 1)), "3-D convolution"),
+            (nn.Conv(6, (3, 3), conv_general_dilated=jax.lax.conv_general_dilated),
+             "custom conv_general_dilated")]
+    for layer, reason in [(f, "") for f in fast] + slow:
+        params = layer.init(jax.random.key(1), x)
+        loss = lambda p: jnp.sum(jnp.tanh(layer.apply(p, x)))  # noqa: E731
+        with jb.accelerate() as acc:
+            y = jax.jit(layer.apply)(params, x)
+            g = jax.grad(loss)(params)
+        want = layer.apply(params, x)
+        assert y.shape == want.shape
+        _close(y, want, 2e-5)
+        _close(g, jax.grad(loss)(params), 1e-4)
+        (call,) = acc.calls
+        assert call.accelerated == (not reason) and call.reason == reason, call
 
 
 class RNNClassifier(nn.Module):  # an RNN classifier as in the Flax docs: stacked RNNs + Dense

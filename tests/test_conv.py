@@ -211,3 +211,30 @@ def test_hypothesis_shapes(h, w, c, k, r, s, sh, sw, pad, bf16):
         return
     check_layer((2, h, w, c), k, (r, s), strides=(sh, sw), padding=pad,
                 dtype=jnp.bfloat16 if bf16 else None, tol=5e-2 if bf16 else 2e-4)
+
+
+@pytest.mark.parametrize("activation,strides,padding", [(None, (2, 2), "SAME"), ("relu", (1, 2), ((1, 0), (2, 1))),
+                                                         ("gelu", (1, 1), "VALID")])
+def test_grad_of_grad(activation, strides, padding):
+    """jax.grad(jax.grad(...)) through jb.conv2d matches the stock convolution's (fp32)."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(keys[0], (2, 7, 6, 3))
+    w = 0.3 * jax.random.normal(keys[1], (3, 3, 3, 5))
+    b = 0.1 * jax.random.normal(keys[2], (5,))
+    act = {None: lambda v: v, "relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=True)}[activation]
+
+    def stock_conv(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return act(y + b)
+
+    def fast_conv(x, w, b):
+        return jb.conv2d(x, w, b, strides=strides, padding=padding, activation=activation)
+
+    def outer(conv):
+        inner = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(conv(x, w, b))), argnums=(0, 1, 2))
+        return jax.grad(lambda x, w, b: sum(jnp.sum(jnp.cos(g)) for g in inner(x, w, b)), argnums=(0, 1, 2))
+
+    want = outer(stock_conv)(x, w, b)
+    got = jax.jit(outer(fast_conv))(x, w, b)
+    for a, e in zip(got, want):
+        np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-4)

@@ -368,29 +368,49 @@ class Batch(NamedTuple):
     weight: np.ndarray
 
 
-def _batch(inputs, labels, index, batch_size) -> Batch:
+def _batch(inputs, labels, index, batch_size, shard=(0, 1)) -> Batch:
     # The last batch is padded to the full size (allowed by the rules) so one
     # compiled step serves the whole epoch; padding rows have weight 0.
+    # shard = (i, n): only rows [i * batch_size // n, (i + 1) * batch_size // n) of the
+    # (padded) batch are gathered, the part process i of n reads and preprocesses.
     n = len(index)
     weight = np.zeros(batch_size, np.float32)
     weight[:n] = 1.0
     if n < batch_size:
         index = np.concatenate([index, np.zeros(batch_size - n, index.dtype)])
+    i, count = shard
+    if count > 1:
+        rows = batch_size // count
+        index, weight = index[i * rows:(i + 1) * rows], weight[i * rows:(i + 1) * rows]
     return Batch(inputs[index], labels[index], weight)
 
 
-def train_batches(inputs, labels, batch_size: int, seed: int, epoch: int) -> Iterator[Batch]:
-    """One epoch in a random order drawn from (seed, epoch): every example once."""
+def _check_shard(batch_size, shard):
+    i, count = shard
+    if not 0 <= i < count or batch_size % count:
+        raise ValueError(f"shard {shard} of a batch of {batch_size}: need 0 <= i < n and "
+                         f"n dividing the batch size")
+
+
+def train_batches(inputs, labels, batch_size: int, seed: int, epoch: int,
+                  shard=(0, 1)) -> Iterator[Batch]:
+    """One epoch in a random order drawn from (seed, epoch): every example once.
+
+    With ``shard=(i, n)``, process i of n gets its rows of the same global batches, in
+    the same order, as one process gets whole (data parallelism over n processes).
+    """
+    _check_shard(batch_size, shard)
     order = np.random.default_rng([seed, epoch]).permutation(len(inputs))
     for start in range(0, len(order), batch_size):
-        yield _batch(inputs, labels, order[start:start + batch_size], batch_size)
+        yield _batch(inputs, labels, order[start:start + batch_size], batch_size, shard)
 
 
-def eval_batches(inputs, labels, batch_size: int) -> Iterator[Batch]:
-    """The whole evaluation set in its stored order."""
+def eval_batches(inputs, labels, batch_size: int, shard=(0, 1)) -> Iterator[Batch]:
+    """The whole evaluation set in its stored order (this process's rows with ``shard``)."""
+    _check_shard(batch_size, shard)
     order = np.arange(len(inputs))
     for start in range(0, len(order), batch_size):
-        yield _batch(inputs, labels, order[start:start + batch_size], batch_size)
+        yield _batch(inputs, labels, order[start:start + batch_size], batch_size, shard)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:

@@ -70,10 +70,14 @@ def table(summary: dict) -> str:
     for r in summary["runs"]:
         accuracy = r["evals"][-1]["accuracy"] if r["evals"] else None
         compliance = {True: "pass", False: "FAIL", None: "-"}[r["compliance"]]
-        lines.append(f"{r['index']:>3}  {r['seed']:>10}  {r['status']:>8}  {r['epochs']:>6}  "
+        status = r["status"] + ("*" if r.get("resumed") else "")
+        lines.append(f"{r['index']:>3}  {r['seed']:>10}  {status:>8}  {r['epochs']:>6}  "
                      f"{_fmt(accuracy, '.4f'):>8}  {r['time_to_train']:>8.1f}  "
                      f"{r['throughput']:>7.0f}  {100 * r['data_fraction']:>4.1f}%  {compliance}")
     lines.append(f"seeds: {summary['runs'][0]['seed_source']}" if summary["runs"] else "")
+    if summary.get("resumed"):
+        lines.append(f"* resumed from a checkpoint (time: the timed parts added up); "
+                     f"{summary['resumed']['note']}")
     s = summary["score"]
     value = "invalid" if s["value"] is None else f"{s['value']:.1f} s"
     method = "olympic mean" if s["method"] == "olympic" else "mean"
@@ -95,7 +99,8 @@ def table(summary: dict) -> str:
                      f"{_fmt(summary['final_quality_geomean'], '.4f')}")
     if not summary["official"]:
         lines.append("not an official result (an official one is a closed-division set of "
-                     "the benchmark's run count with a valid score and a passed RCP check)")
+                     "the benchmark's run count with a valid score, a passed RCP check and "
+                     "no resumed run)")
     return "\n".join(lines)
 
 

@@ -158,6 +158,63 @@ MLP = Benchmark(
 
 
 
+def _resnet_model(impl, dtype):
+    from jax_brgemm.models.resnet import ResNet, ResNetBlock
+
+    # ResNet-8 for 28x28 images: a 3x3 stem and one basic block per stage at 16, 32 and 64
+    # filters (28x28, 14x14, 7x7), global average pooling, 10 logits.
+    return ResNet(stage_sizes=[1, 1, 1], block_cls=ResNetBlock, num_classes=10, num_filters=16,
+                  small_images=True, impl=impl, dtype=dtype)
+
+
+RESNET = Benchmark(
+    name="resnet",
+    description="ResNet-8 (small images, width 16-64, BatchNorm) on Fashion-MNIST",
+    dataset=data.FASHION_MNIST,
+    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
+        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "nhwc")),
+    model=_resnet_model,
+    model_state=("batch_stats",),
+    loss=task.softmax_cross_entropy,
+    metric=task.TOP1,
+    target=0.90,
+    max_epochs=8,
+    eval_every_epochs=1,
+    eval_batch_size=2000,
+    num_runs=5,
+    hparams={
+        "common": {
+            "global_batch_size": 128,
+            "opt_name": "sgd",
+            "opt_base_learning_rate": 0.1,
+            "opt_end_learning_rate": 0.0,
+            "opt_learning_rate_warmup_epochs": 0.5,
+            "opt_learning_rate_decay_schedule": "cosine",
+            "opt_learning_rate_decay_epochs": 8.0,
+        },
+        "sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True, "opt_weight_decay": 5e-4},
+        "lars": {"opt_base_learning_rate": 2.0},
+        "adam": {"opt_base_learning_rate": 1e-3},
+        "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
+        "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
+    },
+    tunable={
+        "common": _SCHEDULE_TABLE,
+        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
+                "sgd_opt_momentum": Range(0.8, 0.99),
+                "sgd_opt_nesterov": OneOf([True, False]),
+                "opt_weight_decay": Range(0, 1e-3)},
+        "lars": {"opt_base_learning_rate": Range(0, 30, lo_open=True),
+                 "lars_opt_momentum": Range(0.8, 0.99),
+                 "lars_opt_weight_decay": Range(0, 1e-3)},
+        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
+        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
+                  "opt_adamw_weight_decay": Range(0, 0.1)},
+        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
+                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
+    },
+)
+
 def _lstm_model(impl, dtype):
     from jax_brgemm.models import LSTMClassifier
 
@@ -207,4 +264,4 @@ LSTM = Benchmark(
     },
 )
 
-SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP, LSTM]}
+SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP, RESNET, LSTM]}

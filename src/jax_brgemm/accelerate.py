@@ -1,7 +1,7 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
-Inside the context, every ``flax.linen.Dense`` call that the kernels support computes with
-``jb.dense`` on exactly the parameters the stock module created; everything else runs the
+Inside the context, every ``flax.linen.Dense`` and ``flax.linen.Conv`` call that the kernels
+support computes with ``jb.dense`` / ``jb.conv2d`` on exactly the parameters the stock module created; everything else runs the
 stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
 parameter trees, and checkpoints, are the stock ones by construction::
 
@@ -96,14 +96,18 @@ def accelerate(report: bool = False) -> Accelerate:
     """Runs the supported stock Flax layers traced inside the context on the kernels.
 
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation) and
-    ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or ``LSTMCell`` (the whole sequence as one
-    fused ``jb.lstm`` call on the cell's parameters). A call falls back to the stock module,
-    unchanged, for a custom ``dot_general`` / ``dot_general_cls`` / ``promote_dtype``, a
-    computation dtype other than float32 or bfloat16, or a subclass of the layer; an RNN
-    also for other cells (or subclasses of these), gate / activation functions other than
-    sigmoid / tanh, non-default scan settings (``variable_axes``, ``variable_broadcast``,
-    ``variable_carry``), inputs without a batch dim, and ``seq_lengths`` with
-    ``return_carry=True`` (each sequence's own last carry). ``report=True`` prints, on exit, which calls ran
+    ``flax.linen.Conv`` (1-D and 2-D, every padding form with non-negative pads, strides,
+    masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
+    ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
+    A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
+    ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
+    other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
+    also for input or kernel dilation, feature groups, negative (cropping) padding or 3-D;
+    an RNN also for other cells (or subclasses of these), gate / activation functions other
+    than sigmoid / tanh, non-default scan settings (``variable_axes``,
+    ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
+    ``seq_lengths`` with ``return_carry=True`` (each sequence's own last carry).
+    ``report=True`` prints, on exit, which calls ran
     on the kernels and why the others did not (also in ``.calls``).
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
@@ -121,6 +125,15 @@ def _dense(module: nn.Dense, args, kwargs):
     if "kernel" not in params or (module.use_bias and "bias" not in params):
         return None, "parameters not created yet"
     return jbnn.dense_on_kernels(module, args[0], params["kernel"], params.get("bias"))
+
+
+def _conv(module: nn.Conv, args, kwargs):
+    params = module.variables.get("params", {})
+    if len(args) != 1 or kwargs:
+        return None, "unexpected arguments"
+    if "kernel" not in params or (module.use_bias and "bias" not in params):
+        return None, "parameters not created yet"
+    return jbnn.conv_on_kernels(module, args[0], params["kernel"], params.get("bias"))
 
 
 _SIGMOIDS = {nn.sigmoid, jax.nn.sigmoid}
@@ -198,6 +211,6 @@ def _rnn(module: nn.RNN, args, kwargs):
                                 dtype=dtype, seq_lengths=seq_lengths, **opt), ""
 
 
-_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.RNN: _rnn}
+_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn}
 
 __all__ = ["accelerate", "Accelerate", "Call"]

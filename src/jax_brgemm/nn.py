@@ -314,7 +314,7 @@ from flax.linen.linear import _conv_dimension_numbers, canonicalize_padding  # n
 
 from jax_brgemm.ops.conv import conv2d  # noqa: E402
 
-__all__ += ["Conv"]
+__all__ += ["Conv", "conv_on_kernels"]
 
 
 class Conv(Module):
@@ -403,7 +403,7 @@ class Conv(Module):
             v = 1 if v is None else v
             return (v,) * rank if isinstance(v, int) else tuple(v)
 
-        inputs = jnp.asarray(inputs)
+        inputs = raw_inputs = jnp.asarray(inputs)
         batch_dims = inputs.ndim - (rank + 1)
         if batch_dims < 0:
             raise ValueError(f"{op}: a {rank}-D convolution needs inputs of rank >= {rank + 1} "
@@ -434,62 +434,117 @@ class Conv(Module):
         if self.mask is not None and self.mask.shape != kernel_shape:
             raise ValueError('Mask needs to have the same shape as weights. '
                              f'Shapes are: {self.mask.shape}, {kernel_shape}')
-        kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
+        kernel = raw_kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:
             kernel *= self.mask
         bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
 
-        y = self._on_kernels(inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation)
-        if y is None:  # flax.linen.Conv's computation, for what the kernels cannot run
-            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-            if self.conv_general_dilated_cls is not None:
-                conv = self.conv_general_dilated_cls()
-            else:
-                conv = self.conv_general_dilated or lax.conv_general_dilated
-            y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-                     rhs_dilation=kernel_dilation, dimension_numbers=_conv_dimension_numbers(inputs.shape),
-                     feature_group_count=self.feature_group_count, precision=self.precision)
-            if bias is not None:
-                y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-            y = _activations.apply(self.activation, y)
+        # the kernels take the unpadded, unflattened inputs and the unmasked kernel
+        y, _ = conv_on_kernels(self, raw_inputs, raw_kernel, bias, self.activation)
+        if y is not None:
+            return y
+        # flax.linen.Conv's computation, for what the kernels cannot run
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.conv_general_dilated_cls is not None:
+            conv = self.conv_general_dilated_cls()
+        else:
+            conv = self.conv_general_dilated or lax.conv_general_dilated
+        y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
+                 rhs_dilation=kernel_dilation, dimension_numbers=_conv_dimension_numbers(inputs.shape),
+                 feature_group_count=self.feature_group_count, precision=self.precision)
+        if bias is not None:
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        y = _activations.apply(self.activation, y)
         if batch_dims != 1:
             y = jnp.reshape(y, batch_shape + y.shape[1:])
         return y
 
-    def _on_kernels(self, inputs, kernel, bias, strides, padding, input_dilation, kernel_dilation):
-        """The convolution on the kernels, or None where they cannot run it."""
-        rank = len(strides)
-        if (rank not in (1, 2) or self.feature_group_count != 1 or self.conv_general_dilated is not None
-                or self.conv_general_dilated_cls is not None
-                or any(d != 1 for d in input_dilation + kernel_dilation)):
-            return None
+
+def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
+    """``(y, "")``: a Conv ``layer``'s result on the kernels, or ``(None, why not)``.
+
+    ``layer`` has ``flax.linen.Conv``'s fields (``kernel_size``, ``strides``, ``padding``,
+    dilations, ``feature_group_count``, ``mask``, ``dtype``, ``promote_dtype``,
+    ``conv_general_dilated(_cls)``): a stock module or this module's ``Conv``. ``inputs``
+    are the layer's call argument, ``kernel`` and ``bias`` its parameters (the kernel not
+    yet masked); the result is what the layer returns (batch dims restored), with
+    ``activation`` fused.
+    """
+    kernel_size = ((layer.kernel_size,) if isinstance(layer.kernel_size, int)
+                   else tuple(layer.kernel_size))
+    rank = len(kernel_size)
+
+    def broadcast(v):
+        v = 1 if v is None else v
+        return (v,) * rank if isinstance(v, int) else tuple(v)
+
+    if rank not in (1, 2):
+        return None, f"{rank}-D convolution"
+    if layer.feature_group_count != 1:
+        return None, "feature groups"
+    if layer.conv_general_dilated is not None or layer.conv_general_dilated_cls is not None:
+        return None, "custom conv_general_dilated"
+    strides, input_dilation, kernel_dilation = map(
+        broadcast, (layer.strides, layer.input_dilation, layer.kernel_dilation))
+    if any(d != 1 for d in input_dilation):
+        return None, "input dilation"
+    if any(d != 1 for d in kernel_dilation):
+        return None, "kernel dilation"
+    inputs = jnp.asarray(inputs)
+    batch_dims = inputs.ndim - (rank + 1)
+    if batch_dims < 0 or jnp.shape(kernel) != kernel_size + (inputs.shape[-1], layer.features):
+        return None, "unexpected shapes"
+    batch_shape = inputs.shape[:batch_dims]
+    if batch_dims != 1:
+        inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
+    try:
+        padding = canonicalize_padding(layer.padding, rank)
+    except (TypeError, ValueError) as e:
+        return None, f"padding ({e})"
+    if padding in ('CIRCULAR', 'REFLECT'):
+        pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in kernel_size] + [(0, 0)]
+        inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
+        padding = 'VALID'
+    elif padding == 'CAUSAL':
+        if rank != 1:
+            return None, "causal padding of a 2-D convolution"
+        inputs = jnp.pad(inputs, [(0, 0), (kernel_size[0] - 1, 0), (0, 0)])
+        padding = 'VALID'
+    if not isinstance(padding, str):
+        padding = [tuple(p) for p in padding]
+        if any(v < 0 for p in padding for v in p):
+            return None, "negative padding"  # cropping: only the stock convolution takes it
+    elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
+        return None, f"padding {padding!r}"
+    if layer.mask is not None:
+        if jnp.shape(layer.mask) != jnp.shape(kernel):
+            return None, "mask shape"
+        kernel = kernel * layer.mask
+    if layer.promote_dtype is promote_dtype:
+        try:
+            dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=layer.dtype))
+        except ValueError as e:  # the stock computation raises it again
+            return None, f"dtype ({e})"
+        if dtype not in check.KERNEL_DTYPES:
+            return None, f"{dtype} computation"
+        # the kernel and bias go in as they are and are cast inside the custom call
+        kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
+                        for a in (kernel, bias))
+        inputs = jnp.asarray(inputs, dtype)
+    else:
+        inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
+        dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
+        if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+            return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
+        dtype = dtypes.pop()
+    if rank == 1:  # a 1-D convolution is a 2-D one over a single row
         if not isinstance(padding, str):
-            padding = [tuple(p) for p in padding]
-            if any(v < 0 for p in padding for v in p):
-                return None  # cropping: only the stock convolution takes negative paddings
-        elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
-            return None
-        if self.promote_dtype is promote_dtype:
-            try:
-                dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=self.dtype))
-            except ValueError:
-                return None
-            if dtype not in check.KERNEL_DTYPES:
-                return None
-            # the kernel and bias go in as they are and are cast inside the custom call
-            kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
-                            for a in (kernel, bias))
-            inputs = jnp.asarray(inputs, dtype)
-        else:
-            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-            dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
-            if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
-                return None
-            dtype = dtypes.pop()
-        if rank == 1:  # a 1-D convolution is a 2-D one over a single row
-            if not isinstance(padding, str):
-                padding = [(0, 0)] + padding
-            return conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
-                          activation=self.activation, dtype=dtype)[:, 0]
-        return conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=self.activation,
-                      dtype=dtype)
+            padding = [(0, 0)] + padding
+        y = conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
+                   activation=activation, dtype=dtype)[:, 0]
+    else:
+        y = conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=activation,
+                   dtype=dtype)
+    if batch_dims != 1:
+        y = jnp.reshape(y, batch_shape + y.shape[1:])
+    return y, ""

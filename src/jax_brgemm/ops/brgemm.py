@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm import _validate as check
+from jax_brgemm.ops import partitioning
 
 _F32, _BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 
@@ -91,14 +92,34 @@ def _unbroadcast(x, shape):
     return jnp.sum(x, axis=axes).reshape(shape) if axes else x
 
 
-def _call(a, b, c, out_dtype):
+def _ffi(*operands, out_dtype):
+    a, b = operands[:2]
+    c = operands[2] if len(operands) == 3 else None
     lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3], () if c is None else c.shape[:-2])
     out = jax.ShapeDtypeStruct(lead + (a.shape[-2], b.shape[-1]), out_dtype)
     # expand_dims: vmap hands unbatched operands over with a size-1 leading dim, which the
     # handler broadcasts in place instead of materializing copies.
-    if c is None:
-        return jax.ffi.ffi_call("jb_brgemm", out, vmap_method="expand_dims")(a, b)
-    return jax.ffi.ffi_call("jb_brgemm_acc", out, vmap_method="expand_dims")(a, b, c)
+    target = "jb_brgemm" if c is None else "jb_brgemm_acc"
+    return (jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(*operands),)
+
+
+@partitioning.cached
+def _target(kinds, out_dtype):
+    return partitioning.rows(partial(_ffi, out_dtype=out_dtype), kinds, (partitioning.ROWS,))
+
+
+def _call(a, b, c, out_dtype):
+    operands = (a, b) if c is None else (a, b, c)
+    lead = jnp.broadcast_shapes(*(x.shape[:-3] for x in (a, b)),
+                                *(() if c is None else (c.shape[:-2],)))
+    # Batch-partitionable over the first leading dim: operands that have it (not
+    # broadcast into it) are split with it; the others are replicated.
+    ranks = (a.ndim - 3, b.ndim - 3) + (() if c is None else (c.ndim - 2,))
+    kinds = tuple(partitioning.ROWS if lead and r == len(lead) and x.shape[0] == lead[0]
+                  else None for x, r in zip(operands, ranks))
+    if not lead:
+        return _ffi(*operands, out_dtype=out_dtype)[0]
+    return _target(kinds, np.dtype(out_dtype))(*operands)[0]
 
 
 def _grads(a, b, g):

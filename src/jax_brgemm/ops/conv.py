@@ -26,7 +26,7 @@ from jax import lax
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm._native import ACTIVATION_CODES
-from jax_brgemm.ops.dense import _act_grad_call
+from jax_brgemm.ops.dense import _act_grad
 
 _NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
 _OP = "jb.conv2d"
@@ -163,9 +163,9 @@ def _forward(x, kernel, bias, cfg):
         x, kernel, b, act=np.int32(act), **_geometry(cfg))
 
 
-def _act_grad(dy, saved, act):
-    k = dy.shape[-1]  # element-wise: the FC layer's call over the output's pixels
-    return _act_grad_call(dy.reshape(-1, k), saved.reshape(-1, k), act).reshape(dy.shape)
+def _flat_act_grad(dy, saved, act):
+    k = dy.shape[-1]  # element-wise: the FC layer's differentiable call over the output's pixels
+    return _act_grad(dy.reshape(-1, k), saved.reshape(-1, k), act).reshape(dy.shape)
 
 
 def _backward(dz, kernel, x_shape, cfg):
@@ -173,32 +173,99 @@ def _backward(dz, kernel, x_shape, cfg):
     return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_geometry(cfg))
 
 
-def _update(x, dz, kernel, with_bias, cfg):
-    dw = jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)
-    db = jax.ShapeDtypeStruct((kernel.shape[-1] if with_bias else 0,), jnp.float32)
+def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
+    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
+    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias else 0,), jnp.float32)
     return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
+# --- the differentiable passes -------------------------------------------------------------
+# As in ops/dense.py: each pass is a custom_vjp function whose bwd is made of the others and
+# whose fwd computes its outputs by calling itself, so an outer differentiation (grad of grad)
+# sees only differentiable functions. The geometry (activation, strides, pads) is static.
+
+
 def _conv(x, kernel, bias, cfg):
-    return _forward(x, kernel, bias, cfg)[0]
+    return _conv_pass(x, kernel, bias, cfg)[0]
 
 
-def _conv_fwd(x, kernel, bias, cfg):
-    y, z = _forward(x, kernel, bias, cfg)
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_pass(x, kernel, bias, cfg):
+    """(y, z) = (act(conv(x, kernel) + bias), the pre-activation for gelu or an empty array)."""
+    return _forward(x, kernel, bias, cfg)
+
+
+def _conv_pass_fwd(x, kernel, bias, cfg):
+    y, z = _conv_pass(x, kernel, bias, cfg)
     act = cfg[0]
     saved = None if act == _NONE else z if act == _GELU else y
-    return y, (x, kernel, bias, saved)
+    return (y, z), (x, kernel, bias, saved)
 
 
-def _conv_bwd(cfg, res, g):
+def _conv_pass_bwd(cfg, res, cotangents):
     x, kernel, bias, saved = res
+    gy, gz = cotangents
     act = cfg[0]
-    g = g.astype(x.dtype)
-    dz = g if act == _NONE else _act_grad(g, saved, act)
-    dx = _backward(dz, kernel, x.shape, cfg)
-    dw, db = _update(x, dz, kernel, bias is not None, cfg)
+    gy = gy.astype(x.dtype)
+    if act == _NONE:
+        dz = gy
+    else:
+        dz = _flat_act_grad(gy, saved, act)
+        if act == _GELU:  # z is an output too
+            dz = dz + gz.astype(dz.dtype)
+    dx = _conv_bwd_pass(dz, kernel, x.shape, cfg)
+    dw, db = _conv_upd(x, dz, kernel.shape, np.dtype(kernel.dtype), bias is not None, cfg)
     return dx, dw, None if bias is None else db.astype(bias.dtype)
 
 
-_conv.defvjp(_conv_fwd, _conv_bwd)
+_conv_pass.defvjp(_conv_pass_fwd, _conv_pass_bwd)
+
+
+def _linear(cfg):
+    """The same geometry without the activation (the passes below are linear)."""
+    return (_NONE,) + tuple(cfg[1:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv_bwd_pass(dz, kernel, x_shape, cfg):
+    """dx: the transposed convolution of dz (the dual convolution)."""
+    return _backward(dz, kernel, x_shape, cfg)
+
+
+def _conv_bwd_pass_fwd(dz, kernel, x_shape, cfg):
+    return _conv_bwd_pass(dz, kernel, x_shape, cfg), (dz, kernel)
+
+
+def _conv_bwd_pass_bwd(x_shape, cfg, res, g):
+    # <g, conv^T_w(dz)> = <conv_w(g), dz>: d dz = conv_w(g), d w = upd(g, dz)
+    dz, kernel = res
+    g = g.astype(dz.dtype)
+    d_dz = _conv(g, kernel, None, _linear(cfg))
+    d_kernel, _ = _conv_upd(g, dz, kernel.shape, np.dtype(kernel.dtype), False, cfg)
+    return d_dz.astype(dz.dtype), d_kernel
+
+
+_conv_bwd_pass.defvjp(_conv_bwd_pass_fwd, _conv_bwd_pass_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _conv_upd(x, dz, w_shape, w_dtype, with_bias, cfg):
+    """(dkernel in w_dtype, dbias: the sums of dz over (N, P, Q) in float32, or empty)."""
+    return _update(x, dz, w_shape, w_dtype, with_bias, cfg)
+
+
+def _conv_upd_fwd(x, dz, w_shape, w_dtype, with_bias, cfg):
+    return _conv_upd(x, dz, w_shape, w_dtype, with_bias, cfg), (x, dz)
+
+
+def _conv_upd_bwd(w_shape, w_dtype, with_bias, cfg, res, cotangents):
+    # <g_w, upd(x, dz)> + <g_b, sum dz> = <conv_{g_w}(x) + g_b, dz>
+    x, dz = res
+    g_w, g_b = cotangents
+    g_w = g_w.astype(x.dtype)
+    d_x = _conv_bwd_pass(dz, g_w, x.shape, _linear(cfg))
+    d_dz = _conv(x, g_w, g_b if with_bias else None, _linear(cfg))
+    return d_x.astype(x.dtype), d_dz.astype(dz.dtype)
+
+
+_conv_upd.defvjp(_conv_upd_fwd, _conv_upd_bwd)

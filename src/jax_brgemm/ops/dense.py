@@ -39,6 +39,7 @@ import numpy as np
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm._native import ACTIVATION_CODES
+from jax_brgemm.ops import partitioning
 
 _NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
 
@@ -102,21 +103,68 @@ def _dense_xla(x, kernel, bias, activation, dtype):
 # All on 2-D operands. vmap_method="expand_dims": under vmap every operand arrives with the
 # batch dims in front (size 1 when unbatched); the handlers read unbatched operands in
 # place and fold the batch into the mini-batch when the weights are shared.
+# Each call is batch-partitionable (partitioning.rows): under jit with the rows of the
+# mini-batch sharded, it runs per shard; the weight update's partial sums are psum'ed.
+
+
+def _fc_ffi(x, kernel, b, *, act):
+    n, k = x.shape[0], kernel.shape[1]
+    y = jax.ShapeDtypeStruct((n, k), x.dtype)
+    z = jax.ShapeDtypeStruct((n, k) if act == _GELU else (0,), x.dtype)
+    return tuple(jax.ffi.ffi_call("jb_fc_fwd", (y, z), vmap_method="expand_dims")(
+        x, kernel, b, act=np.int32(act)))
+
+
+def _act_grad_ffi(dy, saved, *, act):
+    out = jax.ShapeDtypeStruct(dy.shape, dy.dtype)
+    return tuple(jax.ffi.ffi_call("jb_fc_act_grad", (out,), vmap_method="expand_dims")(
+        dy, saved, act=np.int32(act)))
+
+
+def _bwd_ffi(dy, saved, kernel, *, act):
+    out = jax.ShapeDtypeStruct((dy.shape[0], kernel.shape[0]), dy.dtype)
+    return tuple(jax.ffi.ffi_call("jb_fc_bwd", (out,), vmap_method="expand_dims")(
+        dy, saved, kernel, act=np.int32(act)))
+
+
+def _upd_ffi(x, dy, saved, *, w_shape, w_dtype, with_bias, act):
+    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
+    db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
+    return tuple(jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(
+        x, dy, saved, act=np.int32(act)))
+
+
+_R, _SUM = partitioning.ROWS, partitioning.SUM
+
+
+@partitioning.cached
+def _fc_target(act):
+    return partitioning.rows(partial(_fc_ffi, act=act), (_R, None, None), (_R, _R))
+
+
+@partitioning.cached
+def _act_grad_target(act):
+    return partitioning.rows(partial(_act_grad_ffi, act=act), (_R, _R), (_R,))
+
+
+@partitioning.cached
+def _bwd_target(act):
+    return partitioning.rows(partial(_bwd_ffi, act=act), (_R, _R, None), (_R,))
+
+
+@partitioning.cached
+def _upd_target(w_shape, w_dtype, with_bias, act):
+    return partitioning.rows(partial(_upd_ffi, w_shape=w_shape, w_dtype=w_dtype,
+                                     with_bias=with_bias, act=act), (_R, _R, _R), (_SUM, _SUM))
 
 
 def _fc_call(x, kernel, bias, act):
-    n, k = x.shape[0], kernel.shape[1]
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    y = jax.ShapeDtypeStruct((n, k), x.dtype)
-    z = jax.ShapeDtypeStruct((n, k) if act == _GELU else (0,), x.dtype)
-    return jax.ffi.ffi_call("jb_fc_fwd", (y, z), vmap_method="expand_dims")(
-        x, kernel, b, act=np.int32(act))
+    return _fc_target(act)(x, kernel, b)
 
 
 def _act_grad_call(dy, saved, act):
-    out = jax.ShapeDtypeStruct(dy.shape, dy.dtype)
-    return jax.ffi.ffi_call("jb_fc_act_grad", out, vmap_method="expand_dims")(
-        dy, saved, act=np.int32(act))
+    return _act_grad_target(act)(dy, saved)[0]
 
 
 def _no_saved(dy):
@@ -125,19 +173,14 @@ def _no_saved(dy):
 
 def _bwd_call(dy, kernel, saved=None, act=_NONE):
     """dx = (dy * act'(saved)) @ kernel.T; with act none, dz = dy."""
-    out = jax.ShapeDtypeStruct((dy.shape[0], kernel.shape[0]), dy.dtype)
     saved = _no_saved(dy) if saved is None else saved
-    return jax.ffi.ffi_call("jb_fc_bwd", out, vmap_method="expand_dims")(
-        dy, saved, kernel, act=np.int32(act))
+    return _bwd_target(act)(dy, saved, kernel)[0]
 
 
 def _upd_call(x, dy, w_shape, w_dtype, with_bias, saved=None, act=_NONE):
     """(x.T @ dz, the column sums of dz) with dz = dy * act'(saved); with act none, dz = dy."""
-    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
     saved = _no_saved(dy) if saved is None else saved
-    return jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(
-        x, dy, saved, act=np.int32(act))
+    return _upd_target(tuple(w_shape), np.dtype(w_dtype), with_bias, act)(x, dy, saved)
 
 
 # --- the differentiable passes -------------------------------------------------------------
