@@ -244,7 +244,6 @@ LSTM = Benchmark(
             "opt_learning_rate_warmup_epochs": 0.0,
             "opt_learning_rate_decay_schedule": "cosine",
             "opt_learning_rate_decay_epochs": 10.0,
-            "opt_learning_rate_decay_poly_power": 2.0,
         },
         "sgd": {"opt_base_learning_rate": 0.1, "sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True,
                 "opt_weight_decay": 0.0},
