@@ -15,52 +15,17 @@
 #include <vector>
 
 #include "check.h"
+#include "fixtures.h"
 #include "layers/conv.h"
 
 namespace {
 
+using jbtest::Tensor;
+using jbtest::TestPool;
+
 using jb::Activation;
 using jb::DType;
 namespace conv = jb::conv;
-
-struct TestPool {
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  jb::Executor executor(int64_t n) {
-    jb::Executor ex;
-    ex.num_threads = n;
-    if (n > 1)
-      ex.schedule = [this](std::function<void()> task) {
-        std::lock_guard<std::mutex> lock(mu);
-        threads.emplace_back(std::move(task));
-      };
-    return ex;
-  }
-  ~TestPool() {
-    for (auto& t : threads) t.join();
-  }
-};
-
-struct Tensor {
-  DType dt;
-  std::vector<float> f;
-  std::vector<uint16_t> h;
-  Tensor(DType dt, int64_t size) : dt(dt), f(size_t(size)), h(dt == DType::bf16 ? size_t(size) : 0) {}
-  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
-  void fill(std::mt19937& rng, float scale = 1.0f) {
-    std::uniform_real_distribution<float> u(-scale, scale);
-    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::bf16) {
-      h[i] = jb::f32_to_bf16(v);
-      f[i] = jb::bf16_to_f32(h[i]);
-    } else {
-      f[i] = v;
-    }
-  }
-  float get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
-};
 
 double act_ref(Activation a, double z) {
   switch (a) {

@@ -12,55 +12,18 @@
 #include <vector>
 
 #include "check.h"
+#include "fixtures.h"
 #include "layers/fc.h"
 #include <stdexcept>
 
 namespace {
 
+using jbtest::Tensor;
+using jbtest::TestPool;
+
 using jb::Activation;
 using jb::DType;
 namespace fc = jb::fc;
-
-// A pool for tests: every scheduled task gets its own thread, joined at the end.
-struct TestPool {
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  jb::Executor executor(int64_t n) {
-    jb::Executor ex;
-    ex.num_threads = n;
-    if (n > 1)
-      ex.schedule = [this](std::function<void()> task) {
-        std::lock_guard<std::mutex> lock(mu);
-        threads.emplace_back(std::move(task));
-      };
-    return ex;
-  }
-  ~TestPool() {
-    for (auto& t : threads) t.join();
-  }
-};
-
-// A tensor kept as fp32 values plus its storage in the chosen dtype.
-struct Tensor {
-  DType dt;
-  std::vector<float> f;      // the values as stored (bf16-rounded for bf16)
-  std::vector<uint16_t> h;  // bf16 storage
-  Tensor(DType dt, int64_t size) : dt(dt), f(size), h(dt == DType::bf16 ? size : 0) {}
-  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
-  void fill(std::mt19937& rng, float scale = 1.0f) {
-    std::uniform_real_distribution<float> u(-scale, scale);
-    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::bf16) {
-      h[i] = jb::f32_to_bf16(v);
-      f[i] = jb::bf16_to_f32(h[i]);
-    } else {
-      f[i] = v;
-    }
-  }
-  float get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
-};
 
 double act_ref(Activation a, double z) {
   switch (a) {

@@ -13,53 +13,17 @@
 #include <vector>
 
 #include "check.h"
+#include "fixtures.h"
 #include "layers/fc.h"
 #include "layers/lstm.h"
 
 namespace {
 
+using jbtest::Tensor;
+using jbtest::TestPool;
+
 using jb::DType;
 namespace lstm = jb::lstm;
-
-struct TestPool {
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  jb::Executor executor(int64_t n) {
-    jb::Executor ex;
-    ex.num_threads = n;
-    if (n > 1)
-      ex.schedule = [this](std::function<void()> task) {
-        std::lock_guard<std::mutex> lock(mu);
-        threads.emplace_back(std::move(task));
-      };
-    return ex;
-  }
-  ~TestPool() {
-    for (auto& t : threads) t.join();
-  }
-};
-
-// Values in fp32 plus their storage in dt (bf16-rounded values for bf16).
-struct Tensor {
-  DType dt;
-  std::vector<float> f;
-  std::vector<uint16_t> h;
-  Tensor(DType dt, size_t size) : dt(dt), f(size), h(dt == DType::bf16 ? size : 0) {}
-  void* data() { return dt == DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
-  void fill(std::mt19937& rng, float scale) {
-    std::uniform_real_distribution<float> u(-scale, scale);
-    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
-  }
-  void set(size_t i, float v) {
-    if (dt == DType::bf16) {
-      h[i] = jb::f32_to_bf16(v);
-      f[i] = jb::bf16_to_f32(h[i]);
-    } else {
-      f[i] = v;
-    }
-  }
-  double get(size_t i) const { return dt == DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
-};
 
 bool close(const Tensor& got, const std::vector<double>& want, double tol, const char* what,
            const char* ctx) {

@@ -1,0 +1,59 @@
+// What the layer tests share: a thread pool that gives every task its own thread, and a
+// tensor kept as fp32 values plus its storage in the dtype under test.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "brgemm/brgemm.h"
+#include "parallel/parallel_for.h"
+
+namespace jbtest {
+
+// A pool for tests: every scheduled task gets its own thread, joined at the end.
+struct TestPool {
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  jb::Executor executor(int64_t n) {
+    jb::Executor ex;
+    ex.num_threads = n;
+    if (n > 1)
+      ex.schedule = [this](std::function<void()> task) {
+        std::lock_guard<std::mutex> lock(mu);
+        threads.emplace_back(std::move(task));
+      };
+    return ex;
+  }
+  ~TestPool() {
+    for (auto& t : threads) t.join();
+  }
+};
+
+// f holds the values as stored (bf16-rounded for bf16), h the bf16 storage.
+struct Tensor {
+  jb::DType dt;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  Tensor(jb::DType dt, int64_t size)
+      : dt(dt), f(size_t(size)), h(dt == jb::DType::bf16 ? size_t(size) : 0) {}
+  void* data() { return dt == jb::DType::f32 ? static_cast<void*>(f.data()) : h.data(); }
+  void fill(std::mt19937& rng, float scale = 1.0f) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    for (size_t i = 0; i < f.size(); ++i) set(i, u(rng));
+  }
+  void set(size_t i, float v) {
+    if (dt == jb::DType::bf16) {
+      h[i] = jb::f32_to_bf16(v);
+      f[i] = jb::bf16_to_f32(h[i]);
+    } else {
+      f[i] = v;
+    }
+  }
+  float get(size_t i) const { return dt == jb::DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
+};
+
+}  // namespace jbtest
