@@ -109,6 +109,23 @@ FASHION_MNIST_SPLITS = {"train": ("train_images", "train_labels"),
 # Pixel statistics of the scaled [0, 1] Fashion-MNIST training images.
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
 
+# The closed division's table of the image-classification benchmarks (mlp, resnet).
+_IMAGE_TUNABLE = {
+    "common": _SCHEDULE_TABLE,
+    "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
+            "sgd_opt_momentum": Range(0.8, 0.99),
+            "sgd_opt_nesterov": OneOf([True, False]),
+            "opt_weight_decay": Range(0, 1e-3)},
+    "lars": {"opt_base_learning_rate": Range(0, 30, lo_open=True),
+             "lars_opt_momentum": Range(0.8, 0.99),
+             "lars_opt_weight_decay": Range(0, 1e-3)},
+    "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
+    "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
+              "opt_adamw_weight_decay": Range(0, 0.1)},
+    "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
+             "opt_lamb_weight_decay_rate": Range(0, 0.1)},
+}
+
 MLP = Benchmark(
     name="mlp",
     description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
@@ -139,21 +156,7 @@ MLP = Benchmark(
         "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
         "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
     },
-    tunable={
-        "common": _SCHEDULE_TABLE,
-        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
-                "sgd_opt_momentum": Range(0.8, 0.99),
-                "sgd_opt_nesterov": OneOf([True, False]),
-                "opt_weight_decay": Range(0, 1e-3)},
-        "lars": {"opt_base_learning_rate": Range(0, 30, lo_open=True),
-                 "lars_opt_momentum": Range(0.8, 0.99),
-                 "lars_opt_weight_decay": Range(0, 1e-3)},
-        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
-        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
-                  "opt_adamw_weight_decay": Range(0, 0.1)},
-        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
-                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
-    },
+    tunable=_IMAGE_TUNABLE,
 )
 
 
@@ -198,22 +201,9 @@ RESNET = Benchmark(
         "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
         "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
     },
-    tunable={
-        "common": _SCHEDULE_TABLE,
-        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
-                "sgd_opt_momentum": Range(0.8, 0.99),
-                "sgd_opt_nesterov": OneOf([True, False]),
-                "opt_weight_decay": Range(0, 1e-3)},
-        "lars": {"opt_base_learning_rate": Range(0, 30, lo_open=True),
-                 "lars_opt_momentum": Range(0.8, 0.99),
-                 "lars_opt_weight_decay": Range(0, 1e-3)},
-        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
-        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
-                  "opt_adamw_weight_decay": Range(0, 0.1)},
-        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
-                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
-    },
+    tunable=_IMAGE_TUNABLE,
 )
+
 
 def _lstm_model(impl, dtype):
     from jax_brgemm.models import LSTMClassifier
