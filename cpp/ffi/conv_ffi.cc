@@ -67,12 +67,11 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
     return invalid("jb_conv_fwd: w must be float32 or bfloat16");
   if (bias.element_type() != ffi::DataType::F32) return invalid("jb_conv_fwd: bias must be float32");
-  if (act_code < 0 || act_code > int32_t(Activation::tanh))
-    return invalid("jb_conv_fwd: unknown activation code " + std::to_string(act_code));
+  JB_TRY(act, ffi_util::activation(op, act_code));
   JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
   conv::Shape s = s0;
   s.dt = dt;
-  s.act = Activation(act_code);
+  s.act = act;
   const auto yd = y->dimensions();
   if (yd.size() < 4 || bias.dimensions().size() < 1)
     return invalid("jb_conv_fwd: y needs rank >= 4, bias rank >= 1");

@@ -28,18 +28,13 @@ namespace {
 
 namespace ffi = xla::ffi;
 using ffi_util::dims_str;
+using ffi_util::activation;
 using ffi_util::invalid;
 using ffi_util::guarded;
 using ffi_util::Items;
 using ffi_util::items_of;
 using ffi_util::operand;
 using ffi_util::ptr;
-
-ffi::ErrorOr<Activation> activation(const char* op, int32_t code) {
-  if (code < 0 || code > int32_t(Activation::tanh))
-    return ffi::Unexpected(invalid(std::string(op) + ": unknown activation code " + std::to_string(code)));
-  return Activation(code);
-}
 
 // ----------------------------------------------------------------------------------------
 

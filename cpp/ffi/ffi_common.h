@@ -109,6 +109,13 @@ inline ffi::ErrorOr<Lead> operand(const char* op, const char* name, ffi::AnyBuff
   return l;
 }
 
+// The activation an `act` attribute names, or an error naming the op.
+inline ffi::ErrorOr<Activation> activation(const char* op, int32_t code) {
+  if (code < 0 || code > int32_t(Activation::tanh))
+    return ffi::Unexpected(invalid(std::string(op) + ": unknown activation code " + std::to_string(code)));
+  return Activation(code);
+}
+
 // ---------------------------------------------------------------------------------------
 
 // Runs a layer call, turning exceptions (bad sizes, out of memory) into an ffi::Error
