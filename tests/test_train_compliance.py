@@ -96,6 +96,7 @@ def test_rcp_failure_rejects_the_result(full_set):
     assert all(r["status"] == "success" and r["compliance"] for r in summary["runs"])
     assert summary["rcp"]["status"] == "fail"
     assert "mlperf_logging RCP checker" in summary["rcp"]["message"]
+    assert "the result is rejected" in summary["rcp"]["message"]
     assert summary["score"]["valid"] is False and summary["score"]["value"] is None
     assert "RCP check fail" in summary["score"]["reason"] and not summary["official"]
     assert code == 1
@@ -110,6 +111,7 @@ def test_rcp_scaled_pass_writes_scaling_json_and_scales_the_score(tiny, full_set
     epochs = sorted(r["epochs"] for r in summary["runs"])
     mean = sum(epochs[1:-1]) / 3
     assert verdict["status"] == "pass" and verdict["scaling_factor"] == pytest.approx(3 / mean)
+    assert "scaled by" in verdict["message"] and "rejected" not in verdict["message"]
     assert json.loads((set_dir / "scaling.json").read_text()) == {
         "scaling_factor": pytest.approx(3 / mean)}
     raw = scoring.olympic_mean([r["time_to_train"] for r in summary["runs"]])
@@ -122,6 +124,7 @@ def test_rcp_pass_without_scaling_and_missing_rcp(tiny, full_set):
     _record_reference(tiny, [1, 1, 1, 1, 1])  # slower than the tiny runs: plain pass
     verdict = rcp.check(tiny["bench"], set_dir, 5, "closed")
     assert verdict["status"] == "pass" and verdict["scaling_factor"] == 1.0
+    assert "not scaled" in verdict["message"] and "rejected" not in verdict["message"]
     assert not (set_dir / "scaling.json").exists()
     _record_reference(tiny, [1, 1, 1, 1, 1], batch_size=32)  # an RCP for another batch size
     assert rcp.check(tiny["bench"], set_dir, 5, "closed")["status"] == "missing"

@@ -74,9 +74,10 @@ def check(bench, set_dir: Path, num_runs: int, division: str) -> dict:
     else:
         status = "missing" if message.startswith(("Missing RCP", "Cannot find")) else "fail"
     factor = float(factor) if passed else 1.0
-    if status == "pass" and factor > 1:
+    if status == "pass":
         message += (f"; faster than the RCP mean within the allowed range: the score is "
-                    f"scaled by {factor:.4f} (scaling.json)")
+                    f"scaled by {factor:.4f} (scaling.json)" if factor > 1 else
+                    "; no faster than the RCP mean: the score is not scaled")
     elif message in ("RCP found", "RCP Interpolation"):
         message += ": converges faster than the reference allows; the result is rejected"
     return {"status": status, "message": f"mlperf_logging RCP checker: {message}",

@@ -4,12 +4,8 @@
 //   jb_fc_fwd       x (.., N, C), w (.., C, K), bias (.., K) or (.., 0)
 //                   -> y (.., N, K), z (.., N, K) for gelu else empty      attr act
 //   jb_fc_act_grad  dy (.., N, K), saved (.., N, K) -> dz (.., N, K)       attr act
-//   jb_fc_bwd       dy (.., N, K), saved, w (.., C, K) -> dx (.., N, C)       attr act
-//   jb_fc_upd       x (.., N, C), dy (.., N, K), saved
-//                   -> dw (.., C, K), db (.., K) or (.., 0)                  attr act
-//
-// The backward passes apply the activation's derivative themselves, dz = dy * act'(saved)
-// (saved: dy's shape, or empty with act = none, when dz = dy).
+//   jb_fc_bwd       dz (.., N, K), w (.., C, K) -> dx (.., N, C)
+//   jb_fc_upd       x (.., N, C), dz (.., N, K) -> dw (.., C, K), db (.., K) or (.., 0)
 //
 // The leading dims (..) come from vmap (vmap_method="expand_dims"): an operand's leading
 // dims broadcast numpy-style to the output's, so unbatched weights arrive with size-1
@@ -117,72 +113,52 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   });
 }
 
-// The derivative's input of a backward pass: dy's shape with an activation, else empty.
-ffi::ErrorOr<ffi_util::Lead> saved_operand(const char* op, const ffi::AnyBuffer& dy,
-                                           const ffi::AnyBuffer& saved, Activation act,
-                                           int64_t n, int64_t k, const Items& items) {
-  if (saved.element_type() != dy.element_type())
-    return ffi::Unexpected(invalid(std::string(op) + ": saved must have dy's dtype"));
-  if (act == Activation::none) {
-    if (saved.element_count() != 0)
-      return ffi::Unexpected(invalid(std::string(op) + ": saved must be empty without an activation"));
-    return ffi_util::Lead{std::vector<int64_t>(items.dims.size(), 0)};
-  }
-  return operand(op, "saved", saved.dimensions(), {n, k}, items);
-}
-
-ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer saved, ffi::AnyBuffer w,
-                  ffi::Result<ffi::AnyBuffer> dx, int32_t act_code) {
+ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
+                  ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = "jb_fc_bwd";
   DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(dy.element_type(), &dt) || dx->element_type() != dy.element_type())
-    return invalid("jb_fc_bwd: dy and dx must both be float32 or both bfloat16");
+  if (!ffi_util::kernel_dtype(dz.element_type(), &dt) || dx->element_type() != dz.element_type())
+    return invalid("jb_fc_bwd: dz and dx must both be float32 or both bfloat16");
   if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
     return invalid("jb_fc_bwd: w must be float32 or bfloat16");
-  JB_TRY(act, activation(op, act_code));
   const auto xd = dx->dimensions(), wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2) return invalid("jb_fc_bwd: dx and w need rank >= 2");
   const int64_t n = xd[xd.size() - 2], c = xd[xd.size() - 1], k = wd[wd.size() - 1];
   const Items items = items_of(xd, 2);
-  JB_TRY(ly, operand(op, "dy", dy.dimensions(), {n, k}, items));
-  JB_TRY(ls, saved_operand(op, dy, saved, act, n, k, items));
+  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, k}, items));
   JB_TRY(lw, operand(op, "w", wd, {c, k}, items));
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
   const Executor ex = ffi_util::executor(pool);
   const Dispatch& dp = dispatch();
-  const bool grad = act != Activation::none;
   return guarded(op, [&] {
-    if (lw.shared && ly.dense && (!grad || ls.dense)) {
-      fc::backward(ex, dp, {items.count * n, c, k, dt, act}, dy.untyped_data(),
-                   saved.untyped_data(), w.untyped_data(), w_dt, dx->untyped_data());
+    if (lw.shared && lz.dense) {
+      fc::backward(ex, dp, {items.count * n, c, k, dt}, dz.untyped_data(), w.untyped_data(), w_dt,
+                   dx->untyped_data());
       return;
     }
     for (int64_t i = 0; i < items.count; ++i)
-      fc::backward(ex, dp, {n, c, k, dt, act}, ptr(dy, items.offset(ly, i)),
-                   grad ? ptr(saved, items.offset(ls, i)) : nullptr, ptr(w, items.offset(lw, i)),
+      fc::backward(ex, dp, {n, c, k, dt}, ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)),
                    w_dt, ptr(dx, i * n * c));
   });
 }
 
-ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
-                  ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db, int32_t act_code) {
+ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
+                  ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db) {
   const char* op = "jb_fc_upd";
   DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dy.element_type() != x.element_type())
-    return invalid("jb_fc_upd: x and dy must both be float32 or both bfloat16");
+  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dz.element_type() != x.element_type())
+    return invalid("jb_fc_upd: x and dz must both be float32 or both bfloat16");
   if (!ffi_util::kernel_dtype(dw->element_type(), &w_dt))
     return invalid("jb_fc_upd: dw must be float32 or bfloat16");
   if (db->element_type() != ffi::DataType::F32) return invalid("jb_fc_upd: db must be float32");
-  JB_TRY(act, activation(op, act_code));
   const auto xd = x.dimensions(), wd = dw->dimensions();
   if (xd.size() < 2 || wd.size() < 2 || db->dimensions().size() < 1)
     return invalid("jb_fc_upd: x and dw need rank >= 2, db rank >= 1");
   const int64_t n = xd[xd.size() - 2], c = wd[wd.size() - 2], k = wd[wd.size() - 1];
   const Items items = items_of(wd, 2);
   JB_TRY(lx, operand(op, "x", xd, {n, c}, items));
-  JB_TRY(ly, operand(op, "dy", dy.dimensions(), {n, k}, items));
-  JB_TRY(ls, saved_operand(op, dy, saved, act, n, k, items));
+  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, k}, items));
   const bool has_db = db->element_count() != 0;
   const auto bd = db->dimensions();
   if (has_db && (bd.size() != wd.size() - 1 || bd[bd.size() - 1] != k ||
@@ -191,13 +167,11 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi
   if (items.count == 0 || c == 0 || k == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
   const Dispatch& dp = dispatch();
-  const bool grad = act != Activation::none;
   auto* db_f = static_cast<float*>(db->untyped_data());
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, dp, {n, c, k, dt, act}, ptr(x, items.offset(lx, i)), ptr(dy, items.offset(ly, i)),
-                 grad ? ptr(saved, items.offset(ls, i)) : nullptr, ptr(dw, i * c * k), w_dt,
-                 has_db ? db_f + i * k : nullptr);
+      fc::update(ex, dp, {n, c, k, dt}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
+                 ptr(dw, i * c * k), w_dt, has_db ? db_f + i * k : nullptr);
   });
 }
 
@@ -224,20 +198,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // saved
+                                  .Arg<ffi::AnyBuffer>()  // dz
                                   .Arg<ffi::AnyBuffer>()  // w
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Attr<int32_t>("act"));
+                                  .Ret<ffi::AnyBuffer>());  // dx
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // saved
+                                  .Arg<ffi::AnyBuffer>()  // dz
                                   .Ret<ffi::AnyBuffer>()  // dw
-                                  .Ret<ffi::AnyBuffer>()  // db
-                                  .Attr<int32_t>("act"));
+                                  .Ret<ffi::AnyBuffer>());  // db
 
 }  // namespace jb

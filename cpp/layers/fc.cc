@@ -65,10 +65,9 @@ Key key_of(const Shape& s, bool bias, int64_t threads, const Dispatch& dp, const
 // computed with it.
 
 struct PanelPlan {
-  // `act` is fused into the output (forward); `grad_of` is applied to the A operand
-  // (backward: its derivative, dz = dy * act'(saved)).
+  // `act` is fused into the output (forward only).
   PanelPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t out_cols, int64_t reduced,
-            bool bias, Activation act, Activation grad_of, int64_t threads)
+            bool bias, Activation act, int64_t threads)
       : b(fixed(chosen, s.n, out_cols, reduced)),
         isa(dp.isa),
         kd(multiply_dtype(s.dt, dp)),
@@ -78,22 +77,22 @@ struct PanelPlan {
         n(s.n),
         out_cols(out_cols),
         rblk(reduced / b.red),
-        aop(s.dt, kd, s.n, reduced, grad_of),
+        aop(s.dt, kd, s.n, reduced),
         kernels(desc(s.dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols, dp.isa),
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
         panel_bytes(Scratch::aligned(size_t(rblk * blk) * ks)) {}
 
-  // Runs the pass (a_src and, for a gradient, saved: the A operand's sources): for every
-  // item, pack(c0, cols, r, dst) re-blocks reduction block r of
+  // Runs the pass on the A operand a_src: for every item, pack(c0, cols, r, dst) re-blocks
+  // reduction block r of
   // the panel of output columns [c0, c0 + cols) into dst; then tile(n0, rows, c0, cols,
   // multiply) computes each of its output blocks, where multiply(out, bias) is the
   // block's BRGEMM call.
   template <class Pack, class Tile>
-  void run(const Executor& ex, const void* a_src, const void* saved, Pack&& pack, Tile&& tile) const {
+  void run(const Executor& ex, const void* a_src, Pack&& pack, Tile&& tile) const {
     const auto buf = Scratch::get<2>({aop.bytes(), panel_bytes * size_t(groups.concurrency())});
     const char* a = aop.copied() ? buf[0] : static_cast<const char*>(a_src);
     if (aop.copied())
-      parallel_for(ex, aop.items(), [&](int64_t i) { aop.copy(i, a_src, saved, buf[0], isa); });
+      parallel_for(ex, aop.items(), [&](int64_t i) { aop.copy(i, a_src, buf[0]); });
     PanelPool panels(buf[1], panel_bytes, groups.concurrency());
     parallel_for(ex, groups.items(), [&](int64_t i) {
       const int64_t c0 = groups.panel(i) * b.cols, cols = std::min(b.cols, out_cols - c0);
@@ -236,13 +235,13 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const bool gelu = s.act == Activation::gelu;
   const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
     return PanelPlan(dp, s, force ? *force : forward_blocking(s, ex.num_threads, dp), s.k, s.c,
-                     bias != nullptr, gelu ? Activation::none : s.act, Activation::none, ex.num_threads);
+                     bias != nullptr, gelu ? Activation::none : s.act, ex.num_threads);
   });
   const PanelPlan& p = *plan;
   const size_t es = dtype_size(s.dt);
   char* out = static_cast<char*>(gelu ? z : y);
   p.run(
-      ex, x, nullptr,
+      ex, x,
       [&](int64_t k0, int64_t cols, int64_t cb, char* dst) {
         reblock::pack(at(w, w_dt, cb * p.b.red * s.k + k0), w_dt, s.k, false, p.b.red, cols, p.b.red,
                       p.b.cols, p.kd, p.vnni, dst, p.isa);
@@ -278,20 +277,19 @@ void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // Backward by data: dx[n, c] = sum_k dz[n, k] w[c, k].
 // The forward's skeleton with the roles of C and K swapped: an item re-blocks a C-block of
 // w transposed ([Cb][Kb][bk][bc], VNNI pairs of k) and computes the (N-block, C-block) tiles
-// of dx of its group, batch-reducing over the K-blocks. dz is the A operand, computed
-// from dy and saved while it is copied when there is an activation.
+// of dx of its group, batch-reducing over the K-blocks. dz is the A operand.
 
-void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
-              const void* saved, const void* w, DType w_dt, void* dx, const Blocking* force) {
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force) {
   if (s.n <= 0 || s.c <= 0) return;
   const auto plan = backward_plans.get(key_of(s, false, ex.num_threads, dp, force), [&] {
     return PanelPlan(dp, s, force ? *force : backward_blocking(s, ex.num_threads, dp), s.c, s.k,
-                     false, Activation::none, s.act, ex.num_threads);
+                     false, Activation::none, ex.num_threads);
   });
   const PanelPlan& p = *plan;
   const size_t es = dtype_size(s.dt);
   p.run(
-      ex, dy, saved,
+      ex, dz,
       [&](int64_t c0, int64_t cols, int64_t kb, char* dst) {
         reblock::pack(at(w, w_dt, c0 * s.k + kb * p.b.red), w_dt, s.k, true, p.b.red, cols, p.b.red,
                       p.b.cols, p.kd, p.vnni, dst, p.isa);
@@ -305,12 +303,11 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // Weight update: dw[c, k] = sum_n x[n, c] dz[n, k], db[k] = sum_n dz[n, k].
 // Items: (C-block, K-block) tiles of dw, each owned by one item, so the reduction over the
 // batch happens inside one BRGEMM call (batch: the N-blocks) and needs no synchronization.
-// A first parallel loop re-blocks the shared operands (x^T and dz, see UpdatePlan); dz is
-// computed from dy and saved block by block on the way when there is an activation, and db
-// is summed from it by the item that owns the K-block.
+// A first parallel loop re-blocks the shared operands (x^T and dz, see UpdatePlan); db is
+// summed from dz by the item that owns the K-block while it re-blocks that panel.
 
-void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dy,
-            const void* saved, void* dw, DType dw_dt, float* db, const Blocking* force) {
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force) {
   if (s.c <= 0 || s.k <= 0) return;
   if (s.n <= 0) {  // an empty batch: zero gradients
     std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
@@ -328,15 +325,10 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
   const Blocking& b = p.b;
   const size_t ks = p.ks, ws = dtype_size(dw_dt);
 
-  const bool grad = s.act != Activation::none;
-  const size_t es = dtype_size(s.dt);
-  const int64_t dz_block = b.red * b.cols;  // one computed dz block, before it is re-blocked
-  const auto buf = Scratch::get<3>({size_t(p.cblk * p.nblk * p.blk_a) * ks,
-                                    size_t(p.kblk * p.nblk * p.blk_b) * ks,
-                                    grad ? size_t(p.kblk * dz_block) * es : 0});
+  const auto buf = Scratch::get<2>({size_t(p.cblk * p.nblk * p.blk_a) * ks,
+                                    size_t(p.kblk * p.nblk * p.blk_b) * ks});
   const View<char, 2> xt(buf[0], {p.cblk * p.nblk, int64_t(p.blk_a * ks)});  // [Cb][Nb] blocks
   const View<char, 3> dzb(buf[1], {p.kblk, p.nblk, int64_t(p.blk_b * ks)});  // [Kb][Nb] blocks
-  const View<char, 2> dzt(buf[2], {p.kblk, int64_t(dz_block * es)});  // a dz block per K panel
   parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
     if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
       const int64_t c0 = i / p.nblk * b.rows, n0 = i % p.nblk * b.red;
@@ -349,22 +341,14 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     if (db) std::fill(db + k0, db + k0 + cols, 0.0f);
     for (int64_t nb = 0; nb < p.nblk; ++nb) {
       const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
-      const void* dz = at(dy, s.dt, n0 * s.k + k0);  // the block of dz, leading dim ld
-      int64_t ld = s.k;
-      if (grad) {
-        for (int64_t r = 0; r < rows; ++r)
-          eltwise::act_grad(s.act, s.dt, at(dy, s.dt, (n0 + r) * s.k + k0),
-                            at(saved, s.dt, (n0 + r) * s.k + k0), dzt.at(kb) + r * cols * es, cols, p.isa);
-        dz = dzt.at(kb);
-        ld = cols;
-      }
-      reblock::pack(dz, s.dt, ld, false, rows, cols, b.red, b.cols, p.kd, p.vnni, dzb.at(kb, nb), p.isa);
+      const void* src = at(dz, s.dt, n0 * s.k + k0);
+      reblock::pack(src, s.dt, s.k, false, rows, cols, b.red, b.cols, p.kd, p.vnni, dzb.at(kb, nb), p.isa);
       if (db)
         with_type(s.dt, [&](auto ts) {
           using T = decltype(ts);
-          const T* src = static_cast<const T*>(dz);
+          const T* t = static_cast<const T*>(src);
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(src[r * ld + j]);
+            for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * s.k + j]);
         });
     }
   });

@@ -224,9 +224,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
       for (int64_t n = 0; n < N; ++n)
         for (int64_t q = 0; q < K; ++q)
           hprev.set(p.row(t, n) * K + q, float(t ? y.get(p.row(t - 1, n) * K + q) : h0.get(n * K + q)));
-    jb::fc::backward(ex, o.dp, fx, da.data(), nullptr, w.data(), o.w_dt, dx.data());
-    jb::fc::update(ex, o.dp, fx, x.data(), da.data(), nullptr, dw.data(), o.w_dt, nullptr);
-    jb::fc::update(ex, o.dp, fh, hprev.data(), da.data(), nullptr, dr.data(), o.w_dt, nullptr);
+    jb::fc::backward(ex, o.dp, fx, da.data(), w.data(), o.w_dt, dx.data());
+    jb::fc::update(ex, o.dp, fx, x.data(), da.data(), dw.data(), o.w_dt, nullptr);
+    jb::fc::update(ex, o.dp, fh, hprev.data(), da.data(), dr.data(), o.w_dt, nullptr);
     std::vector<double> dx_ref(T * N * C);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n)

@@ -8,7 +8,6 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/common/blocking.h"
-#include "layers/common/eltwise.h"
 
 namespace jb {
 
@@ -29,57 +28,39 @@ inline const void* at(const void* p, DType t, int64_t i) {
 // place when the kernel can, else copied once (in row chunks, the work items of a
 // parallel loop): widened from bf16 for fp32 multiplies, with rows padded by a cache
 // line when their stride is a multiple of 4 KiB (the rows of a register tile would all
-// fall in one L1 set and evict each other), and, for a gradient, multiplied on the way by
-// an activation's derivative (dz = dy * act'(saved), as eltwise::act_grad computes it in
-// the source dtype), so that dz never makes a trip through memory of its own.
+// fall in one L1 set and evict each other).
 class ActivationOperand {
  public:
-  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols,
-                    Activation grad_of = Activation::none)
-      : from_(from), to_(to), grad_of_(grad_of), rows_(rows), cols_(cols) {
+  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols)
+      : from_(from), to_(to), rows_(rows), cols_(cols) {
     const int64_t es = int64_t(dtype_size(to));
     ld_ = cols * es % 4096 == 0 ? cols + 64 / es : cols;
-    copy_ = from != to || ld_ != cols || grad_of != Activation::none;
+    copy_ = from != to || ld_ != cols;
     chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
   }
   bool copied() const { return copy_; }
   int64_t ld() const { return ld_; }
   size_t bytes() const { return copy_ ? size_t(rows_ * ld_) * dtype_size(to_) : 0; }
   int64_t items() const { return copy_ ? ceil_div(rows_, chunk_) : 0; }
-  // Copies row chunk i of src into dst (bytes() long); `saved` is the derivative's input
-  // (src's shape) when the operand is a gradient.
-  void copy(int64_t i, const void* src, const void* saved, char* dst, Isa isa) const {
+  // Copies row chunk i of src into dst (bytes() long).
+  void copy(int64_t i, const void* src, char* dst) const {
     const int64_t r1 = std::min(rows_, (i + 1) * chunk_);
     const int64_t fs = int64_t(dtype_size(from_));
     for (int64_t r = i * chunk_; r < r1; ++r) {
       const char* s = static_cast<const char*>(src) + r * cols_ * fs;
       char* d = dst + r * ld_ * int64_t(dtype_size(to_));
-      if (grad_of_ == Activation::none && from_ == to_) {
+      if (from_ == to_) {
         std::memcpy(d, s, size_t(cols_) * dtype_size(to_));
-      } else if (from_ == to_) {
-        eltwise::act_grad(grad_of_, from_, s, static_cast<const char*>(saved) + r * cols_ * fs, d,
-                          cols_, isa);
-      } else {  // bf16 -> fp32, through a bf16 derivative in chunks on the stack
-        constexpr int64_t kChunk = 1024;
-        uint16_t buf[kChunk];
-        for (int64_t j0 = 0; j0 < cols_; j0 += kChunk) {
-          const int64_t n = std::min(kChunk, cols_ - j0);
-          const uint16_t* sh = reinterpret_cast<const uint16_t*>(s) + j0;
-          if (grad_of_ != Activation::none) {
-            eltwise::act_grad(grad_of_, from_, sh, static_cast<const char*>(saved) + (r * cols_ + j0) * fs,
-                              buf, n, isa);
-            sh = buf;
-          }
-          float* df = reinterpret_cast<float*>(d) + j0;
-          for (int64_t j = 0; j < n; ++j) df[j] = bf16_to_f32(sh[j]);
-        }
+      } else {  // bf16 -> fp32
+        const uint16_t* sh = reinterpret_cast<const uint16_t*>(s);
+        float* df = reinterpret_cast<float*>(d);
+        for (int64_t j = 0; j < cols_; ++j) df[j] = bf16_to_f32(sh[j]);
       }
     }
   }
 
  private:
   DType from_, to_;
-  Activation grad_of_;
   int64_t rows_, cols_, ld_, chunk_;
   bool copy_;
 };
