@@ -10,7 +10,7 @@ For every benchmark of the suite (train/suite.py), the harness's own train step
 
 * weak scaling: the same per-process batch B: 1 x B against 2 x B global;
 * strong scaling: the same global batch B: 1 x B against 2 x B/2;
-* the all-reduce of the step (the pmean of a gradient-shaped pytree, alone) and an
+* the all-reduce of the step (its one all-reduce of the gradients as one vector, alone) and an
   all-reduce sweep over sizes: time per step against the bytes reduced.
 
 Throughput is training examples per second of the whole job; efficiency is
@@ -123,10 +123,10 @@ def _worker(argv):
               "step_samples": step_samples, "throughput": a.batch / step_s,
               "grad_floats": grad_floats, "grad_bytes": 4 * grad_floats}
     if topo:
-        # the step's own all-reduce: pmean of a gradient-shaped pytree, alone
+        # the step's own all-reduce (step.all_reduce: the gradients as one vector), alone
         grads = topo.replicate(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
                                             holder["state"].params))
-        mean = jax.jit(jax.shard_map(lambda g: jax.lax.pmean(g, distributed.AXIS),
+        mean = jax.jit(jax.shard_map(lambda g: step.all_reduce(g, distributed.AXIS),
                                      mesh=topo.mesh, in_specs=P(), out_specs=P(),
                                      check_vma=False))
         result["allreduce_s"], _ = timed(mean, grads, a.steps)
