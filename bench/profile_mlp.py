@@ -7,7 +7,11 @@ models.MLP impl="brgemm" and impl="xla", from a JAX profiler trace.
 Each op of the compiled step (a custom call, an XLA fusion or dot) is named after the layer
 it belongs to (from the HLO metadata) and its kind; the table gives ms per step, and the
 totals split the step into layer work (forward, backward, weight update) and the rest
-(loss and optimizer). Writes nothing; prints a table per implementation.
+(loss and optimizer). For impl="brgemm" every layer pass is also timed alone, the same
+way (the same custom call in a jitted function of its own, on operands of the same shapes,
+called over and over), so the table shows what the step costs each pass beyond its own
+work: cold operands and fresh output pages. Writes nothing; prints a table per
+implementation.
 """
 
 from __future__ import annotations
@@ -64,24 +68,67 @@ def op_labels(compiled_text):
     return labels
 
 
-def profile(impl, n, dtype, steps):
-    fn, args = step_fn(impl, n, dtype)
-    labels = op_labels(fn.lower(*args).compile().as_text())
+def traced_ms(fn, args, steps, labels, carry=False):
+    """ms per call of each op of ``labels`` (and "<step>", the executable) over ``steps``
+    calls of ``fn`` under the profiler; with ``carry``, ``fn``'s output is its next input
+    (a training step), else the same arguments are reused."""
     for _ in range(3):  # compile and warm up
-        args = jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
-                args = jax.block_until_ready(fn(*args))
+                out = jax.block_until_ready(fn(*args))
+                args = out if carry else args
         trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     per_op = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("name") in labels:
-            per_op[e["name"]] += e["dur"] / 1e3 / steps  # us -> ms per step
+            per_op[e["name"]] += e["dur"] / 1e3 / steps  # us -> ms per call
         elif e.get("ph") == "X" and e.get("name") == "ThunkExecutor::Execute":
             per_op["<step>"] += e["dur"] / 1e3 / steps
-    return per_op, labels
+    return per_op
+
+
+def profile(impl, n, dtype, steps):
+    fn, args = step_fn(impl, n, dtype)
+    labels = op_labels(fn.lower(*args).compile().as_text())
+    return traced_ms(fn, args, steps, labels, carry=True), labels
+
+
+def alone_fns(n, dtype):
+    """{label: (jitted single pass, operands)} for every BRGEMM pass of the step's MLP,
+    with the step's shapes: 'Dense_1 jb_fc_upd', ..."""
+    from jax_brgemm._native import ACTIVATION_CODES
+    from jax_brgemm.ops import dense as d
+
+    relu, none = ACTIVATION_CODES["relu"], ACTIVATION_CODES["none"]
+    rng = np.random.default_rng(0)
+    dt = dtype or jnp.float32
+    arr = lambda *shape, dtype=dt: jnp.asarray(rng.standard_normal(shape), dtype)
+    widths = (784, 1024, 1024, 1024, 10)
+    fns = {}
+    for i, (c, k) in enumerate(zip(widths[:-1], widths[1:])):
+        act = relu if i < len(widths) - 2 else none
+        x, w, b, dz = arr(n, c), arr(c, k, dtype=jnp.float32) / 32, arr(k, dtype=jnp.float32), arr(n, k)
+        fns[f"Dense_{i} jb_fc_fwd"] = (jax.jit(lambda x, w, b, a=act: d._fc_call(x, w, b, a)), (x, w, b))
+        fns[f"Dense_{i} jb_fc_upd"] = (
+            jax.jit(lambda x, dz, s=(c, k): d._upd_call(x, dz, s, jnp.float32, True)), (x, dz))
+        if i > 0:  # the first layer's input needs no gradient
+            fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(lambda dz, w: d._bwd_call(dz, w)), (dz, w))
+        if act == relu:
+            fns[f"Dense_{i} jb_fc_act_grad"] = (
+                jax.jit(lambda dy, y: d._act_grad_call(dy, y, relu)), (dz, jax.nn.relu(dz)))
+    return fns
+
+
+def alone(n, dtype, steps):
+    """{label: ms per call} of every BRGEMM pass timed alone."""
+    out = {}
+    for label, (fn, args) in alone_fns(n, dtype).items():
+        per_op = traced_ms(fn, args, steps, set(op_labels(fn.lower(*args).compile().as_text())))
+        out[label] = sum(ms for name, ms in per_op.items() if name != "<step>")
+    return out
 
 
 def main(argv=None):
@@ -90,18 +137,24 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
+    dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
     for impl in ("brgemm", "xla"):
-        per_op, labels = profile(impl, args.n, jnp.dtype(args.dtype), args.steps)
+        per_op, labels = profile(impl, args.n, dtype, args.steps)
         step = per_op.pop("<step>", 0.0)
         print(f"\nimpl={impl}  N={args.n}  {args.dtype}: step {step:.2f} ms (wall time of the executable)")
         by_label = collections.Counter()
         for name, ms in per_op.items():
             by_label[labels[name]] += ms
+        solo = alone(args.n, dtype, args.steps) if impl == "brgemm" else {}
+        if solo:
+            print(f"  {'op':32s} {'in step':>9s} {'alone':>9s} {'step/alone':>10s}")
         for label, ms in sorted(by_label.items()):
-            print(f"  {label:32s} {ms:7.3f} ms")
+            extra = f" {solo[label]:6.3f} ms {ms / solo[label]:9.2f}x" if label in solo else ""
+            print(f"  {label:32s} {ms:6.3f} ms{extra}")
         layers = sum(ms for label, ms in by_label.items() if label.startswith("Dense_"))
-        print(f"  {'layers (fwd, bwd, upd)':32s} {layers:7.3f} ms")
-        print(f"  {'loss and optimizer':32s} {sum(by_label.values()) - layers:7.3f} ms")
+        print(f"  {'layers (fwd, bwd, upd)':32s} {layers:6.3f} ms"
+              + (f" {sum(solo.values()):6.3f} ms" if solo else ""))
+        print(f"  {'loss and optimizer':32s} {sum(by_label.values()) - layers:6.3f} ms")
 
 
 if __name__ == "__main__":
