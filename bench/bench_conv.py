@@ -18,6 +18,8 @@ Passes (ResNet's convolutions have no bias; BatchNorm follows them):
   bwd   dx from dy (the dual convolution)            jax.vjp w.r.t. x only
   upd   dw from x and dy                             jax.vjp w.r.t. w only
   step  y, dx and dw: one jitted jax.vjp w.r.t. both (3x the flops)
+  train (weighted only) fwd + bwd + upd of every layer but the stem's bwd (its input is the
+        image, whose gradient a training step never computes), from the per-pass timings
 
 GFLOP/s count 2 N P Q K C R S per pass. The weighted efficiency of a pass is the paper's
 (sum_i n_i F_i) / (sum_i n_i t_i) over the layer set, as GFLOP/s and as a fraction of the
@@ -255,12 +257,24 @@ def resnet50_step(args):
     return 0
 
 
+STEM = 1  # its input is the image: a training step never computes that gradient
+
+
 def weighted_efficiency(rows, peak):
-    """The paper's weighted efficiency per (dtype, pass): sum n_i F_i / sum n_i t_i."""
+    """The paper's weighted efficiency per (dtype, pass): sum n_i F_i / sum n_i t_i; and
+    "train", the same over the passes a ResNet-50 training step runs (fwd, bwd and upd of
+    every layer, except the stem's bwd), from the per-pass timings."""
     out = []
     for dname in dict.fromkeys(r["dtype"] for r in rows):
-        for pas in dict.fromkeys(r["pass"] for r in rows):
-            sel = [r for r in rows if r["dtype"] == dname and r["pass"] == pas]
+        passes = list(dict.fromkeys(r["pass"] for r in rows))
+        if {"fwd", "bwd", "upd"} <= set(passes):
+            passes.append("train")
+        for pas in passes:
+            if pas == "train":
+                sel = [r for r in rows if r["dtype"] == dname and r["pass"] in ("fwd", "bwd", "upd")
+                       and not (r["pass"] == "bwd" and r["id"] == STEM)]
+            else:
+                sel = [r for r in rows if r["dtype"] == dname and r["pass"] == pas]
             names = list(sel[0]["gflops"])
             work = sum(r["multiplicity"] * r["flops"] for r in sel)
             g = {name: work / sum(r["multiplicity"] * r["seconds"][name]["median"] for r in sel) / 1e9
