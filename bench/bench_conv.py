@@ -32,7 +32,6 @@ and conv.png (training steps per layer), conv_passes.png (weighted efficiency pe
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import jax
@@ -74,15 +73,6 @@ PASSES = ("fwd", "bwd", "upd", "step")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PAPER = {"fwd": 0.83, "bwd": 0.80, "upd": 0.736}  # the paper's weighted efficiencies
 
-
-def torch_or_none():
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_fc.py
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    return torch
 
 
 def out_size(h, r, stride):
@@ -163,7 +153,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.resnet50_step:
         return resnet50_step(args)
-    torch = torch_or_none()
+    torch = common.torch_or_none()
     ids = [int(v) for v in args.layers.split(",") if v] or (list(QUICK) if args.quick else list(RESNET50))
     passes = [v for v in args.passes.split(",") if v]
 

@@ -24,7 +24,6 @@ Writes bench/results/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import flax.linen as fnn
@@ -44,17 +43,6 @@ PASSES = ("fwd", "bwd", "upd", "step")
 MLP_CASES = ((256, (1024, 1024, 1024)), (64, (1024, 1024, 1024)))
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-def torch_or_none():
-    # torch's OpenMP threads spin after each call by default; sharing two cores with XLA's
-    # pool (and whatever else runs) that spinning starves everyone, torch included.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    return torch
 
 
 # --- the FC layer -------------------------------------------------------------------------
@@ -178,7 +166,7 @@ def main(argv=None):
     p.add_argument("--min-time", type=float, default=0.1)
     p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
     args = p.parse_args(argv)
-    torch = torch_or_none()
+    torch = common.torch_or_none()
 
     peak = common.measure_peak()
     print(f"measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s "

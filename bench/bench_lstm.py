@@ -22,7 +22,6 @@ barriers) is "other". Writes bench/results/lstm.json and lstm.png.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import flax.linen as fnn
@@ -39,15 +38,6 @@ WIDTHS = (256, 512, 1024)
 BATCHES = (64, 168)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-def torch_or_none():
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_fc.py
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    return torch
 
 
 def contenders(n, c, dtype, torch):
@@ -107,7 +97,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.c, args.repeats = [168], [512], min(args.repeats, 3)
-    torch = None if args.no_torch else torch_or_none()
+    torch = None if args.no_torch else common.torch_or_none()
 
     peak = common.measure_peak()
     print(f"measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s; "

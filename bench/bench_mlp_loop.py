@@ -36,9 +36,7 @@ BATCH, TRAIN, FEATURES = 256, 60_000, (784, 1024, 1024, 1024, 10)
 
 def torch_loop(dtype: str, epochs: int) -> float:
     """Images per second of the PyTorch train loop (the median epoch)."""
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch = common.torch_or_none()
     torch.manual_seed(0)
     layers = []
     for i, (a, b) in enumerate(zip(FEATURES[:-1], FEATURES[1:])):

@@ -41,6 +41,19 @@ def time_jitted(fn, *args, repeats: int = 15, min_time: float = 0.05) -> list[fl
     return samples
 
 
+def torch_or_none():
+    """PyTorch with one thread per CPU, or None when it is not installed."""
+    # torch's OpenMP threads spin after each call by default; sharing two cores with XLA's
+    # pool (and whatever else runs) that spinning starves everyone, torch included.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(os.cpu_count() or 1)
+    return torch
+
+
 def stats(samples) -> dict:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
