@@ -5,7 +5,8 @@
 //                   -> y (.., N, K), z (.., N, K) for gelu else empty      attr act
 //   jb_fc_act_grad  dy (.., N, K), saved (.., N, K) -> dz (.., N, K)       attr act
 //   jb_fc_bwd       dz (.., N, K), w (.., C, K) -> dx (.., N, C)
-//   jb_fc_upd       x (.., N, C), dz (.., N, K) -> dw (.., C, K), db (.., K) or (.., 0)
+//   jb_fc_upd       x (.., N, C'), dz (.., N, K) -> dw (.., C, K), db (.., K) or (.., 0);
+//                   C' >= C (x's first C columns)
 //
 // The leading dims (..) come from vmap (vmap_method="expand_dims"): an operand's leading
 // dims broadcast numpy-style to the output's, so unbatched weights arrive with size-1
@@ -156,8 +157,12 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   if (xd.size() < 2 || wd.size() < 2 || db->dimensions().size() < 1)
     return invalid("jb_fc_upd: x and dw need rank >= 2, db rank >= 1");
   const int64_t n = xd[xd.size() - 2], c = wd[wd.size() - 2], k = wd[wd.size() - 1];
+  // x may be wider than dw has rows: its first c columns are used (jb.lstm's saved xh).
+  const int64_t ldx = xd[xd.size() - 1];
+  if (ldx < c)
+    return invalid("jb_fc_upd: x " + dims_str(xd) + " has fewer columns than dw " + dims_str(wd) + " has rows");
   const Items items = items_of(wd, 2);
-  JB_TRY(lx, operand(op, "x", xd, {n, c}, items));
+  JB_TRY(lx, operand(op, "x", xd, {n, ldx}, items));
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, k}, items));
   const bool has_db = db->element_count() != 0;
   const auto bd = db->dimensions();
@@ -170,7 +175,7 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   auto* db_f = static_cast<float*>(db->untyped_data());
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, dp, {n, c, k, dt}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
+      fc::update(ex, dp, {n, c, k, dt, Activation::none, ldx}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
                  ptr(dw, i * c * k), w_dt, has_db ? db_f + i * k : nullptr);
   });
 }

@@ -4,7 +4,8 @@
 //   jb_lstm_fwd   x (N, T, C) | (T, N, C), w (C, 4K), r (K, 4K), bias (4K,) f32,
 //                 c0 (N, K) f32, h0 (N, K)
 //                 -> y (x's layout, K features), c_T (N, K) f32, h_T (N, K),
-//                    gates (T, N, 4K) f32 and cs (T, N, K) f32 when training, else (0,) each
+//                    gates (T, N, 4K) f32, cs (T, N, K) f32 and xh (x's layout,
+//                    lstm::saved_width features, x's dtype) when training, else (0,) each
 //                 attrs time_major, variant (0 automatic, 1 fused, 2 precompute)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
 //                 -> da (x's layout, 4K features), db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
@@ -57,7 +58,8 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
                     ffi::AnyBuffer bias, ffi::AnyBuffer c0, ffi::AnyBuffer h0,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> c_last,
                     ffi::Result<ffi::AnyBuffer> h_last, ffi::Result<ffi::AnyBuffer> gates,
-                    ffi::Result<ffi::AnyBuffer> cs, bool time_major, int32_t variant) {
+                    ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> xh, bool time_major,
+                    int32_t variant) {
   const char* op = "jb_lstm_fwd";
   DType dt, w_dt, r_dt;
   if (!ffi_util::kernel_dtype(x.element_type(), &dt))
@@ -79,10 +81,13 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   JB_SHAPE(op, "y", y->dimensions(), time_major ? std::vector<int64_t>{t, n, k} : std::vector<int64_t>{n, t, k});
   JB_SHAPE(op, "c_last", c_last->dimensions(), {n, k});
   JB_SHAPE(op, "h_last", h_last->dimensions(), {n, k});
-  const bool save = gates->element_count() != 0 || cs->element_count() != 0;
+  const bool save = gates->element_count() != 0 || cs->element_count() != 0 || xh->element_count() != 0;
+  const lstm::Shape s{t, n, c, k, dt, time_major};
   if (save) {
     JB_SHAPE(op, "gates", gates->dimensions(), {t, n, g});
     JB_SHAPE(op, "cs", cs->dimensions(), {t, n, k});
+    const int64_t width = lstm::saved_width(s, dispatch());
+    JB_SHAPE(op, "xh", xh->dimensions(), time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
   }
   JB_DTYPE(op, "bias", bias, ffi::DataType::F32);
   JB_DTYPE(op, "c0", c0, ffi::DataType::F32);
@@ -92,17 +97,19 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   JB_DTYPE(op, "h_last", *h_last, x.element_type());
   JB_DTYPE(op, "gates", *gates, ffi::DataType::F32);
   JB_DTYPE(op, "cs", *cs, ffi::DataType::F32);
+  JB_DTYPE(op, "xh", *xh, x.element_type());
   if (n == 0 || k == 0) return ffi::Error::Success();
   if (c == 0 && t > 0) return invalid("jb_lstm_fwd: x has no features (C = 0)");
 
   const Executor ex = ffi_util::executor(pool);
   return guarded(op, [&] {
-    lstm::forward(ex, dispatch(), {t, n, c, k, dt, time_major}, x.untyped_data(), w.untyped_data(),
+    lstm::forward(ex, dispatch(), s, x.untyped_data(), w.untyped_data(),
                   r.untyped_data(), w_dt, static_cast<const float*>(bias.untyped_data()),
                   static_cast<const float*>(c0.untyped_data()), h0.untyped_data(), y->untyped_data(),
                   static_cast<float*>(c_last->untyped_data()), h_last->untyped_data(),
                   save ? static_cast<float*>(gates->untyped_data()) : nullptr,
-                  save ? static_cast<float*>(cs->untyped_data()) : nullptr, lstm::Variant(variant));
+                  save ? static_cast<float*>(cs->untyped_data()) : nullptr, save ? xh->untyped_data() : nullptr,
+                  lstm::Variant(variant));
   });
 }
 
@@ -167,6 +174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd,
                                   .Ret<ffi::AnyBuffer>()  // h_last
                                   .Ret<ffi::AnyBuffer>()  // gates
                                   .Ret<ffi::AnyBuffer>()  // cs
+                                  .Ret<ffi::AnyBuffer>()  // xh
                                   .Attr<bool>("time_major")
                                   .Attr<int32_t>("variant"));
 

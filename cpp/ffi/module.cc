@@ -7,6 +7,7 @@
 
 #include "brgemm/brgemm.h"
 #include "brgemm/peak.h"
+#include "layers/lstm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -33,6 +34,10 @@ NB_MODULE(_jax_brgemm, m) {
 #undef JB_REGISTER
     return targets;
   });
+  m.def("lstm_saved_width", [](int64_t t, int64_t n, int64_t c, int64_t k, bool bf16, bool time_major) {
+    return jb::lstm::saved_width({t, n, c, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major},
+                                 jb::dispatch());
+  }, "Columns of jb_lstm_fwd's saved xh for a shape and compute dtype (float32 or bfloat16).");
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
         "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
   m.def("isa_names", [] {

@@ -36,6 +36,11 @@ namespace {
 // about 1.5x faster than 256 (measured); the update writes its dw in longer row pieces.
 constexpr int64_t kCols = 128;
 
+// The update's chunk of re-blocked operands: well inside the last-level cache (32 MiB on the
+// Zen 4 measured; 8 MiB measured 185 GFLOP/s there against 152-167 for 4 and 16 MiB, fp32,
+// a batch of 8400, C = 1024, K = 2048, noisy).
+constexpr int64_t kChunkBytes = int64_t(8) << 20;
+
 // Forward (N x K output, reducing C) and backward (N x C output, reducing K) block alike.
 Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, int64_t threads,
                              const Dispatch& dp) {
@@ -144,6 +149,11 @@ PlanCache<12, PanelPlan> forward_plans, backward_plans;
 // ---------------------------------------------------------------------------------------
 // The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][Nb][bn][bk] (VNNI pairs
 // of n for bf16), both zero-padded to whole N-blocks; (C-block, K-block) items of dw.
+// A long batch (the LSTM's weight update reduces over every step and row) runs in chunks
+// of N-blocks whose re-blocked operands fit in the last-level cache: each chunk is
+// re-blocked and then reduced into dw while it is hot, instead of every item streaming its
+// operands from memory (measured 142 GFLOP/s at a batch of 8400 against 177 at 1024, fp32,
+// C = 1024, K = 2048). Chunks after the first accumulate, in fp32.
 
 struct UpdatePlan {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
@@ -157,7 +167,11 @@ struct UpdatePlan {
         nblk(ceil_div(s.n, b.red)),
         blk_a(b.rows * b.red),
         blk_b(reblock::block_elems(b.red, b.cols, vnni)),
-        kernels(desc(s, dw_dt), s.c, s.k, b.rows, b.cols, dp.isa) {}
+        chunk(b.chunk > 0 ? std::min(b.chunk, nblk) : chunk_blocks(s, b.red, ks, nblk)),
+        chunks(ceil_div(nblk, chunk)),
+        dw32(chunks > 1 && dw_dt != DType::f32),
+        first(desc(s, dw32 ? DType::f32 : dw_dt, false), s.c, s.k, b.rows, b.cols, dp.isa),
+        rest(desc(s, DType::f32, true), s.c, s.k, b.rows, b.cols, dp.isa) {}
 
   const Blocking b;
   const Isa isa;
@@ -165,7 +179,9 @@ struct UpdatePlan {
   const bool vnni;
   const size_t ks;
   const int64_t cblk, kblk, nblk, blk_a, blk_b;
-  const KernelSet kernels;
+  const int64_t chunk, chunks;  // N-blocks per chunk, chunks
+  const bool dw32;              // chunks accumulate in an fp32 copy of a bf16 dw
+  const KernelSet first, rest;  // the first chunk's (writes dw) and the others' (accumulate)
 
  private:
   static Blocking fixed(Blocking b, const Shape& s, bool vnni) {
@@ -174,7 +190,12 @@ struct UpdatePlan {
     if (vnni) b.red = round_up(b.red, 2);
     return b;
   }
-  BrgemmDesc desc(const Shape& s, DType dw_dt) const {
+  // N-blocks per chunk: re-blocked operands of at most kChunkBytes.
+  static int64_t chunk_blocks(const Shape& s, int64_t red, size_t ks, int64_t nblk) {
+    const int64_t per_block = red * (s.c + s.k) * int64_t(ks);
+    return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, per_block), 1, nblk);
+  }
+  BrgemmDesc desc(const Shape& s, DType out, bool accumulate) const {
     // dw is stored straight from the register tiles, with plain stores: inside a training
     // step the optimizer reads it next, from cache. (Non-temporal stores measured 1.4-2.5x
     // slower there: the optimizer then reads dw back from memory.)
@@ -184,7 +205,8 @@ struct UpdatePlan {
     d.ldb = vnni ? 2 * b.cols : b.cols;
     d.ldc = s.k;
     d.ab = kd;
-    d.c = dw_dt;
+    d.c = out;
+    d.accumulate = accumulate;
     return d;
   }
 };
@@ -317,49 +339,64 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
   Key k12 = key_of(s, false, ex.num_threads, dp, force);
   std::array<int64_t, 13> key;
   std::copy(k12.begin(), k12.end(), key.begin());
-  key[12] = int64_t(dw_dt);
+  key[12] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
   const auto plan = update_plans.get(key, [&] {
     return UpdatePlan(dp, s, force ? *force : update_blocking(s, ex.num_threads, dp), dw_dt);
   });
   const UpdatePlan& p = *plan;
   const Blocking& b = p.b;
   const size_t ks = p.ks, ws = dtype_size(dw_dt);
+  const int64_t ldx = s.ldx ? s.ldx : s.c;
 
-  const auto buf = Scratch::get<2>({size_t(p.cblk * p.nblk * p.blk_a) * ks,
-                                    size_t(p.kblk * p.nblk * p.blk_b) * ks});
-  const View<char, 2> xt(buf[0], {p.cblk * p.nblk, int64_t(p.blk_a * ks)});  // [Cb][Nb] blocks
-  const View<char, 3> dzb(buf[1], {p.kblk, p.nblk, int64_t(p.blk_b * ks)});  // [Kb][Nb] blocks
-  parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
-    if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
-      const int64_t c0 = i / p.nblk * b.rows, n0 = i % p.nblk * b.red;
-      reblock::pack(at(x, s.dt, n0 * s.c + c0), s.dt, s.c, true, std::min(b.rows, s.c - c0),
-                    std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(i), p.isa);
-      return;
-    }
-    const int64_t kb = i - p.cblk * p.nblk, k0 = kb * b.cols;  // dz column panel kb
-    const int64_t cols = std::min(b.cols, s.k - k0);
-    if (db) std::fill(db + k0, db + k0 + cols, 0.0f);
-    for (int64_t nb = 0; nb < p.nblk; ++nb) {
-      const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
-      const void* src = at(dz, s.dt, n0 * s.k + k0);
-      reblock::pack(src, s.dt, s.k, false, rows, cols, b.red, b.cols, p.kd, p.vnni, dzb.at(kb, nb), p.isa);
-      if (db)
-        with_type(s.dt, [&](auto ts) {
-          using T = decltype(ts);
-          const T* t = static_cast<const T*>(src);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * s.k + j]);
-        });
-    }
-  });
+  const auto buf = Scratch::get<3>({size_t(p.cblk * p.chunk * p.blk_a) * ks,
+                                    size_t(p.kblk * p.chunk * p.blk_b) * ks,
+                                    p.dw32 ? size_t(s.c * s.k) * sizeof(float) : 0});
+  const View<char, 2> xt(buf[0], {p.cblk * p.chunk, int64_t(p.blk_a * ks)});  // [Cb][chunk] blocks
+  const View<char, 3> dzb(buf[1], {p.kblk, p.chunk, int64_t(p.blk_b * ks)});  // [Kb][chunk] blocks
+  char* const out = p.dw32 ? buf[2] : static_cast<char*>(dw);
+  const size_t os = p.dw32 ? sizeof(float) : ws;
+  for (int64_t ch = 0; ch < p.chunks; ++ch) {
+    const int64_t nb0 = ch * p.chunk, nbs = std::min(p.chunk, p.nblk - nb0);
+    parallel_for(ex, p.cblk * nbs + p.kblk, [&](int64_t i) {
+      if (i < p.cblk * nbs) {  // x^T block (cb, nb)
+        const int64_t cb = i / nbs, c0 = cb * b.rows, n0 = (nb0 + i % nbs) * b.red;
+        reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
+                      std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(cb * p.chunk + i % nbs),
+                      p.isa);
+        return;
+      }
+      const int64_t kb = i - p.cblk * nbs, k0 = kb * b.cols;  // dz column panel kb
+      const int64_t cols = std::min(b.cols, s.k - k0);
+      if (db && ch == 0) std::fill(db + k0, db + k0 + cols, 0.0f);
+      for (int64_t nb = 0; nb < nbs; ++nb) {
+        const int64_t n0 = (nb0 + nb) * b.red, rows = std::min(b.red, s.n - n0);
+        const void* src = at(dz, s.dt, n0 * s.k + k0);
+        reblock::pack(src, s.dt, s.k, false, rows, cols, b.red, b.cols, p.kd, p.vnni, dzb.at(kb, nb), p.isa);
+        if (db)
+          with_type(s.dt, [&](auto ts) {
+            using T = decltype(ts);
+            const T* t = static_cast<const T*>(src);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * s.k + j]);
+          });
+      }
+    });
 
-  parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) {
-    const int64_t cb = i / p.kblk, kb = i % p.kblk;  // C-block major: an x^T panel is reused
-    const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
-    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-    p.kernels(rows, cols).strided(xt.at(cb * p.nblk), p.blk_a, dzb.at(kb), p.blk_b, p.nblk,
-                                  static_cast<char*>(dw) + (c0 * s.k + k0) * ws);
-  });
+    const KernelSet& kernels = ch ? p.rest : p.first;
+    parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) {
+      const int64_t cb = i / p.kblk, kb = i % p.kblk;  // C-block major: an x^T panel is reused
+      const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
+      const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+      kernels(rows, cols).strided(xt.at(cb * p.chunk), p.blk_a, dzb.at(kb), p.blk_b, nbs,
+                                  out + (c0 * s.k + k0) * int64_t(os));
+    });
+  }
+  if (p.dw32)  // the fp32 sums into the bf16 dw, a C-row per item
+    parallel_for(ex, s.c, [&](int64_t c) {
+      const float* src = reinterpret_cast<const float*>(out) + c * s.k;
+      uint16_t* dst = static_cast<uint16_t*>(dw) + c * s.k;
+      for (int64_t j = 0; j < s.k; ++j) dst[j] = f32_to_bf16(src[j]);
+    });
 }
 
 }  // namespace jb::fc

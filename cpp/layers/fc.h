@@ -29,6 +29,7 @@ struct Shape {
   int64_t n = 0, c = 0, k = 0;  // mini-batch, input features, output features
   DType dt = DType::f32;        // compute dtype
   Activation act = Activation::none;
+  int64_t ldx = 0;  // update only: x's leading dimension, >= c (0: c); extra columns are ignored
 };
 
 // What the forward leaves for the backward besides x and w: the output y when the
@@ -65,6 +66,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
               DType w_dt, void* dx, const Blocking* force = nullptr);
 
 // dw = x^T @ dz (written in dw_dt) and, when db is not null, db = sum over the batch of dz.
+// x's rows are s.ldx apart when it is set (the first c columns of a wider matrix).
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
 

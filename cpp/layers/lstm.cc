@@ -30,6 +30,8 @@ namespace {
 // block is one column of register tiles and the four gate blocks of an item stay in L1.
 constexpr int64_t kCols = 32;
 constexpr int kGates = 4;
+// The longest reduction block of the buffers we lay out ourselves.
+constexpr int64_t kMaxRed = 256;
 // Gate g's activation (flax's OptimizedLSTMCell order i, f, g, o).
 constexpr Activation kGateAct[kGates] = {Activation::sigmoid, Activation::sigmoid, Activation::tanh,
                                          Activation::sigmoid};
@@ -41,20 +43,23 @@ inline int64_t row_of(const Shape& s, int64_t t, int64_t n) {
 // Rows between (t, n) and (t, n + 1).
 inline int64_t row_step(const Shape& s) { return s.time_major ? 1 : s.t; }
 
-// A leading dimension for a buffer we lay out ourselves: padded by a cache line when rows
-// would be a multiple of 4 KiB apart (the rows of a register tile would share an L1 set).
-inline int64_t padded_ld(int64_t cols, size_t es) {
-  return int64_t(cols * es) % 4096 == 0 ? cols + int64_t(64 / es) : cols;
+// A leading dimension for a buffer we lay out ourselves whose consecutive rows of a tile are
+// `stride` rows of it apart: padded by cache lines while they would be a multiple of 4 KiB
+// apart (the rows of a register tile would share an L1 set).
+inline int64_t padded_ld(int64_t cols, size_t es, int64_t stride = 1) {
+  for (int64_t ld = cols; ld < cols + 4096; ld += int64_t(64 / es))
+    if ((stride * ld * int64_t(es)) % 4096) return ld;
+  return cols + 1;  // stride a multiple of 64 rows: an odd pad breaks the 4 KiB period
 }
 
-// The reduction block for an operand we lay out ourselves as [c | pad | k | pad], each part
-// zero-padded to whole blocks: the block that minimises the padded work, with a penalty for
-// short blocks (per batch element overhead of the kernel). Even for VNNI pairs.
-int64_t padded_red(int64_t c, int64_t k, bool even) {
+// The reduction block for an operand we lay out ourselves, `total` columns zero-padded to
+// whole blocks: the block that minimises the padded work, with a penalty for short blocks
+// (per batch element overhead of the kernel). Even for VNNI pairs.
+int64_t padded_red(int64_t total, bool even) {
   int64_t best = 0;
   double best_cost = 0;
-  for (int64_t r = even ? 2 : 1; r <= 256; r += even ? 2 : 1) {
-    const double cost = double(round_up(c, r) + round_up(k, r)) * (1.0 + 8.0 / double(r));
+  for (int64_t r = even ? 2 : 1; r <= kMaxRed; r += even ? 2 : 1) {
+    const double cost = double(round_up(total, r)) * (1.0 + 8.0 / double(r));
     if (!best || cost < best_cost - 1e-9) best = r, best_cost = cost;
   }
   return best;
@@ -240,12 +245,39 @@ void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, in
   }
 }
 
+// Packs rows [r0, r0 + red) of the stacked weights [W; R; 0] (W: rows [0, hoff), R: rows
+// [hoff, hoff + k)), columns [col, col + cols) of both (leading dimension ld), into one
+// reduction block. A block straddling W and R is staged contiguously first.
+void pack_stacked(const void* w, const void* r, DType w_dt, int64_t hoff, int64_t k, int64_t ld,
+                  int64_t col, int64_t r0, int64_t red, int64_t cols, int64_t bc, DType kd, bool vnni,
+                  char* dst, Isa isa) {
+  const int64_t r1 = r0 + red;
+  if (r1 <= hoff || r0 >= hoff) {  // all from W, or all from R and its zero pad
+    const bool from_w = r1 <= hoff;
+    const int64_t src_row = from_w ? r0 : r0 - hoff;
+    const int64_t rows = std::max<int64_t>(0, std::min(red, (from_w ? hoff : k) - src_row));
+    reblock::pack(at(from_w ? w : r, w_dt, src_row * ld + col), w_dt, ld, false, rows, cols, red, bc, kd,
+                  vnni, dst, isa);
+    return;
+  }
+  alignas(64) char stage[kMaxRed * kCols * 4];
+  const size_t ws = dtype_size(w_dt);
+  const int64_t wrows = hoff - r0, rrows = std::min(r1 - hoff, k);
+  for (int64_t q = 0; q < wrows; ++q)
+    std::memcpy(stage + q * cols * int64_t(ws), at(w, w_dt, (r0 + q) * ld + col), size_t(cols) * ws);
+  for (int64_t q = 0; q < rrows; ++q)
+    std::memcpy(stage + (wrows + q) * cols * int64_t(ws), at(r, w_dt, q * ld + col), size_t(cols) * ws);
+  reblock::pack(stage, w_dt, cols, false, wrows + rrows, cols, red, bc, kd, vnni, dst, isa);
+}
+
 // ---------------------------------------------------------------------------------------
 // The forward's plan.
 //
-// fused       A_t = [x_t | 0 | h_{t-1} | 0] in a buffer of T steps (N x lda each, the
-//             multiply dtype), the parts padded to whole reduction blocks; the weight
-//             panel of (gate, K-block) holds the blocks of [W; 0; R; 0] in the same order.
+// fused       A_t = [x_t | h_{t-1} | 0] for all T steps in one buffer with x's row order
+//             (lda columns, the multiply dtype), zero-padded to whole reduction blocks; the
+//             weight panel of (gate, K-block) holds the blocks of [W; R; 0] in the same
+//             order. Training keeps the buffer: it is the weight update's operand
+//             [x | h_prev] (the `xh` output), so no pass builds it again.
 // precompute  gates = x @ W + b first (A: x in place, or copied when it must be widened);
 //             A_t = [h_{t-1} | 0] in two alternating buffers; per step the gate blocks
 //             accumulate h_{t-1} @ R onto the precomputed ones.
@@ -264,14 +296,15 @@ struct FwdPlan {
         groups(kblk, nblk, threads),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
     // The per-step batch: the blocks of [x | h] (fused) or of h (precompute).
-    red = padded_red(v == Variant::fused ? s.c : 0, s.k, vnni);
-    cpad = v == Variant::fused ? round_up(s.c, red) : 0;
-    kpad = round_up(s.k, red);
-    lda = padded_ld(cpad + kpad, ks);
-    rblk = (cpad + kpad) / red;
+    hoff = v == Variant::fused ? s.c : 0;
+    red = padded_red(hoff + s.k, vnni);
+    rpad = round_up(hoff + s.k, red);
+    lda = v == Variant::fused ? saved_width(s, dp) : padded_ld(rpad, ks);
+    astride = v == Variant::fused ? row_step(s) * lda : lda;
+    rblk = rpad / red;
     blk = reblock::block_elems(red, b.cols, vnni);
     for (int g = 0; g < kGates; ++g)
-      step[g].emplace(desc(red, lda, v == Variant::precompute, v == Variant::fused, kGateAct[g]), s.n,
+      step[g].emplace(desc(red, astride, v == Variant::precompute, v == Variant::fused, kGateAct[g]), s.n,
                       s.k, b.rows, b.cols, isa);
     if (v == Variant::precompute) {
       red_x = reduction_block(s.c, vnni);
@@ -310,7 +343,9 @@ struct FwdPlan {
   const int64_t kblk, nblk;
   const WorkGroups groups;
   void (*const cell)(const CellFwd&);
-  int64_t red = 0, cpad = 0, kpad = 0, lda = 0, rblk = 0, blk = 0;
+  // h's column in A, the padded reduction, A's columns and the rows between (t, n) and
+  // (t, n + 1) in A.
+  int64_t hoff = 0, red = 0, rpad = 0, lda = 0, astride = 0, rblk = 0, blk = 0;
   int64_t red_x = 0, xblk = 0, blk_x = 0, ldx = 0;
   bool x_copy = false;
   std::optional<KernelSet> step[kGates];
@@ -384,6 +419,18 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
   return b;
 }
 
+// The backward's cell reads the saved gates and writes da from and to memory, row piece by
+// row piece: wider K-blocks make those pieces longer. Measured (AMD EPYC Zen 4, T = 50,
+// N = 168, C = K = 512, fp32): bptt 115 ms with 128 columns against 138 with 32 (64: 139,
+// 256: 123); the BRGEMM alone runs at about 200 GFLOP/s either way, the cell took 50 ms
+// with 32 columns. bf16 measured equal within the noise (65 vs 69 ms).
+Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch&) {
+  Blocking b;
+  b.cols = std::min<int64_t>(s.k, 4 * kCols);
+  b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
+  return b;
+}
+
 // Measured (AMD EPYC Zen 4, 2 vCPUs, T = 50, C = K in {256, 512, 1024}, N in {64, 168}, fp32
 // and bf16): fused was faster or equal in 16 of 19 samples, by up to 1.9x in bf16 at C = K =
 // 256 (the precompute pass writes and re-reads every gate through memory); precompute won
@@ -391,9 +438,15 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 // variant stays (tested) for machines where the rule should change.
 Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant::fused; }
 
+int64_t saved_width(const Shape& s, const Dispatch& dp) {
+  const DType kd = multiply_dtype(s.dt, dp);
+  const int64_t red = padded_red(s.c + s.k, kd == DType::bf16);
+  return padded_ld(round_up(s.c + s.k, red), dtype_size(kd), row_step(s));
+}
+
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
              const void* r, DType w_dt, const float* bias, const float* c0, const void* h0,
-             void* y, float* c_last, void* h_last, float* gates, float* cs, Variant variant,
+             void* y, float* c_last, void* h_last, float* gates, float* cs, void* xh, Variant variant,
              const Blocking* force) {
   if (s.n <= 0 || s.k <= 0) return;
   const size_t es = dtype_size(s.dt);
@@ -411,21 +464,26 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const bool fused = p.v == Variant::fused, save = gates != nullptr;
   const int64_t K = s.k, G4 = kGates * s.k, N = s.n, T = s.t;
   const size_t ks = p.ks;
+  // The fused A buffer is the saved xh itself when training in the multiply dtype;
+  // otherwise xh is filled from x and y after the loop.
+  const bool a_is_xh = fused && xh && s.dt == p.kd;
 
   // Scratch: the weight panels (stacked [W; R] or R), W's panels (precompute), the A
   // buffers, the gates when they are not saved, a widened copy of x (precompute, bf16 x
   // with fp32 multiplies).
   const size_t panels = size_t(kGates * p.kblk * p.rblk * p.blk) * ks;
   const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.xblk * p.blk_x) * ks;
-  const size_t abuf = size_t((fused ? T : 2) * N * p.lda) * ks;
+  const size_t abuf = a_is_xh ? 0 : size_t((fused ? T : 2) * N * p.lda) * ks;
   const size_t gbuf = save ? 0 : size_t((fused ? 1 : T) * N * G4) * sizeof(float);
   const size_t xbuf = !fused && p.x_copy ? size_t(T * N * p.ldx) * ks : 0;
   const auto buf = Scratch::get<5>({panels, xpanels, abuf, gbuf, xbuf});
   char* const wp = buf[0];
   char* const xp = buf[1];
-  char* const ab = buf[2];
+  char* const ab = a_is_xh ? static_cast<char*>(xh) : buf[2];
   float* const gs = save ? gates : reinterpret_cast<float*>(buf[3]);
   char* const xc = buf[4];
+  // Step t's A and (t, n0)'s row in it.
+  auto a_step = [&](int64_t t) { return ab + (fused ? row_of(s, t, 0) * p.lda : t % 2 * N * p.lda) * ks; };
 
   // The cell state: the saved c_t, or c_last updated in place.
   if (!save) std::memcpy(c_last, c0, size_t(N * K) * sizeof(float));
@@ -438,18 +496,12 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
     if (i < witems) {
       const int g = int(i / p.kblk);
       const int64_t kb = i % p.kblk, k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
-      // Rows [0, cpad) of the panel come from W, [cpad, cpad + kpad) from R (fused);
-      // precompute: R's panel here and W's in its own array.
+      // Rows [0, hoff) of the panel come from W, [hoff, hoff + K) from R (fused; a block may
+      // straddle the two), zeros after; precompute: R's panel here and W's in its own array.
       char* dst = wp + p.panel(g, kb, p.rblk, p.blk) * ks;
-      for (int64_t rb = 0; rb < p.rblk; ++rb) {
-        const int64_t r0 = rb * p.red;
-        const bool from_w = r0 < p.cpad;
-        const int64_t src_row = from_w ? r0 : r0 - p.cpad;
-        const int64_t rows = std::max<int64_t>(0, std::min(p.red, (from_w ? s.c : K) - src_row));
-        const void* src = from_w ? w : r;
-        reblock::pack(at(src, w_dt, src_row * G4 + g * K + k0), w_dt, G4, false, rows, cols, p.red,
-                      b.cols, p.kd, p.vnni, dst + rb * p.blk * ks, p.isa);
-      }
+      for (int64_t rb = 0; rb < p.rblk; ++rb)
+        pack_stacked(w, r, w_dt, p.hoff, K, G4, g * K + k0, rb * p.red, p.red, cols, b.cols, p.kd,
+                     p.vnni, dst + rb * p.blk * ks, p.isa);
       if (!fused) {
         char* xdst = xp + p.panel(g, kb, p.xblk, p.blk_x) * ks;
         for (int64_t cb = 0; cb < p.xblk; ++cb)
@@ -459,21 +511,21 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       return;
     }
     const int64_t j = i - witems;
-    if (fused) {  // step j's A: [x_j | 0 | h0 (j = 0) | 0]
-      char* a = ab + j * N * p.lda * ks;
-      copy_rows(at(x, s.dt, row_of(s, j, 0) * s.c), s.dt, row_step(s) * s.c, a, p.kd, p.lda, N, s.c,
-                p.cpad);
+    if (fused) {  // step j's A: [x_j | h0 (j = 0) | 0]
+      char* a = a_step(j);
+      copy_rows(at(x, s.dt, row_of(s, j, 0) * s.c), s.dt, row_step(s) * s.c, a, p.kd, p.astride, N, s.c,
+                s.c);
       if (j == 0) {
-        copy_rows(h0, s.dt, K, a + p.cpad * ks, p.kd, p.lda, N, K, p.kpad);
-      } else if (p.kpad > K) {
+        copy_rows(h0, s.dt, K, a + s.c * ks, p.kd, p.astride, N, K, p.lda - s.c);
+      } else if (p.lda > s.c + K) {
         for (int64_t n = 0; n < N; ++n)
-          std::memset(a + (n * p.lda + p.cpad + K) * ks, 0, size_t(p.kpad - K) * ks);
+          std::memset(a + (n * p.astride + s.c + K) * ks, 0, size_t(p.lda - s.c - K) * ks);
       }
     } else if (j == 0) {  // [h0 | 0] into the first h buffer, the pad of the second
-      copy_rows(h0, s.dt, K, ab, p.kd, p.lda, N, K, p.kpad);
-      if (p.kpad > K)
+      copy_rows(h0, s.dt, K, ab, p.kd, p.lda, N, K, p.rpad);
+      if (p.rpad > K)
         for (int64_t n = 0; n < N; ++n)
-          std::memset(ab + ((N + n) * p.lda + K) * ks, 0, size_t(p.kpad - K) * ks);
+          std::memset(ab + ((N + n) * p.lda + K) * ks, 0, size_t(p.rpad - K) * ks);
     } else {  // x_{j-1} widened for the precompute pass
       const int64_t t = j - 1;
       copy_rows(at(x, s.dt, row_of(s, t, 0) * s.c), s.dt, row_step(s) * s.c, xc + t * N * p.ldx * ks,
@@ -501,9 +553,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   // The time loop: one parallel_for per step (the step barrier).
   for (int64_t t = 0; t < T; ++t) {
     float* gt = gs + (fused && !save ? 0 : t * N * G4);
-    const char* a_t = ab + (fused ? t : t % 2) * N * p.lda * ks;
-    char* h_next = t + 1 < T ? ab + (fused ? (t + 1) * N * p.lda + p.cpad : (t + 1) % 2 * N * p.lda) * ks
-                             : nullptr;
+    const char* a_t = a_step(t);
+    char* h_next = t + 1 < T ? a_step(t + 1) + p.hoff * ks : nullptr;
     const float* c_prev = save ? (t ? cs + (t - 1) * N * K : c0) : c_last;
     float* c_next = save ? cs + t * N * K : c_last;
     parallel_for(ex, p.groups.items(), [&](int64_t i) {
@@ -511,12 +562,12 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       for (int64_t nb = p.groups.first(i); nb < p.groups.last(i); ++nb) {
         const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
         for (int g = 0; g < kGates; ++g)
-          (*p.step[g])(rows, cols).strided(a_t + n0 * p.lda * ks, p.red, wp + p.panel(g, kb, p.rblk, p.blk) * ks,
+          (*p.step[g])(rows, cols).strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, p.rblk, p.blk) * ks,
                                           p.blk, p.rblk, gt + n0 * G4 + g * K + k0,
                                           fused ? bias + g * K + k0 : nullptr);
         CellFwd c{rows, cols, K, gt + n0 * G4 + k0, G4, c_prev + n0 * K + k0, c_next + n0 * K + k0, K,
                   off(y, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
-                  h_next ? h_next + (n0 * p.lda + k0) * ks : nullptr, p.lda};
+                  h_next ? h_next + (n0 * p.astride + k0) * ks : nullptr, p.astride};
         p.cell(c);
       }
     });
@@ -525,6 +576,18 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   // The final carry.
   copy_rows(at(y, s.dt, row_of(s, T - 1, 0) * K), s.dt, row_step(s) * K, h_last, s.dt, K, N, K, K);
   if (save) std::memcpy(c_last, cs + (T - 1) * N * K, size_t(N * K) * sizeof(float));
+
+  // xh when the loop did not run in it: [x_t | h_{t-1} | 0] from x, h0 and y, one item a step.
+  if (xh && !a_is_xh) {
+    const int64_t ld = saved_width(s, dp), stride = row_step(s) * ld;
+    parallel_for(ex, T, [&](int64_t t) {
+      char* dst = off(xh, row_of(s, t, 0) * ld, es);
+      copy_rows(at(x, s.dt, row_of(s, t, 0) * s.c), s.dt, row_step(s) * s.c, dst, s.dt, stride, N, s.c, s.c);
+      if (t == 0) copy_rows(h0, s.dt, K, dst + s.c * es, s.dt, stride, N, K, ld - s.c);
+      else copy_rows(at(y, s.dt, row_of(s, t - 1, 0) * K), s.dt, row_step(s) * K, dst + s.c * es, s.dt, stride,
+                     N, K, ld - s.c);
+    });
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -550,7 +613,7 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
     return;
   }
   const auto plan = bwd_plans.get(key_of(s, -1, ex.num_threads, dp, force), [&] {
-    return BwdPlan(dp, s, force ? *force : step_blocking(s, ex.num_threads, dp), ex.num_threads);
+    return BwdPlan(dp, s, force ? *force : bptt_blocking(s, ex.num_threads, dp), ex.num_threads);
   });
   const BwdPlan& p = *plan;
   const Blocking& b = p.b;

@@ -23,11 +23,12 @@
 // The rest of the backward is two big passes of the fully-connected layer over all time
 // steps at once, after the loop (cpp/layers/fc, called from jax_brgemm/ops/lstm.py):
 // dx = da @ W^T and [dW; dR] = [x | h_prev]^T @ da, where da is every step's gate gradient
-// saved by bptt in x's row order.
+// saved by bptt and [x | h_prev] the forward's xh, both in x's row order.
 //
-// Layouts: x (and y, da) are (N, T, features) or, with time_major, (T, N, features), read
-// and written in place. The forward saves for the backward (when `gates` is not null) the
-// activated gates (T, N, 4K) and the cell states c_t (T, N, K), fp32, time-major. c0, c_T,
+// Layouts: x (and y, da, xh) are (N, T, features) or, with time_major, (T, N, features),
+// read and written in place. The forward saves for the backward (when `gates` is not null)
+// the activated gates (T, N, 4K) and the cell states c_t (T, N, K), fp32, time-major, and
+// [x | h_prev] (xh, in x's layout and dtype). c0, c_T,
 // dc are fp32; h0, h_T, y, dy, dh, da in the compute dtype dt; W and R in w_dt (fp32 or
 // bf16, cast while re-blocked); bf16 multiplies as multiply_dtype(dt, dp), accumulation,
 // the cell state and all element-wise math in fp32.
@@ -52,14 +53,21 @@ enum class Variant : uint8_t { automatic, fused, precompute };
 // The forward variant the rule picks for a shape (automatic resolves to one of the two).
 Variant forward_variant(const Shape& s, int64_t threads, const Dispatch& dp);
 
-// Blocking of the per-step work: rows = N-block, cols = K-block (red is chosen per pass).
+// Blocking of the per-step work: rows = N-block, cols = K-block (red is chosen per pass), of
+// the forward and of the backward through time.
 Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
+Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 
-// Runs the sequence. gates (T*N*4K) and cs (T*N*K) are saved when not null (both or
-// neither). force_blocking / variant override the heuristics (tests).
+// Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and
+// away from a 4 KiB row period).
+int64_t saved_width(const Shape& s, const Dispatch& dp);
+
+// Runs the sequence. gates (T*N*4K), cs (T*N*K) and xh (T*N*saved_width, x's layout and
+// dtype) are saved when not null (all or none): xh holds every step's [x_t | h_{t-1} | 0],
+// the weight update's operand. force_blocking / variant override the heuristics (tests).
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
              const void* r, DType w_dt, const float* bias, const float* c0, const void* h0,
-             void* y, float* c_last, void* h_last, float* gates, float* cs,
+             void* y, float* c_last, void* h_last, float* gates, float* cs, void* xh,
              Variant variant = Variant::automatic, const Blocking* force = nullptr);
 
 // Backward through time from the forward's saved gates and cell states. dy (x's layout, K

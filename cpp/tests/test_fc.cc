@@ -162,6 +162,15 @@ TEST(fc_forced_small_blocks_and_edges) {
   run_case(17, 25, 35, DType::bf16, DType::bf16, Activation::sigmoid, true, 3, &odd);
 }
 
+TEST(fc_update_in_chunks) {
+  // The update's batch in several chunks (the first writes dw, the rest accumulate; a bf16
+  // dw sums in fp32 first), db summed across them, a last chunk of fewer blocks.
+  const jb::Blocking blockings[] = {{12, 16, 4, 2}, {5, 7, 3, 1}, {24, 64, 6, 3}};
+  for (const auto& bl : blockings)
+    for (DType dt : {DType::f32, DType::bf16})
+      for (DType w_dt : {DType::f32, DType::bf16}) run_case(23, 24, 19, dt, w_dt, Activation::none, true, 2, &bl);
+}
+
 TEST(fc_blocking_parallelizes_small_batches) {
   for (int64_t n : {1, 8, 64, 256, 1024}) {
     fc::Shape s{n, 1024, 1024, DType::f32, Activation::none};

@@ -197,9 +197,11 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
   for (bool save : {false, true}) {
     Tensor y(o.dt, T * N * K), hl(o.dt, N * K), cl(DType::f32, N * K);
     std::vector<float> gates(save ? T * N * G : 0), cs(save ? T * N * K : 0);
+    const int64_t width = lstm::saved_width(s, o.dp);
+    Tensor xh(o.dt, save ? T * N * width : 0);
     lstm::forward(ex, o.dp, s, x.data(), w.data(), r.data(), o.w_dt, b.data(), c0.data(), h0.data(),
                   y.data(), cl.f.data(), hl.data(), save ? gates.data() : nullptr,
-                  save ? cs.data() : nullptr, o.variant, o.force);
+                  save ? cs.data() : nullptr, save ? xh.data() : nullptr, o.variant, o.force);
     std::vector<double> y_ref(T * N * K);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n)
@@ -216,17 +218,28 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     close(db, ref.db, gtol, "db", ctx);
     close(dc0, ref.dc0, gtol, "dc0", ctx);
     close(dh0, ref.dh0, gtol, "dh0", ctx);
-    // The rest of the backward: the FC passes over all steps at once.
-    const jb::fc::Shape fx{T * N, C, G, o.dt, jb::Activation::none};
-    const jb::fc::Shape fh{T * N, K, G, o.dt, jb::Activation::none};
-    Tensor dx(o.dt, T * N * C), dw(o.w_dt, C * G), dr(o.w_dt, K * G), hprev(o.dt, T * N * K);
+    // The saved xh is [x_t | h_{t-1} | 0] in x's row order, exactly.
+    CHECK(width >= C + K) << ctx;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n)
-        for (int64_t q = 0; q < K; ++q)
-          hprev.set(p.row(t, n) * K + q, float(t ? y.get(p.row(t - 1, n) * K + q) : h0.get(n * K + q)));
+        for (int64_t q = 0; q < width; ++q) {
+          const float want = q < C ? x.get(p.row(t, n) * C + q)
+                             : q >= C + K ? 0.0f
+                             : t ? y.get(p.row(t - 1, n) * K + q - C) : h0.get(n * K + q - C);
+          const float got = xh.get(p.row(t, n) * width + q);
+          if (got != want) {
+            CHECK(got == want) << "xh(t=" << t << ", n=" << n << ", " << q << ") " << got << " vs " << want << " " << ctx;
+            return;
+          }
+        }
+    // The rest of the backward: the FC passes over all steps at once, the update over xh.
+    const jb::fc::Shape fx{T * N, C, G, o.dt, jb::Activation::none};
+    const jb::fc::Shape fxh{T * N, C + K, G, o.dt, jb::Activation::none, width};
+    Tensor dx(o.dt, T * N * C), dwr(o.w_dt, (C + K) * G), dw(o.w_dt, C * G), dr(o.w_dt, K * G);
     jb::fc::backward(ex, o.dp, fx, da.data(), w.data(), o.w_dt, dx.data());
-    jb::fc::update(ex, o.dp, fx, x.data(), da.data(), dw.data(), o.w_dt, nullptr);
-    jb::fc::update(ex, o.dp, fh, hprev.data(), da.data(), dr.data(), o.w_dt, nullptr);
+    jb::fc::update(ex, o.dp, fxh, xh.data(), da.data(), dwr.data(), o.w_dt, nullptr);
+    for (int64_t i = 0; i < C * G; ++i) dw.set(i, dwr.get(i));
+    for (int64_t i = 0; i < K * G; ++i) dr.set(i, dwr.get(C * G + i));
     std::vector<double> dx_ref(T * N * C);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n)
@@ -329,6 +342,6 @@ TEST(lstm_empty_sequence_passes_the_carry) {
   const lstm::Shape s{0, 3, 4, 5, DType::f32, false};
   std::vector<float> w(4 * 20), r(5 * 20), b(20), c0(15, 0.5f), h0(15, -0.25f), cl(15), hl(15);
   lstm::forward(ex, jb::dispatch(), s, nullptr, w.data(), r.data(), DType::f32, b.data(), c0.data(),
-                h0.data(), nullptr, cl.data(), hl.data(), nullptr, nullptr);
+                h0.data(), nullptr, cl.data(), hl.data(), nullptr, nullptr, nullptr);
   for (int i = 0; i < 15; ++i) CHECK(cl[i] == 0.5f && hl[i] == -0.25f) << i;
 }

@@ -21,6 +21,7 @@ inline DType multiply_dtype(DType dt, const Dispatch& dp) {
 // reduced dimension (one BRGEMM batch element).
 struct Blocking {
   int64_t rows = 0, cols = 0, red = 0;
+  int64_t chunk = 0;  // weight updates: reduction blocks per cache-sized chunk (0: by size)
 };
 
 // A multiple of every ISA's register-tile height.

@@ -4,15 +4,17 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 
 * ``jb_lstm_fwd``: the forward over all time steps in one call. The weights are re-blocked
   once; per step, every (N-block, K-block) tile computes its four gate blocks with BRGEMM
-  (sigmoid / tanh in the kernel's epilogue) and the cell update while they are hot. For
-  training it also saves the activated gates and the cell states (float32).
+  over ``[x_t | h_{t-1}]`` (sigmoid / tanh in the kernel's epilogue) and the cell update
+  while they are hot. For training it also saves the activated gates and the cell states
+  (float32), and keeps the buffer the steps multiplied, ``xh = [x | h_prev]``.
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
   gate gradient ``da``, the bias gradient and the initial carry's gradients.
 * The remaining gradients are two big fully-connected passes over all steps at once
   (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
-  pass, ``[dkernel_i; dkernel_h] = [x | h_prev].T @ da`` (reduction over every step and row,
-  ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first layer).
+  pass over the saved ``xh``, ``[dkernel_i; dkernel_h] = xh.T @ da`` (reduction over every
+  step and row, ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first
+  layer).
 
 Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
 each kind for the whole map); mapped weights run one element at a time (``lax.map``).
@@ -26,14 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
+from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm.ops.dense import _bwd_call, _upd_call
 
 # jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
 _AUTOMATIC = 0
-# The weight gradients as one update pass over [x | h_prev] (True) or two (see _lstm_bwd).
-_JOINT_UPDATE = True
 
 
 def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None):
@@ -153,7 +153,9 @@ def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
     gates = jax.ShapeDtypeStruct((t, n, 4 * k) if save else (0,), jnp.float32)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
-    return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs), vmap_method="sequential")(
+    width = _native._jax_brgemm.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
+    xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
+    return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs, xh), vmap_method="sequential")(
         x, wi, wh, b, c0, h0, time_major=time_major, variant=np.int32(_AUTOMATIC))
 
 
@@ -170,14 +172,15 @@ def _forward_vmappable(time_major, save):
         if any(in_batched[1:4]):
             outs = _sequential(fwd, (x, wi, wh, b, c0, h0), in_batched, size)
         else:
-            y, c_t, h_t, gates, cs = call(_fold(x, in_batched[0], size, time_major), wi, wh, b,
-                                          _fold(c0, in_batched[4], size, False),
-                                          _fold(h0, in_batched[5], size, False))
+            y, c_t, h_t, gates, cs, xh = call(_fold(x, in_batched[0], size, time_major), wi, wh, b,
+                                              _fold(c0, in_batched[4], size, False),
+                                              _fold(h0, in_batched[5], size, False))
             outs = (_unfold(y, size, time_major), _unfold(c_t, size, False),
                     _unfold(h_t, size, False),
                     _unfold(gates, size, True) if save else jnp.zeros((size, 0), gates.dtype),
-                    _unfold(cs, size, True) if save else jnp.zeros((size, 0), cs.dtype))
-        return tuple(outs), (True,) * 5
+                    _unfold(cs, size, True) if save else jnp.zeros((size, 0), cs.dtype),
+                    _unfold(xh, size, time_major) if save else jnp.zeros((size, 0), xh.dtype))
+        return tuple(outs), (True,) * 6
 
     return fwd
 
@@ -226,39 +229,29 @@ def _bptt_vmappable(time_major):
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _lstm(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, _, _ = _forward(x, wi, wh, b, c0, h0, time_major, save=False)
+    y, c_t, h_t, *_ = _forward(x, wi, wh, b, c0, h0, time_major, save=False)
     return (c_t, h_t), y
 
 
 def _lstm_fwd(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, gates, cs = _forward(x, wi, wh, b, c0, h0, time_major, save=True)
-    return ((c_t, h_t), y), (x, wi, wh, gates, cs, c0, h0, y)
+    y, c_t, h_t, gates, cs, xh = _forward(x, wi, wh, b, c0, h0, time_major, save=True)
+    return ((c_t, h_t), y), (wi, wh, gates, cs, c0, xh)
 
 
 def _lstm_bwd(time_major, res, g):
-    x, wi, wh, gates, cs, c0, h0, y = res
+    wi, wh, gates, cs, c0, xh = res
     (dc_t, dh_t), dy = g
-    dt = x.dtype
+    dt = xh.dtype
     da, db, dc0, dh0 = _bptt(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
                              dh_t.astype(dt), time_major)
     c, k = wi.shape[0], wh.shape[0]
-    rows = x.shape[0] * x.shape[1]
+    rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, 4 * k)
-    dx = _bwd_call(da2, wi).reshape(x.shape)
-    # h_{t-1} for every step, in x's row order.
-    t_axis = 0 if time_major else 1
-    h_prev = jnp.concatenate([jnp.expand_dims(h0, t_axis),
-                              jax.lax.slice_in_dim(y, 0, y.shape[t_axis] - 1, axis=t_axis)], axis=t_axis)
-    if _JOINT_UPDATE:
-        # dW and dR in one pass: [x_t | h_{t-1}]^T @ da_t summed over every step, one
-        # GEMM with reduction over all rows and C + K output rows; da is read once.
-        xh = jnp.concatenate([x.reshape(rows, c), h_prev.reshape(rows, k)], axis=-1)
-        dwr = _upd_call(xh, da2, (c + k, 4 * k), wi.dtype, False)[0]
-        dwi, dwh = dwr[:c], dwr[c:]
-    else:
-        dwi = _upd_call(x.reshape(rows, c), da2, wi.shape, wi.dtype, False)[0]
-        dwh = _upd_call(h_prev.reshape(rows, k), da2, wh.shape, wh.dtype, False)[0]
-    return dx, dwi, dwh, db, dc0, dh0
+    dx = _bwd_call(da2, wi).reshape(xh.shape[:2] + (c,))
+    # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
+    # every step, one GEMM reducing over all rows into C + K output rows; da is read once.
+    dwr = _upd_call(xh.reshape(rows, xh.shape[2]), da2, (c + k, 4 * k), wi.dtype, False)[0]
+    return dx, dwr[:c], dwr[c:], db, dc0, dh0
 
 
 _lstm.defvjp(_lstm_fwd, _lstm_bwd)
