@@ -16,6 +16,8 @@ import math
 import sys
 from pathlib import Path
 
+import jax_brgemm
+
 from . import cli, data, scoring
 from .hparams import resolve
 from .suite import REFERENCE_DIR, SUITE
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
             return 2
     else:
         log_dir = Path(args.log_dir or Path("runs") / bench.name / "reference")
+        jax_brgemm.reuse_freed_memory()  # the heap the harness trains on (cli.main)
         try:
             reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
         except (cli.UsageError, data.DataError) as e:
