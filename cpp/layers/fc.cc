@@ -153,7 +153,9 @@ PlanCache<12, PanelPlan> forward_plans, backward_plans;
 // of N-blocks whose re-blocked operands fit in the last-level cache: each chunk is
 // re-blocked and then reduced into dw while it is hot, instead of every item streaming its
 // operands from memory (measured 142 GFLOP/s at a batch of 8400 against 177 at 1024, fp32,
-// C = 1024, K = 2048). Chunks after the first accumulate, in fp32.
+// C = 1024, K = 2048). Chunks after the first accumulate, in fp32. Even when dw itself is
+// larger than the cache (C = 2048, K = 4096: 32 MiB re-read per chunk) chunks measured
+// faster or equal: fp32 152-168 against 127-148 GFLOP/s, bf16 251-342 against 246-281.
 
 struct UpdatePlan {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
