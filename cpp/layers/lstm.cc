@@ -420,13 +420,19 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 }
 
 // The backward's cell reads the saved gates and writes da from and to memory, row piece by
-// row piece: wider K-blocks make those pieces longer. Measured (AMD EPYC Zen 4, T = 50,
-// N = 168, C = K = 512, fp32): bptt 115 ms with 128 columns against 138 with 32 (64: 139,
-// 256: 123); the BRGEMM alone runs at about 200 GFLOP/s either way, the cell took 50 ms
-// with 32 columns. bf16 measured equal within the noise (65 vs 69 ms).
-Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch&) {
+// row piece: wider K-blocks make those pieces longer, but also the R^T panel each item
+// streams per N-block (4K x cols). Measured (AMD EPYC Zen 4, 1 MiB L2, T = 50, ms of bptt):
+//   fp32 K = 512, N = 168:   128 columns 115, 32 columns 138 (64: 139, 256: 123)
+//   fp32 K = 256, N = 168:   128: 35, 32: 41
+//   fp32 K = 1024, N = 64:   128: 204-211, 32: 183-185 (the 2 MiB panel leaves L2)
+//   fp32 K = 1024, N = 168:  equal within the noise
+//   bf16 K = 256, N = 168:   128: 24, 32: 18; K = 512: equal
+// So 128 columns for fp32 multiplies while that panel fits in L2, else 32.
+Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
+  const int64_t wide = 4 * kCols;
+  const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= (int64_t(1) << 20);
   Blocking b;
-  b.cols = std::min<int64_t>(s.k, 4 * kCols);
+  b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? wide : kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
 }
