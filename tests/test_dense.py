@@ -228,6 +228,7 @@ def test_unsupported_dtypes(dtype):
     ("jb_fc_bwd", [(4, 6), (8, 6)], [((4, 8), "bf16")], "dz and dx must both"),
     ("jb_fc_upd", [(4, 8), (3, 5)], [((8, 5), "f32"), ((5,), "f32")], "dz has shape"),
     ("jb_fc_upd", [(4, 8), (4, 5)], [((8, 5), "f32"), ((4,), "f32")], "db"),
+    ("jb_fc_upd", [(4, 6), (4, 5)], [((8, 5), "f32"), ((5,), "f32")], "fewer columns than dw"),
     ("jb_fc_act_grad", [(4, 5), (4, 5)], [((4, 5), "f32")], "needs an activation"),
 ])
 def test_ffi_handlers_validate(target, args, outs, match):

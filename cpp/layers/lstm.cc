@@ -13,6 +13,7 @@
 #include <array>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 
 #include "brgemm/activation.h"
 #include "layers/common/kernels.h"
@@ -295,6 +296,8 @@ struct FwdPlan {
         nblk(ceil_div(s.n, b.rows)),
         groups(kblk, nblk, threads),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
+    // Gate tiles stay in L1 only a register tile wide (and pack_stacked stages that much).
+    if (b.cols > kCols) throw std::invalid_argument("lstm forward: K-blocks are at most 32 columns");
     // The per-step batch: the blocks of [x | h] (fused) or of h (precompute).
     hoff = v == Variant::fused ? s.c : 0;
     red = padded_red(hoff + s.k, vnni);
