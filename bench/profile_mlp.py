@@ -1,6 +1,7 @@
-"""Where an MLP training step spends its time: per-op wall time of one jitted step (the
-bench_fc MLP step: softmax cross-entropy, jax.grad, optax SGD with momentum), for
-models.MLP impl="brgemm" and impl="xla", from a JAX profiler trace.
+"""Where the main job's training step spends its time: per-op wall time of the training
+harness's own step for the ``mlp`` benchmark (its model, preprocessing, loss and optax
+optimizer with the suite's hyperparameters, the state donated), for impl="brgemm" and
+impl="xla", from a JAX profiler trace.
 
     python bench/profile_mlp.py [--n 256] [--dtype float32] [--steps 20]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -27,29 +29,29 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jax_brgemm import models
+import jax_brgemm as jb
 
 
 def step_fn(impl, n, dtype):
+    """The training harness's own step for the ``mlp`` benchmark (its model, loss, optimizer
+    with the suite's hyperparameters and preprocessing), jitted with the state donated as
+    the harness does, and its (state, batch) on random Fashion-MNIST-shaped images."""
+    from jax_brgemm.train import hparams, optim, step, suite
+
+    bench = suite.SUITE["mlp"]
+    hp = hparams.defaults(bench, bench.hparams["common"]["opt_name"])
+    tx = optim.make(hp, optim.steps_per_epoch(bench.train_size, n))
+    batch = bench.pipeline.synthetic_batch(bench.dataset, n)
     rng = np.random.default_rng(n)
-    x = jnp.asarray(rng.uniform(0, 1, (n, 28, 28)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 10, n))
-    model = models.MLP(features=(1024, 1024, 1024), num_classes=10, activation="relu",
-                       impl=impl, dtype=dtype)
-    params = model.init(jax.random.key(0), x)
-    opt = optax.sgd(0.01, momentum=0.9)
-
-    def loss(p):
-        logits = model.apply(p, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    def step(p, s):
-        updates, s = opt.update(jax.grad(loss)(p), s, p)
-        return optax.apply_updates(p, updates), s
-
-    return jax.jit(step), (params, opt.init(params))
+    batch = batch._replace(inputs=rng.integers(0, 256, batch.inputs.shape, np.uint8),
+                           labels=rng.integers(0, 10, n).astype(np.int32))
+    example = bench.pipeline.preprocess(jnp.asarray(batch.inputs[:1]))
+    state = step.create_state(bench, bench.model(impl=impl, dtype=dtype), tx,
+                              jax.random.key(0), example)
+    train = jax.jit(functools.partial(step.train_step, bench=bench), donate_argnums=0)
+    batch = jax.tree.map(jnp.asarray, batch)
+    return (lambda state, batch: (train(state, batch)[0], batch)), train, (state, batch)
 
 
 def op_labels(compiled_text):
@@ -73,7 +75,8 @@ def traced_ms(fn, args, steps, labels, carry=False):
     calls of ``fn`` under the profiler; with ``carry``, ``fn``'s output is its next input
     (a training step), else the same arguments are reused."""
     for _ in range(3):  # compile and warm up
-        jax.block_until_ready(fn(*args))
+        out = jax.block_until_ready(fn(*args))
+        args = out if carry else args
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
@@ -91,8 +94,8 @@ def traced_ms(fn, args, steps, labels, carry=False):
 
 
 def profile(impl, n, dtype, steps):
-    fn, args = step_fn(impl, n, dtype)
-    labels = op_labels(fn.lower(*args).compile().as_text())
+    fn, jitted, args = step_fn(impl, n, dtype)
+    labels = op_labels(jitted.lower(*args).compile().as_text())
     return traced_ms(fn, args, steps, labels, carry=True), labels
 
 
@@ -137,6 +140,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
+    jb.reuse_freed_memory()  # as the harness does
     dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
     for impl in ("brgemm", "xla"):
         per_op, labels = profile(impl, args.n, dtype, args.steps)

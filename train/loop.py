@@ -30,7 +30,7 @@ import numpy as np
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
-from . import checkpoint, data, distributed, interrupt, optim, step
+from . import checkpoint, data, distributed, fused, interrupt, optim, step
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
@@ -258,7 +258,11 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=Non
     state = step.create_state(bench, model, optim.make(hp, steps), jax.random.key(seed), example)
     # Compiled ahead of time: a batch of another shape would be an error, never a
     # silent recompilation inside the timed run.
-    train_fn = functools.partial(step.train_step, bench=bench)
+    # impl="brgemm" with SGD: the optimizer step rides on the weight updates (train/fused.py)
+    fused_plan = (fused.plan(bench, state, example, hp, steps) if cfg.impl == "brgemm" and not topo
+                  else None)
+    train_fn = (functools.partial(fused.train_step, bench=bench, plan=fused_plan) if fused_plan
+                else functools.partial(step.train_step, bench=bench))
     eval_fn = functools.partial(step.eval_step, bench=bench)
     train_batch = pipeline.synthetic_batch(bench.dataset, batch_size)
     eval_batch = pipeline.synthetic_batch(bench.dataset, eval_batch_size)

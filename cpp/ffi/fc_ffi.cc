@@ -7,6 +7,11 @@
 //   jb_fc_bwd       dz (.., N, K), w (.., C, K) -> dx (.., N, C)
 //   jb_fc_upd       x (.., N, C'), dz (.., N, K) -> dw (.., C, K), db (.., K) or (.., 0);
 //                   C' >= C (x's first C columns)
+//   jb_fc_upd_sgd   x (N, C), dz (N, K), w (C, K), mw (C, K), b (K) or (0), mb like b,
+//                   lr (), after (any; not read) -> w, mw, b, mb, updated in place
+//                   (aliased to the inputs)
+//                   attrs momentum, weight_decay, nesterov: the weight update with
+//                   SGD's step fused (fc::update_sgd); fp32 parameters, no leading dims
 //
 // The leading dims (..) come from vmap (vmap_method="expand_dims"): an operand's leading
 // dims broadcast numpy-style to the output's, so unbatched weights arrive with size-1
@@ -14,6 +19,7 @@
 // activations are not, the items fold into the mini-batch: one layer call with N' = items
 // * N instead of a loop.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -180,6 +186,45 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   });
 }
 
+ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::AnyBuffer w,
+                      ffi::AnyBuffer mw, ffi::AnyBuffer b, ffi::AnyBuffer mb, ffi::AnyBuffer lr,
+                      ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> w_out, ffi::Result<ffi::AnyBuffer> mw_out,
+                      ffi::Result<ffi::AnyBuffer> b_out, ffi::Result<ffi::AnyBuffer> mb_out,
+                      float momentum, float weight_decay, bool nesterov) {
+  const char* op = "jb_fc_upd_sgd";
+  DType dt;
+  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dz.element_type() != x.element_type())
+    return invalid("jb_fc_upd_sgd: x and dz must both be float32 or both bfloat16");
+  for (const ffi::AnyBuffer* a : {&w, &mw, &b, &mb, &lr})
+    if (a->element_type() != ffi::DataType::F32)
+      return invalid("jb_fc_upd_sgd: the parameters, their momenta and lr must be float32");
+  const auto xd = x.dimensions(), zd = dz.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || zd.size() != 2 || wd.size() != 2)
+    return invalid("jb_fc_upd_sgd: x, dz and w must be matrices");
+  const int64_t n = xd[0], c = xd[1], k = zd[1];
+  if (zd[0] != n || wd[0] != c || wd[1] != k)
+    return invalid("jb_fc_upd_sgd: x " + dims_str(xd) + ", dz " + dims_str(zd) + " and w " +
+                   dims_str(wd) + " do not match (N, C), (N, K), (C, K)");
+  if (mw.element_count() != c * k) return invalid("jb_fc_upd_sgd: mw must have w's shape");
+  const bool has_b = b.element_count() != 0;
+  if ((has_b && b.element_count() != k) || mb.element_count() != b.element_count())
+    return invalid("jb_fc_upd_sgd: b and mb must both have K elements or both be empty");
+  if (lr.element_count() != 1) return invalid("jb_fc_upd_sgd: lr must be a scalar");
+  // Aliased: the outputs are the inputs' buffers. Copied first if XLA gave others.
+  const ffi::AnyBuffer* ins[] = {&w, &mw, &b, &mb};
+  ffi::Result<ffi::AnyBuffer>* outs[] = {&w_out, &mw_out, &b_out, &mb_out};
+  for (int i = 0; i < 4; ++i)
+    if ((*outs[i])->untyped_data() != ins[i]->untyped_data() && ins[i]->size_bytes())
+      std::memcpy((*outs[i])->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
+  const fc::Sgd o{*static_cast<const float*>(lr.untyped_data()), momentum, weight_decay, nesterov};
+  auto f32 = [](ffi::Result<ffi::AnyBuffer>& r) { return static_cast<float*>(r->untyped_data()); };
+  const Executor ex = ffi_util::executor(pool);
+  return guarded(op, [&] {
+    fc::update_sgd(ex, dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o, f32(w_out),
+                   f32(mw_out), has_b ? f32(b_out) : nullptr, has_b ? f32(mb_out) : nullptr);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd,
@@ -214,5 +259,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd,
                                   .Arg<ffi::AnyBuffer>()  // dz
                                   .Ret<ffi::AnyBuffer>()  // dw
                                   .Ret<ffi::AnyBuffer>());  // db
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // dz
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Arg<ffi::AnyBuffer>()  // mw
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // mb
+                                  .Arg<ffi::AnyBuffer>()  // lr
+                                  .Arg<ffi::AnyBuffer>()  // after: ordering only, not read
+                                  .Ret<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>()  // mw
+                                  .Ret<ffi::AnyBuffer>()  // b
+                                  .Ret<ffi::AnyBuffer>()  // mb
+                                  .Attr<float>("momentum")
+                                  .Attr<float>("weight_decay")
+                                  .Attr<bool>("nesterov"));
 
 }  // namespace jb

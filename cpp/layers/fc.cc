@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <vector>
 
 #include "layers/common/eltwise.h"
 #include "layers/common/kernels.h"
@@ -172,8 +173,9 @@ struct UpdatePlan {
         chunk(b.chunk > 0 ? std::min(b.chunk, nblk) : chunk_blocks(s, b.red, ks, nblk)),
         chunks(ceil_div(nblk, chunk)),
         dw32(chunks > 1 && dw_dt != DType::f32),
-        first(desc(s, dw32 ? DType::f32 : dw_dt, false), s.c, s.k, b.rows, b.cols, dp.isa),
-        rest(desc(s, DType::f32, true), s.c, s.k, b.rows, b.cols, dp.isa) {}
+        first(desc(s, dw32 ? DType::f32 : dw_dt, false, s.k), s.c, s.k, b.rows, b.cols, dp.isa),
+        rest(desc(s, DType::f32, true, s.k), s.c, s.k, b.rows, b.cols, dp.isa),
+        tile(desc(s, DType::f32, false, b.cols), s.c, s.k, b.rows, b.cols, dp.isa) {}
 
   const Blocking b;
   const Isa isa;
@@ -184,6 +186,7 @@ struct UpdatePlan {
   const int64_t chunk, chunks;  // N-blocks per chunk, chunks
   const bool dw32;              // chunks accumulate in an fp32 copy of a bf16 dw
   const KernelSet first, rest;  // the first chunk's (writes dw) and the others' (accumulate)
+  const KernelSet tile;         // update_sgd's: one block of dw into a b.cols-wide tile
 
  private:
   static Blocking fixed(Blocking b, const Shape& s, bool vnni) {
@@ -197,7 +200,7 @@ struct UpdatePlan {
     const int64_t per_block = red * (s.c + s.k) * int64_t(ks);
     return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, per_block), 1, nblk);
   }
-  BrgemmDesc desc(const Shape& s, DType out, bool accumulate) const {
+  BrgemmDesc desc(const Shape& s, DType out, bool accumulate, int64_t ldc) const {
     // dw is stored straight from the register tiles, with plain stores: inside a training
     // step the optimizer reads it next, from cache. (Non-temporal stores measured 1.4-2.5x
     // slower there: the optimizer then reads dw back from memory.)
@@ -205,7 +208,7 @@ struct UpdatePlan {
     d.k = b.red;
     d.lda = b.red;
     d.ldb = vnni ? 2 * b.cols : b.cols;
-    d.ldc = s.k;
+    d.ldc = ldc;
     d.ab = kd;
     d.c = out;
     d.accumulate = accumulate;
@@ -330,33 +333,29 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // A first parallel loop re-blocks the shared operands (x^T and dz, see UpdatePlan); db is
 // summed from dz by the item that owns the K-block while it re-blocks that panel.
 
-void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
-            void* dw, DType dw_dt, float* db, const Blocking* force) {
-  if (s.c <= 0 || s.k <= 0) return;
-  if (s.n <= 0) {  // an empty batch: zero gradients
-    std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
-    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
-    return;
-  }
+namespace {
+
+const UpdatePlan& update_plan(const Executor& ex, const Dispatch& dp, const Shape& s, DType dw_dt,
+                              const Blocking* force) {
   Key k12 = key_of(s, false, ex.num_threads, dp, force);
   std::array<int64_t, 13> key;
   std::copy(k12.begin(), k12.end(), key.begin());
   key[12] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
-  const auto plan = update_plans.get(key, [&] {
+  return *update_plans.get(key, [&] {
     return UpdatePlan(dp, s, force ? *force : update_blocking(s, ex.num_threads, dp), dw_dt);
   });
-  const UpdatePlan& p = *plan;
-  const Blocking& b = p.b;
-  const size_t ks = p.ks, ws = dtype_size(dw_dt);
-  const int64_t ldx = s.ldx ? s.ldx : s.c;
+}
 
-  const auto buf = Scratch::get<3>({size_t(p.cblk * p.chunk * p.blk_a) * ks,
-                                    size_t(p.kblk * p.chunk * p.blk_b) * ks,
-                                    p.dw32 ? size_t(s.c * s.k) * sizeof(float) : 0});
-  const View<char, 2> xt(buf[0], {p.cblk * p.chunk, int64_t(p.blk_a * ks)});  // [Cb][chunk] blocks
-  const View<char, 3> dzb(buf[1], {p.kblk, p.chunk, int64_t(p.blk_b * ks)});  // [Kb][chunk] blocks
-  char* const out = p.dw32 ? buf[2] : static_cast<char*>(dw);
-  const size_t os = p.dw32 ? sizeof(float) : ws;
+// Both passes of every chunk: re-block its operands (and sum db over it), then call
+// item(i, chunk, nbs, xt, dzb) for each (C-block, K-block) item of dw, whose BRGEMM reduces
+// over the chunk's nbs N-blocks.
+template <class Item>
+void update_chunks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
+                   const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
+  const Blocking& b = p.b;
+  const int64_t ldx = s.ldx ? s.ldx : s.c;
+  const View<char, 2> xt(xt_buf, {p.cblk * p.chunk, int64_t(p.blk_a * p.ks)});   // [Cb][chunk] blocks
+  const View<char, 3> dzb(dz_buf, {p.kblk, p.chunk, int64_t(p.blk_b * p.ks)});  // [Kb][chunk] blocks
   for (int64_t ch = 0; ch < p.chunks; ++ch) {
     const int64_t nb0 = ch * p.chunk, nbs = std::min(p.chunk, p.nblk - nb0);
     parallel_for(ex, p.cblk * nbs + p.kblk, [&](int64_t i) {
@@ -383,22 +382,102 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
           });
       }
     });
-
-    const KernelSet& kernels = ch ? p.rest : p.first;
-    parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) {
-      const int64_t cb = i / p.kblk, kb = i % p.kblk;  // C-block major: an x^T panel is reused
-      const int64_t c0 = cb * b.rows, k0 = kb * b.cols;
-      const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-      kernels(rows, cols).strided(xt.at(cb * p.chunk), p.blk_a, dzb.at(kb), p.blk_b, nbs,
-                                  out + (c0 * s.k + k0) * int64_t(os));
-    });
+    // C-block major: an x^T panel is reused
+    parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) { item(i, ch, nbs, xt.at(i / p.kblk * p.chunk), dzb.at(i % p.kblk)); });
   }
+}
+
+// One row piece of the SGD step (see fc.h), g the gradient of w.
+void sgd_row(const Sgd& o, const float* g, float* w, float* m, int64_t cols, bool decay) {
+  const float step = -o.lr;
+  for (int64_t j = 0; j < cols; ++j) {
+    const float gj = decay ? g[j] + o.weight_decay * w[j] : g[j];
+    const float mj = gj + o.momentum * m[j];
+    m[j] = mj;
+    w[j] = w[j] + step * (o.nesterov ? gj + o.momentum * mj : mj);
+  }
+}
+
+}  // namespace
+
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force) {
+  if (s.c <= 0 || s.k <= 0) return;
+  if (s.n <= 0) {  // an empty batch: zero gradients
+    std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
+    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
+    return;
+  }
+  const UpdatePlan& p = update_plan(ex, dp, s, dw_dt, force);
+  const Blocking& b = p.b;
+  const auto buf = Scratch::get<3>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
+                                    size_t(p.kblk * p.chunk * p.blk_b) * p.ks,
+                                    p.dw32 ? size_t(s.c * s.k) * sizeof(float) : 0});
+  char* const out = p.dw32 ? buf[2] : static_cast<char*>(dw);
+  const size_t os = p.dw32 ? sizeof(float) : dtype_size(dw_dt);
+  update_chunks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, int64_t ch, int64_t nbs, char* a, char* bb) {
+    const int64_t c0 = i / p.kblk * b.rows, k0 = i % p.kblk * b.cols;
+    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+    (ch ? p.rest : p.first)(rows, cols).strided(a, p.blk_a, bb, p.blk_b, nbs, out + (c0 * s.k + k0) * int64_t(os));
+  });
   if (p.dw32)  // the fp32 sums into the bf16 dw, a C-row per item
     parallel_for(ex, s.c, [&](int64_t c) {
       const float* src = reinterpret_cast<const float*>(out) + c * s.k;
       uint16_t* dst = static_cast<uint16_t*>(dw) + c * s.k;
       for (int64_t j = 0; j < s.k; ++j) dst[j] = f32_to_bf16(src[j]);
     });
+}
+
+// The fused step: with one chunk, an item's block of dw goes to a leased tile (L1/L2) and is
+// applied from there, so dw never reaches memory; with several, the chunks accumulate into
+// an fp32 scratch dw first (every block must be whole before it is applied).
+void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                const Sgd& o, float* w, float* mw, float* b, float* mb) {
+  if (s.c <= 0 || s.k <= 0) return;
+  const bool decay = o.weight_decay != 0.0f;
+  std::vector<float> none;  // an empty batch: zero gradients (never in a training step)
+  if (s.n <= 0) {
+    none.assign(size_t(std::max(s.c, int64_t(1)) * s.k), 0.0f);
+    for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, decay);
+    if (b) sgd_row({o.lr, o.momentum, 0.0f, o.nesterov}, none.data(), b, mb, s.k, false);
+    return;
+  }
+  const UpdatePlan& p = update_plan(ex, dp, s, DType::f32, nullptr);
+  const Blocking& bl = p.b;
+  const bool tiled = p.chunks == 1;
+  const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
+  const auto buf = Scratch::get<4>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
+                                    size_t(p.kblk * p.chunk * p.blk_b) * p.ks,
+                                    tiled ? Scratch::aligned(tile_bytes) * size_t(ex.num_threads)
+                                          : size_t(s.c * s.k) * sizeof(float),
+                                    b ? size_t(s.k) * sizeof(float) : 0});
+  float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;
+  float* const full = tiled ? nullptr : reinterpret_cast<float*>(buf[2]);
+  PanelPool tiles(buf[2], Scratch::aligned(tile_bytes), tiled ? ex.num_threads : 1);
+  auto apply = [&](const float* g, int64_t ldg, int64_t c0, int64_t k0, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t off = (c0 + r) * s.k + k0;
+      sgd_row(o, g + r * ldg, w + off, mw + off, cols, decay);
+    }
+  };
+  update_chunks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, int64_t ch, int64_t nbs, char* a, char* bb) {
+    const int64_t c0 = i / p.kblk * bl.rows, k0 = i % p.kblk * bl.cols;
+    const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
+    if (!tiled) {
+      (ch ? p.rest : p.first)(rows, cols).strided(a, p.blk_a, bb, p.blk_b, nbs, full + c0 * s.k + k0);
+      return;
+    }
+    const PanelPool::Lease tile(tiles);
+    float* t = reinterpret_cast<float*>(tile.data);
+    p.tile(rows, cols).strided(a, p.blk_a, bb, p.blk_b, nbs, t);
+    apply(t, bl.cols, c0, k0, rows, cols);
+  });
+  if (!tiled)
+    parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) {
+      const int64_t c0 = i / p.kblk * bl.rows, k0 = i % p.kblk * bl.cols;
+      apply(full + c0 * s.k + k0, s.k, c0, k0, std::min(bl.rows, s.c - c0), std::min(bl.cols, s.k - k0));
+    });
+  if (b) sgd_row({o.lr, o.momentum, 0.0f, o.nesterov}, db, b, mb, s.k, false);
 }
 
 }  // namespace jb::fc

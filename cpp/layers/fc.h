@@ -70,4 +70,20 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
 
+// SGD with momentum (optax's add_decayed_weights + sgd, per element, in fp32):
+//   g' = g + weight_decay * w      (the kernel only; the bias takes no decay)
+//   m' = g' + momentum * m
+//   w' = w - lr * (nesterov ? g' + momentum * m' : m')
+struct Sgd {
+  float lr = 0, momentum = 0, weight_decay = 0;
+  bool nesterov = false;
+};
+
+// The weight update with the optimizer step fused: dw = x^T @ dz and db = sum of dz are
+// computed as update() does, but never stored; each block of dw is applied to w and its
+// momentum mw (and db to b, mb) while it is in cache. All four are fp32, updated in place.
+// b and mb may be null (no bias).
+void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                const Sgd& o, float* w, float* mw, float* b, float* mb);
+
 }  // namespace jb::fc

@@ -171,6 +171,56 @@ TEST(fc_update_in_chunks) {
       for (DType w_dt : {DType::f32, DType::bf16}) run_case(23, 24, 19, dt, w_dt, Activation::none, true, 2, &bl);
 }
 
+// update_sgd against update() followed by the SGD step in double precision.
+void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool bias, int64_t threads) {
+  std::mt19937 rng(unsigned(n * 7 + c * 3 + k));
+  TestPool pool;
+  const jb::Executor ex = pool.executor(threads);
+  const fc::Shape s{n, c, k, dt, Activation::none};
+  Tensor x(dt, n * c), dz(dt, n * k);
+  x.fill(rng);
+  dz.fill(rng);
+  std::vector<float> w(c * k), m(c * k), b(k), mb(k), dw(c * k), db(k);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto* v : {&w, &m, &b, &mb})
+    for (float& e : *v) e = u(rng);
+  std::vector<float> w0 = w, m0 = m, b0 = b, mb0 = mb;
+  fc::update(ex, jb::dispatch(), s, x.data(), dz.data(), dw.data(), DType::f32, db.data());
+  fc::update_sgd(ex, jb::dispatch(), s, x.data(), dz.data(), o, w.data(), m.data(), bias ? b.data() : nullptr,
+                 bias ? mb.data() : nullptr);
+  int bad = 0;
+  auto expect = [&](const char* what, size_t i, double got, double want) {
+    if (!(std::fabs(got - want) <= 1e-5 * (1 + std::fabs(want))) && bad++ < 3)
+      CHECK(false) << what << "[" << i << "] = " << got << ", want " << want << " (n=" << n << " c=" << c
+                   << " k=" << k << " nesterov=" << o.nesterov << ")";
+  };
+  auto step = [&](const char* what, const std::vector<float>& g, const std::vector<float>& p0,
+                  const std::vector<float>& m_0, const std::vector<float>& p, const std::vector<float>& mm,
+                  double wd) {
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double gi = g[i] + wd * p0[i], mi = gi + o.momentum * double(m_0[i]);
+      expect(what, i, mm[i], mi);
+      expect(what, i, p[i], p0[i] - o.lr * (o.nesterov ? gi + o.momentum * mi : mi));
+    }
+  };
+  step("w", dw, w0, m0, w, m, o.weight_decay);
+  if (bias) step("b", db, b0, mb0, b, mb, 0.0);
+  else CHECK(b == b0 && mb == mb0) << "bias touched without one";
+}
+
+TEST(fc_update_sgd) {
+  // The optimizer step fused into the weight update: nesterov or not, weight decay on the
+  // kernel only, edge blocks, one thread and two, and a batch long enough for several
+  // chunks (accumulated into a scratch dw before the step).
+  for (DType dt : {DType::f32, DType::bf16}) {
+    sgd_case(23, 24, 19, dt, {0.05f, 0.9f, 0.0f, true}, true, 2);
+    sgd_case(1, 1, 1, dt, {0.1f, 0.8f, 1e-3f, false}, true, 1);
+    sgd_case(37, 130, 141, dt, {0.01f, 0.95f, 5e-4f, true}, false, 2);
+    sgd_case(0, 5, 7, dt, {0.1f, 0.9f, 1e-3f, true}, true, 2);
+  }
+  sgd_case(2200, 500, 500, DType::f32, {0.02f, 0.9f, 1e-4f, true}, true, 2);
+}
+
 TEST(fc_blocking_parallelizes_small_batches) {
   for (int64_t n : {1, 8, 64, 256, 1024}) {
     fc::Shape s{n, 1024, 1024, DType::f32, Activation::none};

@@ -10,6 +10,9 @@ Forward, backward-by-data and weight update are each one XLA FFI call into
   pre-activation ``z`` for gelu.
 * ``jb_fc_bwd``: ``dx = dz @ kernel.T``.
 * ``jb_fc_upd``: ``dkernel = x.T @ dz`` and ``dbias = sum(dz)``, race-free.
+* ``jb_fc_upd_sgd``: the same gradients applied at once by SGD with momentum to the
+  parameters and their momenta, in place (``sgd_update`` below; the training harness's
+  fused optimizer step).
 
 ``dz`` is computed once and read by both backward passes. (Applying ``act'`` inside each
 of them instead, while they read ``dz``, measured no faster inside a training step: equal in
@@ -128,6 +131,54 @@ def _upd_ffi(x, dz, *, w_shape, w_dtype, with_bias):
     dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
     db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
     return tuple(jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(x, dz))
+
+
+def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, nesterov,
+               weight_decay, after=None):
+    """One step of optax's ``chain(add_decayed_weights(weight_decay, <kernels>),
+    sgd(lr, momentum, nesterov))`` for a dense layer whose gradients are ``x.T @ dz`` and
+    ``sum(dz, 0)``, without forming them: the weight update computes each block of the
+    kernel's gradient and applies it while it is in cache.
+
+    ``x`` (N, C) and ``dz`` (N, K) in the layer's computation dtype (float32 or bfloat16);
+    the parameters ``kernel`` (C, K), ``bias`` (K,) or None and their momenta (optax's
+    ``TraceState.trace`` leaves) float32; ``lr`` the step's learning rate (a scalar).
+    Returns the new ``(kernel, kernel_trace, bias, bias_trace)`` (bias ones None without a
+    bias); the four buffers are updated in place when the caller donates them. Not
+    differentiable. Weight decay applies to the kernel only (``optim.kernel_mask``).
+
+    ``after``: an array the update waits for and does not read. The kernel is rewritten in
+    place, so XLA copies it first unless every other reader of it is known to come before;
+    pass the result of the layer's backward pass (``dz @ kernel.T``, or what depends on it).
+    """
+    if x.ndim != 2 or dz.ndim != 2 or kernel.shape != (x.shape[1], dz.shape[1]):
+        raise ValueError(f"sgd_update: x {x.shape}, dz {dz.shape} and kernel {kernel.shape} "
+                         "must be (N, C), (N, K) and (C, K)")
+    if x.dtype != dz.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"sgd_update: x and dz must share float32 or bfloat16, got {x.dtype}, {dz.dtype}")
+    f32 = [a for a in (kernel, kernel_trace, bias, bias_trace) if a is not None]
+    if any(a.dtype != jnp.float32 for a in f32) or kernel_trace.shape != kernel.shape or (
+            bias is not None and (bias.shape != (kernel.shape[1],) or bias_trace.shape != bias.shape)):
+        raise ValueError("sgd_update: kernel, bias and their traces must be float32, the traces "
+                         "of their parameters' shapes, the bias (K,)")
+    empty = jnp.zeros((0,), jnp.float32)
+    b, mb = (empty, empty) if bias is None else (bias, bias_trace)
+    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (kernel, kernel_trace, b, mb))
+    kernel, kernel_trace, b, mb = jax.ffi.ffi_call(
+        "jb_fc_upd_sgd", outs, input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})(
+        x, dz, kernel, kernel_trace, b, mb, jnp.asarray(lr, jnp.float32),
+        empty if after is None else after, momentum=np.float32(momentum), weight_decay=np.float32(weight_decay),
+        nesterov=bool(nesterov))
+    return kernel, kernel_trace, (None if bias is None else b), (None if bias is None else mb)
+
+
+def act_grad(dy, y, activation):
+    """``dy * activation'(.)`` from the layer's output ``y`` (the activations whose derivative
+    is a function of the output: None, relu, sigmoid, tanh)."""
+    act = ACTIVATION_CODES[activation or "none"]
+    if act == _GELU:
+        raise ValueError("act_grad: gelu's derivative is not a function of its output")
+    return dy if act == _NONE else _act_grad_call(dy, y, act)
 
 
 _R, _SUM = partitioning.ROWS, partitioning.SUM

@@ -1,0 +1,133 @@
+"""The train step with SGD fused into the dense layers' weight updates (train/fused.py) is
+optax's step: the same parameters, momenta and step count after several steps, on the
+``mlp`` benchmark's model and on a small one with odd sizes, fp32 and bf16, Nesterov or
+not, with weight decay; where it does not apply, ``plan`` says so and the harness takes the
+generic step."""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_brgemm as jb
+from jax_brgemm.models import MLP
+from jax_brgemm.ops import dense as dense_ops
+from jax_brgemm.train import data, fused, hparams, optim, step, suite
+
+STEPS_PER_EPOCH = 4
+
+
+def _bench(model_fn, features):
+    mlp = suite.SUITE["mlp"]
+    return dataclasses.replace(mlp, model=model_fn, name=f"mlp_{features}")
+
+
+def _batches(bench, n, count, seed=0):
+    rng = np.random.default_rng(seed)
+    spec = bench.dataset.files["train_images"]
+    out = []
+    for _ in range(count):
+        weight = np.ones(n, np.float32)
+        weight[-1] = 0.0  # a padding row, as the harness's last batch has
+        out.append(data.Batch(rng.integers(0, 256, (n, *spec.shape[1:]), np.uint8),
+                              rng.integers(0, 10, n).astype(np.int32), weight))
+    return out
+
+
+def _states(bench, model, hp, batches, fused_steps):
+    """(optax's state, the fused step's state) after the batches, from the same init."""
+    tx = optim.make(hp, STEPS_PER_EPOCH)
+    example = bench.pipeline.preprocess(jnp.asarray(batches[0].inputs[:1]))
+    state = step.create_state(bench, model, tx, jax.random.key(1), example)
+    p = fused.plan(bench, state, example, hp, STEPS_PER_EPOCH)
+    assert p is not None and len(p.sites) == len(state.params)
+    generic = jax.jit(functools.partial(step.train_step, bench=bench))
+    fast = jax.jit(functools.partial(fused.train_step, bench=bench, plan=p), donate_argnums=0)
+    a, b = state, jax.tree.map(jnp.copy, state)
+    for batch in batches[:fused_steps]:
+        a, loss_a = generic(a, batch)
+        b, loss_b = fast(b, batch)
+        np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype,nesterov,weight_decay,features", [
+    ("float32", True, 0.0, (1024, 1024, 1024)),   # the main job's model and optimizer
+    ("float32", False, 1e-3, (33, 1)),
+    ("bfloat16", True, 5e-4, (130, 47)),
+])
+def test_fused_step_is_optax_step(dtype, nesterov, weight_decay, features):
+    dt = jnp.bfloat16 if dtype == "bfloat16" else None
+    model = MLP(features=features, num_classes=10, impl="brgemm", dtype=dt)
+    bench = _bench(lambda impl, dtype: model, features)
+    hp = {**hparams.defaults(bench, "sgd"), "sgd_opt_nesterov": nesterov,
+          "opt_weight_decay": weight_decay, "opt_learning_rate_warmup_epochs": 0.0}
+    a, b = _states(bench, model, hp, _batches(bench, 37, 3), 3)
+    assert int(b.step) == int(a.step) == 3
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    moved = 0
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape and x.dtype == y.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(y, x, rtol=tol, atol=tol * (np.abs(x).max() + 1e-12),
+                                   err_msg=jax.tree_util.keystr(path))
+    # the parameters did move (lr > 0 from the first step): the comparison is not vacuous
+    init = step.create_state(bench, model, optim.make(hp, STEPS_PER_EPOCH), jax.random.key(1),
+                             bench.pipeline.preprocess(jnp.zeros((1, 28, 28), jnp.uint8)))
+    for x, y in zip(jax.tree.leaves(init.params), jax.tree.leaves(b.params)):
+        moved += int(not np.array_equal(np.asarray(x), np.asarray(y)))
+    assert moved == len(jax.tree.leaves(b.params))
+    assert jax.tree.structure(a.opt_state) == jax.tree.structure(b.opt_state)
+
+
+def test_plan_only_where_it_applies():
+    bench = suite.SUITE["mlp"]
+    hp = hparams.defaults(bench, "sgd")
+    example = jnp.zeros((1, 784))
+    tx = optim.make(hp, STEPS_PER_EPOCH)
+
+    def state_of(model):
+        return step.create_state(bench, model, tx, jax.random.key(0), example)
+
+    mlp = MLP(features=(16,), num_classes=10, impl="brgemm")
+    assert fused.plan(bench, state_of(mlp), example, hp, STEPS_PER_EPOCH) is not None
+    # stock flax layers, an activation whose derivative needs the pre-activation, another
+    # optimizer, several processes: no plan
+    for model in (MLP(features=(16,), num_classes=10, impl="xla"),
+                  MLP(features=(16,), num_classes=10, impl="brgemm", activation="gelu")):
+        assert fused.plan(bench, state_of(model), example, hp, STEPS_PER_EPOCH) is None
+    adam = hparams.defaults(bench, "adam")
+    assert fused.plan(bench, state_of(mlp), example, adam, STEPS_PER_EPOCH) is None
+    assert fused.plan(bench, state_of(mlp), example, hp, STEPS_PER_EPOCH, processes=2) is None
+
+    class Shared(nn.Module):  # one layer called twice: its gradient is a sum of two
+        @nn.compact
+        def __call__(self, x):
+            d = jb.nn.Dense(784)
+            return jb.nn.Dense(10)(d(d(x)))
+
+    assert fused.plan(bench, state_of(Shared()), example, hp, STEPS_PER_EPOCH) is None
+
+
+def test_sgd_update_rejects_bad_operands():
+    x, dz = jnp.ones((4, 3)), jnp.ones((4, 5))
+    k, b = jnp.ones((3, 5)), jnp.ones((5,))
+    kw = dict(momentum=0.9, nesterov=True, weight_decay=0.0)
+    with pytest.raises(ValueError, match="must be"):
+        dense_ops.sgd_update(x, dz, jnp.ones((5, 3)), jnp.ones((5, 3)), b, b, 0.1, **kw)
+    with pytest.raises(ValueError, match="float32"):
+        dense_ops.sgd_update(x, dz, k.astype(jnp.bfloat16), k, b, b, 0.1, **kw)
+    with pytest.raises(ValueError, match="share"):
+        dense_ops.sgd_update(x, dz.astype(jnp.bfloat16), k, k, b, b, 0.1, **kw)
+    # and a correct call updates as optax's rule: w -= lr * (g' + mu * m'), m' = g' + mu * m
+    k2, m2, b2, mb2 = jax.jit(functools.partial(dense_ops.sgd_update, **kw))(
+        x, dz, k, jnp.zeros_like(k), b, jnp.zeros_like(b), 0.1)
+    g = np.asarray(x).T @ np.asarray(dz)
+    np.testing.assert_allclose(m2, g, rtol=1e-6)
+    np.testing.assert_allclose(k2, 1 - 0.1 * (g + 0.9 * g), rtol=1e-6)
+    np.testing.assert_allclose(b2, 1 - 0.1 * (4 + 0.9 * 4) * np.ones(5), rtol=1e-6)
+    np.testing.assert_allclose(mb2, 4 * np.ones(5), rtol=1e-6)
