@@ -36,12 +36,14 @@ import jax_brgemm as jb
 def step_fn(impl, n, dtype):
     """The training harness's own step for the ``mlp`` benchmark (its model, loss, optimizer
     with the suite's hyperparameters and preprocessing), jitted with the state donated as
-    the harness does, and its (state, batch) on random Fashion-MNIST-shaped images."""
-    from jax_brgemm.train import hparams, optim, step, suite
+    the harness does (with impl="brgemm" the step with SGD fused into the weight updates,
+    as the harness picks it), and its (state, batch) on random Fashion-MNIST-shaped images."""
+    from jax_brgemm.train import fused, hparams, optim, step, suite
 
     bench = suite.SUITE["mlp"]
     hp = hparams.defaults(bench, bench.hparams["common"]["opt_name"])
-    tx = optim.make(hp, optim.steps_per_epoch(bench.train_size, n))
+    steps = optim.steps_per_epoch(bench.train_size, n)
+    tx = optim.make(hp, steps)
     batch = bench.pipeline.synthetic_batch(bench.dataset, n)
     rng = np.random.default_rng(n)
     batch = batch._replace(inputs=rng.integers(0, 256, batch.inputs.shape, np.uint8),
@@ -49,7 +51,9 @@ def step_fn(impl, n, dtype):
     example = bench.pipeline.preprocess(jnp.asarray(batch.inputs[:1]))
     state = step.create_state(bench, bench.model(impl=impl, dtype=dtype), tx,
                               jax.random.key(0), example)
-    train = jax.jit(functools.partial(step.train_step, bench=bench), donate_argnums=0)
+    plan = fused.plan(bench, state, example, hp, steps) if impl == "brgemm" else None
+    train = jax.jit(functools.partial(fused.train_step, bench=bench, plan=plan) if plan else
+                    functools.partial(step.train_step, bench=bench), donate_argnums=0)
     batch = jax.tree.map(jnp.asarray, batch)
     return (lambda state, batch: (train(state, batch)[0], batch)), train, (state, batch)
 
@@ -115,8 +119,10 @@ def alone_fns(n, dtype):
         act = relu if i < len(widths) - 2 else none
         x, w, b, dz = arr(n, c), arr(c, k, dtype=jnp.float32) / 32, arr(k, dtype=jnp.float32), arr(n, k)
         fns[f"Dense_{i} jb_fc_fwd"] = (jax.jit(lambda x, w, b, a=act: d._fc_call(x, w, b, a)), (x, w, b))
-        fns[f"Dense_{i} jb_fc_upd"] = (
-            jax.jit(lambda x, dz, s=(c, k): d._upd_call(x, dz, s, jnp.float32, True)), (x, dz))
+        fns[f"Dense_{i} jb_fc_upd_sgd"] = (jax.jit(
+            lambda x, dz, w, m, b, mb: (x, dz, *d.sgd_update(
+                x, dz, w, m, b, mb, 0.01, momentum=0.9, nesterov=True, weight_decay=0.0)),
+            donate_argnums=(2, 3, 4, 5)), (x, dz, jnp.copy(w), jnp.zeros_like(w), jnp.copy(b), jnp.zeros_like(b)))
         if i > 0:  # the first layer's input needs no gradient
             fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(lambda dz, w: d._bwd_call(dz, w)), (dz, w))
         if act == relu:
@@ -129,7 +135,8 @@ def alone(n, dtype, steps):
     """{label: ms per call} of every BRGEMM pass timed alone."""
     out = {}
     for label, (fn, args) in alone_fns(n, dtype).items():
-        per_op = traced_ms(fn, args, steps, set(op_labels(fn.lower(*args).compile().as_text())))
+        labels = set(op_labels(fn.lower(*args).compile().as_text()))
+        per_op = traced_ms(fn, args, steps, labels, carry="sgd" in label)
         out[label] = sum(ms for name, ms in per_op.items() if name != "<step>")
     return out
 

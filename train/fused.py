@@ -127,12 +127,14 @@ def train_step(state, batch, *, bench, plan: Plan):
         x = x.reshape(-1, c).astype(s.dtype)
         dz = dense_ops.act_grad(dys[s.path], y, s.activation).reshape(x.shape[0], -1)
         p, m = _get(params, s.path), _get(trace, s.path)
-        k, mk, b, mb = dense_ops.sgd_update(
-            x, dz, p["kernel"], m["kernel"], p.get("bias"), m.get("bias"), lr,
-            momentum=plan.momentum, nesterov=plan.nesterov, weight_decay=plan.weight_decay,
-            # the previous layer's output gradient: in a chain of layers, this one's backward
-            # pass (the other reader of its kernel) made it; XLA need not copy the kernel
-            after=dys[plan.sites[i - 1].path] if i else None)
+        with jax.named_scope("/".join(s.path)):  # profiles name the layer
+            k, mk, b, mb = dense_ops.sgd_update(
+                x, dz, p["kernel"], m["kernel"], p.get("bias"), m.get("bias"), lr,
+                momentum=plan.momentum, nesterov=plan.nesterov, weight_decay=plan.weight_decay,
+                # the previous layer's output gradient: in a chain of layers, this one's
+                # backward pass (the other reader of its kernel) made it, so XLA need not
+                # copy the kernel before the update rewrites it
+                after=dys[plan.sites[i - 1].path] if i else None)
         _set(params, s.path, {"kernel": k, **({"bias": b} if s.bias else {})})
         _set(trace, s.path, {"kernel": mk, **({"bias": mb} if s.bias else {})})
     opt_state = optax.tree_utils.tree_set(state.opt_state, trace=trace,

@@ -68,6 +68,24 @@ JB_INLINE void grad_loop(Activation act, const T* dy, const T* s, T* dz, int64_t
   }
 }
 
+template <bool kNesterov, bool kDecay>
+inline void sgd_loop(const float* __restrict g, float* __restrict w, float* __restrict m, int64_t n,
+                     float lr, float momentum, float weight_decay) {
+  const float step = -lr;
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = kDecay ? g[i] + weight_decay * w[i] : g[i];
+    const float mi = gi + momentum * m[i];
+    m[i] = mi;
+    w[i] = w[i] + step * (kNesterov ? gi + momentum * mi : mi);
+  }
+}
+
+template <class F>
+inline void sgd_variant(bool nesterov, bool decay, F&& f) {
+  if (nesterov) decay ? f(std::true_type{}, std::true_type{}) : f(std::true_type{}, std::false_type{});
+  else decay ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
+}
+
 template <class T>
 void activate_base(Activation act, const void* z, void* y, int64_t n) {
   activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);
@@ -87,10 +105,24 @@ template <class T>
 JB_AVX512 void grad_avx512(Activation act, const void* dy, const void* s, void* dz, int64_t n) {
   grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n);
 }
+template <bool kNesterov, bool kDecay>
+JB_AVX512 void sgd_avx512(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
+                          float weight_decay) {
+  sgd_loop<kNesterov, kDecay>(g, w, m, n, lr, momentum, weight_decay);
+}
 #endif
 
-
 }  // namespace
+
+void sgd(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
+         float weight_decay, bool nesterov, Isa isa) {
+  sgd_variant(nesterov, weight_decay != 0.0f, [&](auto nest, auto decay) {
+#if defined(JB_X86)
+    if (isa >= Isa::avx512) return sgd_avx512<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
+#endif
+    sgd_loop<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
+  });
+}
 
 void activate(Activation act, DType dt, const void* z, void* y, int64_t n, Isa isa) {
 #if defined(JB_X86)

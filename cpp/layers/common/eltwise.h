@@ -19,4 +19,9 @@ void activate(Activation act, DType dt, const void* z, void* y, int64_t n, Isa i
 void act_grad(Activation act, DType dt, const void* dy, const void* saved, void* dz, int64_t n,
               Isa isa);
 
+// One SGD-with-momentum step over n elements (fc::Sgd's rule, in fp32): g the gradient of
+// w, m its momentum; w and m are updated in place. decay: add weight_decay * w to g first.
+void sgd(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
+         float weight_decay, bool nesterov, Isa isa);
+
 }  // namespace jb::eltwise
