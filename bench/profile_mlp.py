@@ -4,6 +4,7 @@ optimizer with the suite's hyperparameters, the state donated), for impl="brgemm
 impl="xla", from a JAX profiler trace.
 
     python bench/profile_mlp.py [--n 256] [--dtype float32] [--steps 20]
+    python bench/profile_mlp.py --parts [--rounds 10]   # forward / gradients / step split
 
 Each op of the compiled step (a custom call, an XLA fusion or dot) is named after the layer
 it belongs to (from the HLO metadata) and its kind; the table gives ms per step, and the
@@ -13,6 +14,12 @@ way (the same custom call in a jitted function of its own, on operands of the sa
 called over and over), so the table shows what the step costs each pass beyond its own
 work: cold operands and fresh output pages. Writes nothing; prints a table per
 implementation.
+
+--parts times, without the profiler, in one process and interleaved (so the machine's drift
+hits all alike), the loss alone, the loss and its gradients (``jax.grad``, no optimizer),
+the generic train step (``step.train_step``, optax after the gradients) and, for brgemm,
+the harness's fused step (``train/fused.py``): the differences give what the optimizer
+step costs each way.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import glob
 import gzip
 import json
 import re
+import statistics
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -141,14 +150,69 @@ def alone(n, dtype, steps):
     return out
 
 
+def parts(n, dtype, rounds):
+    """ms per call (median over rounds) of loss, gradients, generic step and fused step."""
+    from jax_brgemm.train import fused, hparams, optim, step, suite
+
+    bench = suite.SUITE["mlp"]
+    hp = hparams.defaults(bench, "sgd")
+    steps = optim.steps_per_epoch(bench.train_size, n)
+    _, _, (_, batch) = step_fn("xla", n, dtype)
+    example = bench.pipeline.preprocess(batch.inputs[:1])
+    cases = {}
+    for impl in ("brgemm", "xla"):
+        model = bench.model(impl=impl, dtype=dtype)
+        state = step.create_state(bench, model, optim.make(hp, steps), jax.random.key(0), example)
+
+        def loss(params, batch, model=model):
+            out = model.apply({"params": params}, bench.pipeline.preprocess(batch.inputs))
+            return jnp.mean(bench.loss(out, batch.labels))
+
+        cases[impl, "loss"] = (jax.jit(loss), state, False)
+        cases[impl, "loss + gradients"] = (jax.jit(jax.grad(loss)), state, False)
+        cases[impl, "generic step"] = (jax.jit(functools.partial(step.train_step, bench=bench),
+                                                donate_argnums=0), jax.tree.map(jnp.copy, state), True)
+        plan = fused.plan(bench, state, example, hp, steps)
+        if plan:  # the steps donate their state: each its own copy
+            cases[impl, "fused step"] = (jax.jit(functools.partial(
+                fused.train_step, bench=bench, plan=plan), donate_argnums=0),
+                jax.tree.map(jnp.copy, state), True)
+
+    def run(key, reps):
+        fn, state, carry = cases[key]
+        out = None
+        for _ in range(reps):
+            out = fn(state, batch)[0] if carry else fn(state.params, batch)
+            state = out if carry else state
+        jax.block_until_ready(out)
+        cases[key] = (fn, state, carry)
+
+    for key in cases:
+        run(key, 3)
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for key in cases:
+            t = time.perf_counter()
+            run(key, 10)
+            times[key].append((time.perf_counter() - t) / 10 * 1e3)
+    return {key: (statistics.median(ts), min(ts), max(ts)) for key, ts in times.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--parts", action="store_true", help="the loss / gradients / step split")
+    p.add_argument("--rounds", type=int, default=10, help="--parts: interleaved rounds")
     args = p.parse_args(argv)
     jb.reuse_freed_memory()  # as the harness does
     dtype = None if args.dtype == "float32" else jnp.dtype(args.dtype)
+    if args.parts:
+        print(f"N={args.n} {args.dtype}, ms per call, median of {args.rounds} rounds (min-max)")
+        for (impl, what), (med, lo, hi) in parts(args.n, dtype, args.rounds).items():
+            print(f"  {impl:7s} {what:18s} {med:7.2f}  ({lo:.2f}-{hi:.2f})")
+        return
     for impl in ("brgemm", "xla"):
         per_op, labels = profile(impl, args.n, dtype, args.steps)
         step = per_op.pop("<step>", 0.0)

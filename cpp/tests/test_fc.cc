@@ -172,7 +172,8 @@ TEST(fc_update_in_chunks) {
 }
 
 // update_sgd against update() followed by the SGD step in double precision.
-void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool bias, int64_t threads) {
+void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool bias, int64_t threads,
+              const jb::Dispatch& dp = jb::dispatch()) {
   std::mt19937 rng(unsigned(n * 7 + c * 3 + k));
   TestPool pool;
   const jb::Executor ex = pool.executor(threads);
@@ -185,8 +186,8 @@ void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool 
   for (auto* v : {&w, &m, &b, &mb})
     for (float& e : *v) e = u(rng);
   std::vector<float> w0 = w, m0 = m, b0 = b, mb0 = mb;
-  fc::update(ex, jb::dispatch(), s, x.data(), dz.data(), dw.data(), DType::f32, db.data());
-  fc::update_sgd(ex, jb::dispatch(), s, x.data(), dz.data(), o, w.data(), m.data(), bias ? b.data() : nullptr,
+  fc::update(ex, dp, s, x.data(), dz.data(), dw.data(), DType::f32, db.data());
+  fc::update_sgd(ex, dp, s, x.data(), dz.data(), o, w.data(), m.data(), bias ? b.data() : nullptr,
                  bias ? mb.data() : nullptr);
   int bad = 0;
   auto expect = [&](const char* what, size_t i, double got, double want) {
@@ -219,6 +220,9 @@ TEST(fc_update_sgd) {
     sgd_case(0, 5, 7, dt, {0.1f, 0.9f, 1e-3f, true}, true, 2);
   }
   sgd_case(2200, 500, 500, DType::f32, {0.02f, 0.9f, 1e-4f, true}, true, 2);
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2})  // the element-wise step's other paths
+    if (isa <= jb::best_isa())
+      sgd_case(29, 40, 37, DType::f32, {0.05f, 0.9f, 1e-3f, true}, true, 2, jb::make_dispatch(isa, ""));
 }
 
 TEST(fc_blocking_parallelizes_small_batches) {
