@@ -131,3 +131,23 @@ def test_sgd_update_rejects_bad_operands():
     np.testing.assert_allclose(k2, 1 - 0.1 * (g + 0.9 * g), rtol=1e-6)
     np.testing.assert_allclose(b2, 1 - 0.1 * (4 + 0.9 * 4) * np.ones(5), rtol=1e-6)
     np.testing.assert_allclose(mb2, 4 * np.ones(5), rtol=1e-6)
+
+
+def test_the_harness_takes_the_fused_step_for_brgemm_sgd():
+    from jax_brgemm.train import loop
+
+    bench = suite.SUITE["mlp"]
+    example = jnp.zeros((1, 784))
+
+    def step_for(impl, opt_name, processes=1):
+        hp = hparams.defaults(bench, opt_name)
+        cfg = loop.RunConfig(bench=bench, impl=impl, division="closed", dtype="float32", hparams=hp,
+                             max_epochs=1, config_filename="config.json")
+        model = MLP(features=(16,), num_classes=10, impl=impl)
+        state = step.create_state(bench, model, optim.make(hp, 4), jax.random.key(0), example)
+        return loop.train_step_for(cfg, state, example, 4, processes=processes).func
+
+    assert step_for("brgemm", "sgd") is fused.train_step
+    assert step_for("xla", "sgd") is step.train_step
+    assert step_for("brgemm", "adam") is step.train_step
+    assert step_for("brgemm", "sgd", processes=2) is step.train_step

@@ -235,6 +235,16 @@ def _interrupted(mll, ckpt, save, where: str):
                                 f"{where}; {what}; log closed with run_stop aborted")
 
 
+def train_step_for(cfg: RunConfig, state, example, steps_per_epoch: int, processes: int = 1):
+    """The run's train step: with impl="brgemm" and SGD the optimizer step rides on the
+    weight updates where the model allows it (train/fused.py), else ``step.train_step``."""
+    plan = (fused.plan(cfg.bench, state, example, cfg.hparams, steps_per_epoch, processes=processes)
+            if cfg.impl == "brgemm" else None)
+    if plan:
+        return functools.partial(fused.train_step, bench=cfg.bench, plan=plan)
+    return functools.partial(step.train_step, bench=cfg.bench)
+
+
 def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=None):
     bench, hp = cfg.bench, cfg.hparams
     pipeline, batch_size = bench.pipeline, hp["global_batch_size"]
@@ -258,11 +268,7 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=Non
     state = step.create_state(bench, model, optim.make(hp, steps), jax.random.key(seed), example)
     # Compiled ahead of time: a batch of another shape would be an error, never a
     # silent recompilation inside the timed run.
-    # impl="brgemm" with SGD: the optimizer step rides on the weight updates (train/fused.py)
-    fused_plan = (fused.plan(bench, state, example, hp, steps) if cfg.impl == "brgemm" and not topo
-                  else None)
-    train_fn = (functools.partial(fused.train_step, bench=bench, plan=fused_plan) if fused_plan
-                else functools.partial(step.train_step, bench=bench))
+    train_fn = train_step_for(cfg, state, example, steps, processes=topo.num_devices if topo else 1)
     eval_fn = functools.partial(step.eval_step, bench=bench)
     train_batch = pipeline.synthetic_batch(bench.dataset, batch_size)
     eval_batch = pipeline.synthetic_batch(bench.dataset, eval_batch_size)
