@@ -151,3 +151,23 @@ def test_the_harness_takes_the_fused_step_for_brgemm_sgd():
     assert step_for("xla", "sgd") is step.train_step
     assert step_for("brgemm", "adam") is step.train_step
     assert step_for("brgemm", "sgd", processes=2) is step.train_step
+
+
+class _Rows(nn.Module):
+    """A dense layer over every row of a (N, 4, 196) input, then logits: x and dz of the
+    first layer are (N, 4, C) and fold into (4N, C) rows."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = jb.nn.Dense(24, activation="tanh")(x.reshape(x.shape[0], 4, 196))
+        return jb.nn.Dense(10, use_bias=False)(x.reshape(x.shape[0], -1))
+
+
+def test_fused_step_with_batched_rows_and_no_bias():
+    model = _Rows()
+    bench = _bench(lambda impl, dtype: model, "rows")
+    hp = {**hparams.defaults(bench, "sgd"), "opt_learning_rate_warmup_epochs": 0.0,
+          "opt_weight_decay": 1e-3}
+    a, b = _states(bench, model, hp, _batches(bench, 9, 3, seed=2), 3)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)

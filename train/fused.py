@@ -45,10 +45,9 @@ _FROM_OUTPUT = (None, "relu", "sigmoid", "tanh")
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One dense layer call: its module path, output shape and dtype, activation, bias."""
+    """One dense layer call: its module path, computation dtype, activation, bias."""
 
     path: tuple
-    shape: tuple
     dtype: Any
     activation: Optional[str]
     bias: bool
@@ -94,7 +93,7 @@ def plan(bench, state, example_inputs, hp, steps_per_epoch, *, processes: int = 
         if len(calls) != 1 or module.activation not in _FROM_OUTPUT or y.dtype not in (
                 jnp.float32, jnp.bfloat16):
             return None
-        sites.append(Site(path, tuple(y.shape[1:]), y.dtype, module.activation, module.use_bias))
+        sites.append(Site(path, y.dtype, module.activation, module.use_bias))
         covered |= {path + ("kernel",)} | ({path + ("bias",)} if module.use_bias else set())
     flat = traverse_util.flatten_dict(dict(state.params))
     if set(flat) != covered or any(a.dtype != jnp.float32 for a in flat.values()):
@@ -107,8 +106,9 @@ def train_step(state, batch, *, bench, plan: Plan):
     """``step.train_step``'s update (same loss, same result within rounding), with SGD
     fused into the weight updates."""
     inputs = bench.pipeline.preprocess(batch.inputs)
-    n = inputs.shape[0]
-    taps = {s.path: jnp.zeros((n, *s.shape), s.dtype) for s in plan.sites}
+    outputs = {}  # each layer's output shape on this batch (traced, not run)
+    jax.eval_shape(lambda p, x: _dense_calls(state.apply_fn, p, x, seen=outputs), state.params, inputs)
+    taps = {s.path: jnp.zeros(outputs[s.path][0][2].shape, s.dtype) for s in plan.sites}
 
     def loss_fn(taps):
         seen = {}
