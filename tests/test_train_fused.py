@@ -112,6 +112,14 @@ def test_plan_only_where_it_applies():
 
     assert fused.plan(bench, state_of(Shared()), example, hp, STEPS_PER_EPOCH) is None
 
+    class CustomDot(nn.Module):  # a layer whose product is not x @ kernel
+        @nn.compact
+        def __call__(self, x):
+            return jb.nn.Dense(10, dot_general=lambda a, b, *args, **kw: jax.lax.dot_general(
+                a, 2 * b, *args, **kw))(x)
+
+    assert fused.plan(bench, state_of(CustomDot()), example, hp, STEPS_PER_EPOCH) is None
+
 
 def test_sgd_update_rejects_bad_operands():
     x, dz = jnp.ones((4, 3)), jnp.ones((4, 5))

@@ -18,7 +18,7 @@ structure: checkpoints, evaluation and the logs do not change.
 
 It applies when every parameter belongs to a ``jax_brgemm.nn.Dense`` called once per step
 with an activation whose derivative is a function of its output (none, relu, sigmoid,
-tanh), with float32 parameters, no model state, the ``sgd`` optimizer and one process
+tanh), flax's dtype promotion and no custom ``dot_general``, with float32 parameters, no model state, the ``sgd`` optimizer and one process
 (data parallelism must all-reduce the gradients first). ``plan`` returns None otherwise,
 and the harness takes the generic ``step.train_step``.
 """
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
+from flax.linen.dtypes import promote_dtype as flax_promote_dtype
 
 import jax_brgemm as jb
 from jax_brgemm.ops import dense as dense_ops
@@ -90,8 +91,12 @@ def plan(bench, state, example_inputs, hp, steps_per_epoch, *, processes: int = 
     covered = set()
     for path, calls in seen.items():
         module, _, y = calls[0]
-        if len(calls) != 1 or module.activation not in _FROM_OUTPUT or y.dtype not in (
-                jnp.float32, jnp.bfloat16):
+        # The layer must compute act(promote(x) @ kernel + bias) on the kernels: flax's own
+        # dtype promotion, no custom dot_general.
+        if (len(calls) != 1 or module.activation not in _FROM_OUTPUT
+                or y.dtype not in (jnp.float32, jnp.bfloat16)
+                or module.promote_dtype is not flax_promote_dtype
+                or module.dot_general is not None or module.dot_general_cls is not None):
             return None
         sites.append(Site(path, y.dtype, module.activation, module.use_bias))
         covered |= {path + ("kernel",)} | ({path + ("bias",)} if module.use_bias else set())
