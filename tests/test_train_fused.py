@@ -129,6 +129,8 @@ def test_sgd_update_rejects_bad_operands():
         dense_ops.sgd_update(x, dz, jnp.ones((5, 3)), jnp.ones((5, 3)), b, b, 0.1, **kw)
     with pytest.raises(ValueError, match="float32"):
         dense_ops.sgd_update(x, dz, k.astype(jnp.bfloat16), k, b, b, 0.1, **kw)
+    with pytest.raises(ValueError, match="together"):
+        dense_ops.sgd_update(x, dz, k, k, b, None, 0.1, **kw)
     with pytest.raises(ValueError, match="share"):
         dense_ops.sgd_update(x, dz.astype(jnp.bfloat16), k, k, b, b, 0.1, **kw)
     # and a correct call updates as optax's rule: w -= lr * (g' + mu * m'), m' = g' + mu * m

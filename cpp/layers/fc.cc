@@ -430,9 +430,8 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
   if (s.c <= 0 || s.k <= 0) return;
   const Sgd ob{o.lr, o.momentum, 0.0f, o.nesterov};  // the bias takes no weight decay
   const Isa isa = dp.isa;
-  std::vector<float> none;  // an empty batch: zero gradients (never in a training step)
-  if (s.n <= 0) {
-    none.assign(size_t(std::max(s.c, int64_t(1)) * s.k), 0.0f);
+  if (s.n <= 0) {  // an empty batch: zero gradients (never in a training step)
+    const std::vector<float> none(size_t(s.k), 0.0f);  // one row of them
     for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, isa);
     if (b) sgd_row(ob, none.data(), b, mb, s.k, isa);
     return;
@@ -463,7 +462,8 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
       return;
     }
     // The block's parameters and momenta start on their way from memory now and are in
-    // cache when the BRGEMM is done (measured: ... ).
+    // cache when the BRGEMM is done (the MLP's fused step went from 1.01x to 1.04x stock
+    // XLA with it, one interleaved run each, noisy).
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < cols; j += 16) {
         __builtin_prefetch(w + (c0 + r) * s.k + k0 + j, 1, 2);

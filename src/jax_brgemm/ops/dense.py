@@ -156,6 +156,8 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
                          "must be (N, C), (N, K) and (C, K)")
     if x.dtype != dz.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"sgd_update: x and dz must share float32 or bfloat16, got {x.dtype}, {dz.dtype}")
+    if (bias is None) != (bias_trace is None):
+        raise ValueError("sgd_update: give the bias and its trace together, or neither")
     f32 = [a for a in (kernel, kernel_trace, bias, bias_trace) if a is not None]
     if any(a.dtype != jnp.float32 for a in f32) or kernel_trace.shape != kernel.shape or (
             bias is not None and (bias.shape != (kernel.shape[1],) or bias_trace.shape != bias.shape)):
