@@ -151,6 +151,7 @@ struct Opts {
   int64_t threads = 2;
   const jb::Blocking* force = nullptr;
   jb::Dispatch dp = jb::dispatch();
+  bool no_carry_grads = false;  // bptt gets null dc_last / dh_last (meaning zeros)
 };
 
 void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o) {
@@ -159,6 +160,7 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
                 long(T), long(N), long(C), long(K), int(tm), int(o.dt), int(o.w_dt), int(o.variant),
                 long(o.threads), jb::isa_name(o.dp.isa), int(o.dp.bf16_multiply));
   Problem p = make_problem(T, N, C, K, tm, unsigned(T * 1000 + N * 100 + C * 10 + K));
+  if (o.no_carry_grads) std::fill(p.dhl.begin(), p.dhl.end(), 0.0), std::fill(p.dcl.begin(), p.dcl.end(), 0.0);
   const int64_t G = 4 * K;
   const DType kd = jb::multiply_dtype(o.dt, o.dp);
   // Storage in the layer's layouts and dtypes; the problem's values become the stored ones.
@@ -212,8 +214,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     if (!save) continue;
 
     Tensor da(o.dt, T * N * G), dh0(o.dt, N * K), dc0(DType::f32, N * K), db(DType::f32, G);
-    lstm::bptt(ex, o.dp, s, r.data(), o.w_dt, gates.data(), cs.data(), c0.data(), dy.data(), dcl.data(),
-               dhl.data(), da.data(), db.f.data(), dc0.f.data(), dh0.data(), o.force);
+    lstm::bptt(ex, o.dp, s, r.data(), o.w_dt, gates.data(), cs.data(), c0.data(), dy.data(),
+               o.no_carry_grads ? nullptr : dcl.data(), o.no_carry_grads ? nullptr : dhl.data(), da.data(),
+               db.f.data(), dc0.f.data(), dh0.data(), o.force);
     const double gtol = o.dt == DType::bf16 ? 5e-2 : 5e-4;
     close(db, ref.db, gtol, "db", ctx);
     close(dc0, ref.dc0, gtol, "dc0", ctx);
@@ -333,6 +336,16 @@ TEST(lstm_every_isa) {
       o.dp = jb::make_dispatch(isa, "");
       run_case(3, 14, 23, 35, false, o);
     }
+  }
+}
+
+TEST(lstm_bptt_without_final_carry_gradients) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Opts o;
+    o.dt = dt;
+    o.no_carry_grads = true;
+    run_case(3, 13, 9, 37, false, o);
+    run_case(1, 2, 3, 5, true, o);
   }
 }
 
