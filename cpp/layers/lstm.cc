@@ -131,8 +131,8 @@ struct CellBwd {
   const float* dhr;  // da_{t+1} @ R^T; at the last step the final carry's dh (or zeros)
   const void* dy;    // dt, leading dim ldy
   int64_t ldy;
-  float* dc;  // in: dc_t from the step after, out: dc_{t-1}
-  void* da;         // dt, leading dim ldda
+  float* dc;         // in: dc_t from the step after, out: dc_{t-1}
+  void* da;          // dt, leading dim ldda
   int64_t ldda;
   void* dak;  // the multiply dtype, for the next step's BRGEMM, leading dim lddak
   int64_t lddak;

@@ -72,7 +72,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 
 // Backward through time from the forward's saved gates and cell states. dy (x's layout, K
 // features), dc_last (N x K fp32) and dh_last (N x K, dt) are the incoming gradients (null
-// dc_last / dh_last: zeros). Writes da (x's layout, 4K features, dt), db (4K fp32), dc0 (N x K fp32), dh0 (N x K dt).
+// dc_last / dh_last: zeros). Writes da (x's layout, 4K features, dt), db (4K fp32), dc0
+// (N x K fp32), dh0 (N x K dt).
 void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r, DType w_dt,
           const float* gates, const float* cs, const float* c0, const void* dy,
           const float* dc_last, const void* dh_last, void* da, float* db, float* dc0, void* dh0,
