@@ -195,8 +195,30 @@ def test_stock_fallback():
     check_layer((1, 9, 9, 6), 4, (3, 3), kernel_dilation=2)
     check_layer((1, 9, 9, 6), 6, (3, 3), feature_group_count=3, activation="relu")
     check_layer((1, 5, 5, 4, 2), 3, (3, 3, 3))  # 3-D
-    # negative paddings (cropping): outputs only; XLA's own gradient of that reads garbage now and then
-    check_layer((1, 9, 9, 2), 3, (3, 3), padding=((-1, 1), (0, 0)), grads=False)
+
+
+@pytest.mark.parametrize("padding", [((-1, 1), (0, 0)), ((2, -3), (-1, -2)), -1])
+def test_negative_padding_crops(padding):
+    """A negative pad crops the input (the kernels run the rest); compared with the stock
+    convolution of the cropped input, since stock XLA's own cropping convolution reads
+    garbage now and then."""
+    pads = [padding] * 2 if isinstance(padding, int) else padding
+    pads = [(p, p) if isinstance(p, int) else p for p in pads]
+    x = jax.random.normal(jax.random.key(0), (2, 9, 10, 3))
+    crop = x[:, -min(pads[0][0], 0):9 + min(pads[0][1], 0), -min(pads[1][0], 0):10 + min(pads[1][1], 0)]
+    kept = tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
+    layer = jb.nn.Conv(4, (3, 3), padding=padding)
+    params = layer.init(jax.random.key(1), x)
+    ref = fnn.Conv(4, (3, 3), padding=kept)
+    assert "jb_conv" in jax.jit(layer.apply).lower(params, x).as_text()  # on the kernels
+    y = jax.jit(layer.apply)(params, x)
+    np.testing.assert_allclose(y, ref.apply(params, crop), atol=2e-5, rtol=2e-5)
+    g = jax.grad(lambda p, x: jnp.sum(jnp.tanh(layer.apply(p, x))), argnums=(0, 1))(params, x)
+    g_ref = jax.grad(lambda p, c: jnp.sum(jnp.tanh(ref.apply(p, c))), argnums=(0, 1))(params, crop)
+    dx_ref = jnp.zeros_like(x).at[:, -min(pads[0][0], 0):9 + min(pads[0][1], 0),
+                                  -min(pads[1][0], 0):10 + min(pads[1][1], 0)].set(g_ref[1])
+    for a, b in zip(jax.tree_util.tree_leaves((g[0], g[1])), jax.tree_util.tree_leaves((g_ref[0], dx_ref))):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

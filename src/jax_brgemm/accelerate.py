@@ -96,13 +96,14 @@ def accelerate(report: bool = False) -> Accelerate:
     """Runs the supported stock Flax layers traced inside the context on the kernels.
 
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation) and
-    ``flax.linen.Conv`` (1-D and 2-D, every padding form with non-negative pads, strides,
+    ``flax.linen.Conv`` (1-D and 2-D, every padding form, a negative pad cropping, strides,
     masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
     ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
     A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
     ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
     other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
-    also for input or kernel dilation, feature groups, negative (cropping) padding or 3-D;
+    also for input or kernel dilation, feature groups, a padding that crops the whole input
+    or 3-D;
     an RNN also for other cells (or subclasses of these), gate / activation functions other
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and

@@ -333,8 +333,8 @@ class Conv(Module):
       {'params': {'bias': (4,), 'kernel': (3, 3, 3, 4)}}
 
     The kernels run 1-D and 2-D convolutions without dilation or feature groups, with
-    non-negative paddings (every Flax padding form: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``,
-    ``'REFLECT'``, ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs), a float32 or
+    every Flax padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
+    ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs; a negative pad crops), a float32 or
     bfloat16 computation, Flax's ``promote_dtype`` (or one returning arrays of those
     dtypes) and no custom ``conv_general_dilated``. Anything else computes as
     ``flax.linen.Conv`` does (followed by the activation).
@@ -513,7 +513,14 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     if not isinstance(padding, str):
         padding = [tuple(p) for p in padding]
         if any(v < 0 for p in padding for v in p):
-            return None, "negative padding"  # cropping: only the stock convolution takes it
+            # a negative pad crops: slice it off here, so the kernels see pads >= 0 (stock
+            # XLA's own cropping convolution reads garbage now and then)
+            spatial = inputs.shape[1:1 + rank]
+            if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in zip(spatial, padding)):
+                return None, "padding crops the whole input"
+            inputs = inputs[(slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0))
+                                                   for n, (lo, hi) in zip(spatial, padding))]
+            padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
     elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
         return None, f"padding {padding!r}"
     if layer.mask is not None:
