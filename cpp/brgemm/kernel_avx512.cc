@@ -14,15 +14,26 @@ struct Avx512 {
   // tiles: B streams from L2 across the batch, and each B vector feeds 12 FMAs.
   static constexpr int mr(int) { return 12; }
 
+  // Row i of a tile starts at row[kRowBase[i]] + kRowMul[i] * lda (bytes).
+  static constexpr int kRowBase[12] = {0, 0, 0, 1, 0, 1, 2, 1, 0, 3, 2, 1};
+  static constexpr int kRowMul[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
+
   template <int MR, int NV>
   static void tile_f32(const TileArgs& t) {
+    static_assert(MR <= 12, "the row addressing covers 12 rows");
+    const int64_t lda = t.lda * int64_t(sizeof(float));
     __m512 acc[MR][NV];
     const __mmask16 last = tail_mask(t.tail);
     init<MR, NV>(acc, last, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
-      const float* a = reinterpret_cast<const float*>(t.a.at(bi)) + t.a_off;
       const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
-      // Unrolled by 2: the A row addresses computed for one k serve the next as well.
+      // A's rows as x86 addresses base + lda * {0, 1, 2, 4, 8}: four row pointers (rows 0,
+      // 3, 6, 9) step along k, rather than an address computed per row and k, whose
+      // integer work took issue slots and ports from the FMAs.
+      const char* row[4] = {};
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q)
+        if (3 * q < MR) row[q] = t.a.at(bi) + (t.a_off + 3 * q * t.lda) * int64_t(sizeof(float));
 #pragma GCC unroll 2
       for (int64_t k = 0; k < t.k; ++k, b += t.ldb) {
         // Ask for B rows well ahead (~300 cycles: an L3 hit on a busy machine); near the end
@@ -35,10 +46,13 @@ struct Avx512 {
           bv[j] = j < NV - 1 ? _mm512_loadu_ps(b + 16 * j) : _mm512_maskz_loadu_ps(last, b + 16 * j);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
-          const __m512 av = _mm512_set1_ps(a[i * t.lda + k]);
+          const __m512 av = _mm512_set1_ps(*reinterpret_cast<const float*>(row[kRowBase[i]] + kRowMul[i] * lda));
 #pragma GCC unroll 16
           for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
         }
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q)
+          if (3 * q < MR) row[q] += sizeof(float);
       }
     }
     store<MR, NV>(acc, last, t);
