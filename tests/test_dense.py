@@ -89,6 +89,8 @@ def test_every_activation_bf16(act):
     ((100,), 512, 70),       # several reduction blocks, edge column blocks
     ((13,), 300, 257),       # sizes that are no multiple of any block
     ((257,), 64, 64),
+    ((40,), 2600, 300),      # long reductions: panels narrower than 128 columns (fwd)
+    ((40,), 300, 2600),      # (bwd)
 ])
 def test_shapes(shape_x, c, k):
     check(shape_x, c, k, "tanh", True, jnp.float32, 2e-5)
