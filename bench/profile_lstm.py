@@ -14,8 +14,9 @@ Passes (T = 50, C = K):
 
 The faults column counts the minor page faults a call takes (getrusage): an output the
 allocator maps afresh is faulted in page by page on its first write (each 4 KiB page a trap
-and a zeroing in the kernel); memory the allocator reuses takes none. Interleaved, medians and ranges over `--repeats`
-rounds. Prints a table; writes nothing.
+and a zeroing in the kernel); memory the allocator reuses takes none (bench/common.py calls jb.reuse_freed_memory(), as
+the training harness does, so this column shows whether the passes still take any).
+Interleaved, medians and ranges over `--repeats` rounds. Prints a table; writes nothing.
 """
 
 from __future__ import annotations
