@@ -429,7 +429,10 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 //   fp32 K = 1024, N = 64:   128: 204-211, 32: 183-185 (the 2 MiB panel leaves L2)
 //   fp32 K = 1024, N = 168:  equal within the noise
 //   bf16 K = 256, N = 168:   128: 24, 32: 18; K = 512: equal
-// So 128 columns for fp32 multiplies while that panel fits in L2, else 32.
+// So 128 columns for fp32 multiplies while that panel fits in L2, else 32. The same rule came
+// out best on an Intel Xeon with a 2 MiB L2 (fp32, N = 168, C++ loop, medians of 6):
+//   K = 512:   32 columns 107-109, 64: 101-103, 128: 89-93, 256: 96-100 (rows 24-84 equal)
+//   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   const int64_t wide = 4 * kCols;
   const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= (int64_t(1) << 20);
@@ -442,8 +445,10 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 // Measured (AMD EPYC Zen 4, 2 vCPUs, T = 50, C = K in {256, 512, 1024}, N in {64, 168}, fp32
 // and bf16): fused was faster or equal in 16 of 19 samples, by up to 1.9x in bf16 at C = K =
 // 256 (the precompute pass writes and re-reads every gate through memory); precompute won
-// only scattered samples within the machine's noise. So: fused everywhere. The precompute
-// variant stays (tested) for machines where the rule should change.
+// only scattered samples within the machine's noise. So: fused everywhere. An Intel Xeon
+// agreed (fp32, forward with saves, medians of 7): fused 7-11 % faster at C = K = 256 and
+// 512, equal at 1024. The precompute variant stays (tested) for machines where the rule
+// should change.
 Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant::fused; }
 
 int64_t saved_width(const Shape& s, const Dispatch& dp) {
