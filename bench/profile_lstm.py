@@ -14,8 +14,9 @@ Passes (T = 50, C = K):
 
 The faults column counts the minor page faults a call takes (getrusage): an output the
 allocator maps afresh is faulted in page by page on its first write (each 4 KiB page a trap
-and a zeroing in the kernel); memory the allocator reuses takes none (bench/common.py calls jb.reuse_freed_memory(), as
-the training harness does, so this column shows whether the passes still take any).
+and a zeroing in the kernel); memory the allocator reuses takes none. bench/common.py calls
+jb.reuse_freed_memory(), as the training harness does, so the column shows whether the
+passes still take any.
 Interleaved, medians and ranges over `--repeats` rounds. Prints a table; writes nothing.
 """
 
@@ -43,18 +44,18 @@ def passes(n, c, dtype):
     k = c
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (n, T, c), jnp.float32).astype(dtype)
-    wi = (jax.random.normal(keys[1], (c, 4 * k)) * 0.05).astype(jnp.float32)
-    wh = (jax.random.normal(keys[2], (k, 4 * k)) * 0.05).astype(jnp.float32)
+    wi_k = (jax.random.normal(keys[1], (c, 4 * k)) * 0.05).astype(dtype)
+    wh_k = (jax.random.normal(keys[2], (k, 4 * k)) * 0.05).astype(dtype)
     b = jnp.zeros((4 * k,), jnp.float32)
     c0, h0 = jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), dtype)
-    wi_k, wh_k = wi.astype(dtype), wh.astype(dtype)
 
     fwd = jax.jit(lambda *a: lstm_ops._forward(*a, False, save=False)[0])
     fwd_save = jax.jit(lambda *a: lstm_ops._forward(*a, False, save=True))
     y, c_t, h_t, gates, cs, xh = fwd_save(x, wi_k, wh_k, b, c0, h0)
     dy = jax.random.normal(keys[3], y.shape, jnp.float32).astype(dtype)
     bptt = jax.jit(lambda *a: lstm_ops._bptt(*a, False))
-    da = bptt(wh_k, gates, cs, c0, dy, c_t, h_t.astype(dtype))[0]
+    bptt_args = (wh_k, gates, cs, c0, dy, c_t, h_t)  # the final carry stands in for its gradient
+    da = bptt(*bptt_args)[0]
     da2 = da.reshape(n * T, 4 * k)
     xh2 = xh.reshape(n * T, xh.shape[2])
     dx = jax.jit(_bwd_call)
@@ -68,7 +69,7 @@ def passes(n, c, dtype):
     f = 2.0 * T * n * (c + k) * 4 * k  # one forward's multiply work
     return {"fwd": (fwd, (x, wi_k, wh_k, b, c0, h0), f),
             "fwd+save": (fwd_save, (x, wi_k, wh_k, b, c0, h0), f),
-            "bptt": (bptt, (wh_k, gates, cs, c0, dy, c_t, h_t.astype(dtype)), f * k / (c + k)),
+            "bptt": (bptt, bptt_args, f * k / (c + k)),
             "dx": (dx, (da2, wi_k), f * c / (c + k)),
             "upd": (upd, (xh2, da2), f),
             "step": (step, (params, x, dy.astype(jnp.float32)), 3 * f)}

@@ -45,19 +45,19 @@ constexpr int64_t kChunkBytes = int64_t(8) << 20;
 // Forward (N x K output, reducing C) and backward (N x C output, reducing K) block alike.
 Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, int64_t threads,
                              const Dispatch& dp) {
+  const DType kd = multiply_dtype(s.dt, dp);
   Blocking b;
   b.cols = std::min(out_cols, kCols);
   // Too few rows to split: narrower panels, so that every thread still gets several items.
   if (s.n <= kRowQuantum && ceil_div(out_cols, b.cols) < kItemsPerThread * threads)
     b.cols = std::min(out_cols, kCols / 2);
   // Every N-block of an item streams the item's whole panel (reduced x cols), so a long
-  // reduction takes narrower panels, at most 1 MiB. Measured (Intel Xeon, 2 MiB L2, fp32,
-  // dx of 8400 x 4096 -> 1024, the LSTM's at C = K = 1024): a 2 MiB panel 194-195 GFLOP/s,
-  // 1 MiB 246-255.
-  const int64_t ks = int64_t(dtype_size(multiply_dtype(s.dt, dp)));
-  while (b.cols > 32 && reduced * b.cols * ks > (int64_t(1) << 20)) b.cols /= 2;
+  // reduction takes narrower panels, at most kPanelBytes. Measured (Intel Xeon, 2 MiB L2,
+  // fp32, dx of 8400 x 4096 -> 1024, the LSTM's at C = K = 1024): a 2 MiB panel 194-195
+  // GFLOP/s, 1 MiB 246-255.
+  while (b.cols > 32 && reduced * b.cols * int64_t(dtype_size(kd)) > kPanelBytes) b.cols /= 2;
   b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
-  b.red = reduction_block(reduced, multiply_dtype(s.dt, dp) == DType::bf16);
+  b.red = reduction_block(reduced, kd == DType::bf16);
   return b;
 }
 

@@ -435,7 +435,7 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 //   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   const int64_t wide = 4 * kCols;
-  const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= (int64_t(1) << 20);
+  const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= kPanelBytes;
   Blocking b;
   b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? wide : kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
