@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 import urllib.request
 import zlib
 from pathlib import Path
@@ -289,24 +290,37 @@ def load(dataset: Dataset, paths: Mapping[str, Path]) -> dict[str, np.ndarray]:
     return arrays
 
 
+# Evictions tried before a file counts as not cleared, and the pause after the first failure
+# (doubled each time). DONTNEED skips pages the kernel is busy with at that moment (a file
+# just written may still be in writeback on some filesystems): CI saw 96 of 155 pages of a
+# fresh file stay once, which a later attempt drops.
+_EVICT_ATTEMPTS, _EVICT_PAUSE_S = 5, 0.02
+
+
 def drop_page_cache(paths) -> dict:
     """Evicts the files from the OS page cache, so the timed run reads them from disk,
     and checks with mincore(2) that it worked.
 
     Uses fsync and posix_fadvise(DONTNEED) on each file, which need no privileges and leave
-    other users' cached data alone. Returns ``{"cleared": bool, "cached_pages": n,
-    "pages": total}``: cleared only when no page of any file is left in the cache.
+    other users' cached data alone, retried a few times while pages remain. Returns
+    ``{"cleared": bool, "cached_pages": n, "pages": total}``: cleared only when no page of
+    any file is left in the cache.
     """
     cached = total = 0
     try:
         for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages (a file just written) cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            file_cached, file_pages = cached_pages(path)
+            for attempt in range(_EVICT_ATTEMPTS):
+                if attempt:
+                    time.sleep(_EVICT_PAUSE_S * 2 ** (attempt - 1))
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # dirty pages (a file just written) cannot be dropped
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                file_cached, file_pages = cached_pages(path)
+                if file_cached == 0:
+                    break
             cached, total = cached + file_cached, total + file_pages
     except (OSError, AttributeError):  # AttributeError: no posix_fadvise on this OS
         return {"cleared": False, "cached_pages": None, "pages": None}
