@@ -91,6 +91,8 @@ def test_every_activation_bf16(act):
     ((257,), 64, 64),
     ((40,), 2600, 300),      # long reductions: panels narrower than 128 columns (fwd)
     ((40,), 300, 2600),      # (bwd)
+    ((2100,), 1100, 1030),   # a large batch against many panels: the weights re-blocked
+                             # first (fwd and bwd), the update in chunks
 ])
 def test_shapes(shape_x, c, k):
     check(shape_x, c, k, "tanh", True, jnp.float32, 2e-5)

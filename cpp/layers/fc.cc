@@ -58,15 +58,26 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   while (b.cols > 32 && reduced * b.cols * int64_t(dtype_size(kd)) > kPanelBytes) b.cols /= 2;
   b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
   b.red = reduction_block(reduced, kd == DType::bf16);
+  // An item per panel streams all of the activations from memory, once per panel. When they
+  // are large and there are many panels, the N-blocks take turns instead (see
+  // Blocking::weights_first). Measured (Intel Xeon, fp32, 2 threads, batch 8400, medians of
+  // 7, interleaved): y = x @ w, 1024 -> 4096 (32 panels) 237-252 -> 258-264 GFLOP/s;
+  // 512 -> 2048 (16 panels) 228-240 -> 249-250; dx, 4096 -> 1024 (32 panels of 32
+  // columns) 217-231 -> 241-242. Equal where it is not taken: 2048 rows, 1024 -> 1024 (8
+  // panels, 8 MiB of x); dx 2048 -> 512 (4 panels). With AMX bf16 multiplies the forward
+  // was 9 % slower, so only fp32 multiplies take it.
+  const int64_t panels = ceil_div(out_cols, b.cols);
+  b.weights_first = kd == DType::f32 && panels >= 8 && ceil_div(s.n, b.rows) >= kItemsPerThread * threads &&
+                    s.n * reduced * int64_t(dtype_size(kd)) > kChunkBytes;
   return b;
 }
 
 // The cache key of a pass: everything its plan depends on.
-using Key = std::array<int64_t, 12>;
+using Key = std::array<int64_t, 13>;
 Key key_of(const Shape& s, bool bias, int64_t threads, const Dispatch& dp, const Blocking* force) {
   return {s.n, s.c, s.k, int64_t(s.dt), int64_t(s.act), bias, threads, int64_t(dp.isa),
           int64_t(dp.bf16_multiply), force ? force->rows : -1, force ? force->cols : -1,
-          force ? force->red : -1};
+          force ? force->red : -1, force ? force->weights_first : -1};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -74,7 +85,8 @@ Key key_of(const Shape& s, bool bias, int64_t threads, const Dispatch& dp, const
 // `reduced`. The A operand is an activation matrix (N x reduced), read in place or copied
 // once. Work items are a weight panel of `cols` output columns, re-blocked by the item
 // into a leased buffer (reduced / red blocks of red x cols), and the group of N-blocks
-// computed with it.
+// computed with it; or, with weights_first, every panel is re-blocked by a first parallel
+// loop and an item is one N-block computed against all of them.
 
 struct PanelPlan {
   // `act` is fused into the output (forward only).
@@ -94,28 +106,40 @@ struct PanelPlan {
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
         panel_bytes(Scratch::aligned(size_t(rblk * blk) * ks)) {}
 
-  // Runs the pass on the A operand a_src: for every item, pack(c0, cols, r, dst) re-blocks
-  // reduction block r of
-  // the panel of output columns [c0, c0 + cols) into dst; then tile(n0, rows, c0, cols,
-  // multiply) computes each of its output blocks, where multiply(out, bias) is the
-  // block's BRGEMM call.
+  // Runs the pass on the A operand a_src: pack(c0, cols, r, dst) re-blocks reduction block
+  // r of the panel of output columns [c0, c0 + cols) into dst; tile(n0, rows, c0, cols,
+  // multiply) computes one output block, where multiply(out, bias) is the block's BRGEMM
+  // call.
   template <class Pack, class Tile>
   void run(const Executor& ex, const void* a_src, Pack&& pack, Tile&& tile) const {
-    const auto buf = Scratch::get<2>({aop.bytes(), panel_bytes * size_t(groups.concurrency())});
+    const int64_t npanels = ceil_div(out_cols, b.cols);
+    const auto buf = Scratch::get<2>(
+        {aop.bytes(), panel_bytes * size_t(b.weights_first ? npanels : groups.concurrency())});
     const char* a = aop.copied() ? buf[0] : static_cast<const char*>(a_src);
     if (aop.copied())
       parallel_for(ex, aop.items(), [&](int64_t i) { aop.copy(i, a_src, buf[0]); });
+    auto block = [&](int64_t n0, int64_t c0, const char* panel) {
+      const int64_t rows = std::min(b.rows, n - n0), cols = std::min(b.cols, out_cols - c0);
+      tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
+        kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, panel, blk, rblk, out, bias);
+      });
+    };
+    if (b.weights_first) {
+      parallel_for(ex, npanels, [&](int64_t i) {
+        const int64_t c0 = i * b.cols, cols = std::min(b.cols, out_cols - c0);
+        for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, buf[1] + i * panel_bytes + r * blk * ks);
+      });
+      parallel_for(ex, ceil_div(n, b.rows), [&](int64_t nb) {
+        for (int64_t i = 0; i < npanels; ++i) block(nb * b.rows, i * b.cols, buf[1] + i * panel_bytes);
+      });
+      return;
+    }
     PanelPool panels(buf[1], panel_bytes, groups.concurrency());
     parallel_for(ex, groups.items(), [&](int64_t i) {
       const int64_t c0 = groups.panel(i) * b.cols, cols = std::min(b.cols, out_cols - c0);
       const PanelPool::Lease panel(panels);
       for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, panel.data + r * blk * ks);
-      for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) {
-        const int64_t n0 = nb * b.rows, rows = std::min(b.rows, n - n0);
-        tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
-          kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, panel.data, blk, rblk, out, bias);
-        });
-      }
+      for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) block(nb * b.rows, c0, panel.data);
     });
   }
 
@@ -151,7 +175,7 @@ struct PanelPlan {
   }
 };
 
-PlanCache<12, PanelPlan> forward_plans, backward_plans;
+PlanCache<13, PanelPlan> forward_plans, backward_plans;
 
 // ---------------------------------------------------------------------------------------
 // The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][Nb][bn][bk] (VNNI pairs
@@ -162,7 +186,8 @@ PlanCache<12, PanelPlan> forward_plans, backward_plans;
 // operands from memory (measured 142 GFLOP/s at a batch of 8400 against 177 at 1024, fp32,
 // C = 1024, K = 2048). Chunks after the first accumulate, in fp32. Even when dw itself is
 // larger than the cache (C = 2048, K = 4096: 32 MiB re-read per chunk) chunks measured
-// faster or equal: fp32 152-168 against 127-148 GFLOP/s, bf16 251-342 against 246-281.
+// faster or equal: fp32 152-168 against 127-148 GFLOP/s, bf16 251-342 against 246-281
+// (AMD Zen 4, 8 MiB chunks; chunk_blocks sizes them by dw too).
 
 struct UpdatePlan {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
@@ -201,10 +226,16 @@ struct UpdatePlan {
     if (vnni) b.red = round_up(b.red, 2);
     return b;
   }
-  // N-blocks per chunk: re-blocked operands of at most kChunkBytes.
+  // N-blocks per chunk: re-blocked operands of kChunkBytes, or of dw's fp32 size when that
+  // is larger: every chunk reads and writes all of dw, and a chunk whose operands are
+  // smaller than dw spends more on that round trip than on its operands. Measured (Intel
+  // Xeon, fp32, batch 8400, C = 2048, K = 4096, the LSTM's at C = K = 1024: a 32 MiB dw):
+  // 8 MiB chunks 205-215
+  // GFLOP/s, 16 MiB 226-234, 31 MiB 234-244, 47 MiB 234, 63 MiB 216, one chunk 118.
   static int64_t chunk_blocks(const Shape& s, int64_t red, size_t ks, int64_t nblk) {
     const int64_t per_block = red * (s.c + s.k) * int64_t(ks);
-    return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, per_block), 1, nblk);
+    const int64_t bytes = std::max(kChunkBytes, s.c * s.k * int64_t(sizeof(float)));
+    return std::clamp<int64_t>(bytes / std::max<int64_t>(1, per_block), 1, nblk);
   }
   BrgemmDesc desc(const Shape& s, DType out, bool accumulate, int64_t ldc) const {
     // dw is stored straight from the register tiles, with plain stores: inside a training
@@ -222,7 +253,7 @@ struct UpdatePlan {
   }
 };
 
-PlanCache<13, UpdatePlan> update_plans;
+PlanCache<14, UpdatePlan> update_plans;
 
 }  // namespace
 
@@ -343,10 +374,10 @@ namespace {
 
 const UpdatePlan& update_plan(const Executor& ex, const Dispatch& dp, const Shape& s, DType dw_dt,
                               const Blocking* force) {
-  Key k12 = key_of(s, false, ex.num_threads, dp, force);
-  std::array<int64_t, 13> key;
-  std::copy(k12.begin(), k12.end(), key.begin());
-  key[12] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
+  const Key k13 = key_of(s, false, ex.num_threads, dp, force);
+  std::array<int64_t, 14> key;
+  std::copy(k13.begin(), k13.end(), key.begin());
+  key[13] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
   return *update_plans.get(key, [&] {
     return UpdatePlan(dp, s, force ? *force : update_blocking(s, ex.num_threads, dp), dw_dt);
   });

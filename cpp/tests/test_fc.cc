@@ -162,6 +162,25 @@ TEST(fc_forced_small_blocks_and_edges) {
   run_case(17, 25, 35, DType::bf16, DType::bf16, Activation::sigmoid, true, 3, &odd);
 }
 
+TEST(fc_weights_first) {
+  // Every panel re-blocked first, then N-block items over all of them: edge rows and
+  // columns, several reduction blocks, bias and activations, both dtypes, forced on small
+  // shapes; and the heuristic takes it for a large fp32 batch against many panels.
+  const jb::Blocking blockings[] = {{12, 16, 8, 0, true}, {5, 7, 3, 0, true}, {24, 64, 6, 0, true}};
+  for (const auto& bl : blockings)
+    for (DType dt : {DType::f32, DType::bf16})
+      for (Activation act : {Activation::none, Activation::gelu})
+        run_case(23, 24, 19, dt, dt, act, true, 2, &bl);
+  const fc::Shape big{8400, 1024, 4096, DType::f32, Activation::none};
+  CHECK(fc::forward_blocking(big, 2, jb::dispatch()).weights_first);
+  CHECK(fc::backward_blocking(big, 2, jb::dispatch()).weights_first);
+  const fc::Shape test_dense{2100, 1100, 1030, DType::f32, Activation::none};  // test_dense.py's
+  CHECK(fc::forward_blocking(test_dense, 2, jb::dispatch()).weights_first);
+  CHECK(fc::backward_blocking(test_dense, 2, jb::dispatch()).weights_first);
+  const fc::Shape small{256, 1024, 4096, DType::f32, Activation::none};
+  CHECK(!fc::forward_blocking(small, 2, jb::dispatch()).weights_first);
+}
+
 TEST(fc_update_in_chunks) {
   // The update's batch in several chunks (the first writes dw, the rest accumulate; a bf16
   // dw sums in fp32 first), db summed across them, a last chunk of fewer blocks.
