@@ -63,11 +63,10 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   // Blocking::weights_first). Measured (Intel Xeon, fp32, 2 threads, batch 8400, medians of
   // 7, interleaved): y = x @ w, 1024 -> 4096 (32 panels) 237-252 -> 258-264 GFLOP/s;
   // 512 -> 2048 (16 panels) 228-240 -> 249-250; dx, 4096 -> 1024 (32 panels of 32
-  // columns) 217-231 -> 241-242. Equal where it is not taken: 2048 rows, 1024 -> 1024 (8
-  // panels, 8 MiB of x); dx 2048 -> 512 (4 panels). With AMX bf16 multiplies the forward
-  // was 9 % slower, so only fp32 multiplies take it.
+  // columns) 217-231 -> 241-242. With 8 panels it did not pay: 10000 rows, 1024 -> 1024
+  // equal, 2200 rows 5 % slower; nor with AMX bf16 multiplies (1024 -> 4096 9 % slower).
   const int64_t panels = ceil_div(out_cols, b.cols);
-  b.weights_first = kd == DType::f32 && panels >= 8 && ceil_div(s.n, b.rows) >= kItemsPerThread * threads &&
+  b.weights_first = kd == DType::f32 && panels >= 16 && ceil_div(s.n, b.rows) >= kItemsPerThread * threads &&
                     s.n * reduced * int64_t(dtype_size(kd)) > kChunkBytes;
   return b;
 }

@@ -174,11 +174,13 @@ TEST(fc_weights_first) {
   const fc::Shape big{8400, 1024, 4096, DType::f32, Activation::none};
   CHECK(fc::forward_blocking(big, 2, jb::dispatch()).weights_first);
   CHECK(fc::backward_blocking(big, 2, jb::dispatch()).weights_first);
-  const fc::Shape test_dense{2100, 1100, 1030, DType::f32, Activation::none};  // test_dense.py's
+  const fc::Shape test_dense{1600, 2050, 2050, DType::f32, Activation::none};  // test_dense.py's
   CHECK(fc::forward_blocking(test_dense, 2, jb::dispatch()).weights_first);
   CHECK(fc::backward_blocking(test_dense, 2, jb::dispatch()).weights_first);
   const fc::Shape small{256, 1024, 4096, DType::f32, Activation::none};
   CHECK(!fc::forward_blocking(small, 2, jb::dispatch()).weights_first);
+  const fc::Shape few_panels{2200, 1024, 1024, DType::f32, Activation::none};
+  CHECK(!fc::forward_blocking(few_panels, 2, jb::dispatch()).weights_first);
 }
 
 TEST(fc_update_in_chunks) {
