@@ -229,8 +229,8 @@ struct UpdatePlan {
   // is larger: every chunk reads and writes all of dw, and a chunk whose operands are
   // smaller than dw spends more on that round trip than on its operands. Measured (Intel
   // Xeon, fp32, batch 8400, C = 2048, K = 4096, the LSTM's at C = K = 1024: a 32 MiB dw):
-  // 8 MiB chunks 205-215
-  // GFLOP/s, 16 MiB 226-234, 31 MiB 234-244, 47 MiB 234, 63 MiB 216, one chunk 118.
+  // 8 MiB chunks 205-215 GFLOP/s, 16 MiB 226-234, 31 MiB 234-244, 47 MiB 234, 63 MiB 216,
+  // one chunk 118.
   static int64_t chunk_blocks(const Shape& s, int64_t red, size_t ks, int64_t nblk) {
     const int64_t per_block = red * (s.c + s.k) * int64_t(ks);
     const int64_t bytes = std::max(kChunkBytes, s.c * s.k * int64_t(sizeof(float)));
