@@ -60,14 +60,23 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   b.red = reduction_block(reduced, kd == DType::bf16);
   // An item per panel streams all of the activations from memory, once per panel. When they
   // are large and there are many panels, the N-blocks take turns instead (see
-  // Blocking::weights_first). Measured (Intel Xeon, fp32, 2 threads, batch 8400, medians of
-  // 7, interleaved): y = x @ w, 1024 -> 4096 (32 panels) 237-252 -> 258-264 GFLOP/s;
-  // 512 -> 2048 (16 panels) 228-240 -> 249-250; dx, 4096 -> 1024 (32 panels of 32
-  // columns) 217-231 -> 241-242. With 8 panels it did not pay: 10000 rows, 1024 -> 1024
-  // equal, 2200 rows 5 % slower; nor with AMX bf16 multiplies (1024 -> 4096 9 % slower).
-  const int64_t panels = ceil_div(out_cols, b.cols);
-  b.weights_first = kd == DType::f32 && panels >= 16 && ceil_div(s.n, b.rows) >= kItemsPerThread * threads &&
+  // Blocking::weights_first), against panels of at most kPanelBytes / 4, so that a panel
+  // and an N-block's rows of x share L2. Measured (Intel Xeon, fp32, 2 threads, batch 8400,
+  // medians of 7, interleaved):
+  //   y = x @ w, 1024 -> 4096 (32 panels) 237-252 -> 258-264 GFLOP/s; 512 -> 2048 (16
+  //   panels) 228-240 -> 249-250;
+  //   dx 4096 -> 1024 (the LSTM's at C = K = 1024): 64-column panels 1.06x faster than
+  //   without, 32-column ones 1.06x faster again; dx 2048 -> 512: 128-column panels without
+  //   it 255, 32-column ones with it 1.11x faster (128-column ones with it 1.02x).
+  // Where it did not pay: 8 panels (10000 rows 1024 -> 1024 equal), fewer N-blocks than 32
+  // per two threads (2200 rows: 1024 -> 1024 and dx 2048 -> 512, 2-5 % slower: the last
+  // round of N-blocks leaves a thread idle), AMX bf16 multiplies (1024 -> 4096 9 % slower).
+  int64_t wf_cols = b.cols;
+  while (wf_cols > 32 && reduced * wf_cols * int64_t(dtype_size(kd)) > kPanelBytes / 4) wf_cols /= 2;
+  b.weights_first = kd == DType::f32 && ceil_div(out_cols, wf_cols) >= 16 &&
+                    ceil_div(s.n, b.rows) >= 2 * kItemsPerThread * threads &&
                     s.n * reduced * int64_t(dtype_size(kd)) > kChunkBytes;
+  if (b.weights_first) b.cols = wf_cols;
   return b;
 }
 

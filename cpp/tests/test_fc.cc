@@ -174,13 +174,19 @@ TEST(fc_weights_first) {
   const fc::Shape big{8400, 1024, 4096, DType::f32, Activation::none};
   CHECK(fc::forward_blocking(big, 2, jb::dispatch()).weights_first);
   CHECK(fc::backward_blocking(big, 2, jb::dispatch()).weights_first);
-  const fc::Shape test_dense{1600, 2050, 2050, DType::f32, Activation::none};  // test_dense.py's
+  const fc::Shape test_dense{3100, 1030, 1030, DType::f32, Activation::none};  // test_dense.py's
   CHECK(fc::forward_blocking(test_dense, 2, jb::dispatch()).weights_first);
   CHECK(fc::backward_blocking(test_dense, 2, jb::dispatch()).weights_first);
   const fc::Shape small{256, 1024, 4096, DType::f32, Activation::none};
   CHECK(!fc::forward_blocking(small, 2, jb::dispatch()).weights_first);
-  const fc::Shape few_panels{2200, 1024, 1024, DType::f32, Activation::none};
-  CHECK(!fc::forward_blocking(few_panels, 2, jb::dispatch()).weights_first);
+  const fc::Shape few_blocks{2200, 1024, 1024, DType::f32, Activation::none};  // 23 N-blocks
+  CHECK(!fc::forward_blocking(few_blocks, 2, jb::dispatch()).weights_first);
+  const fc::Shape few_panels{8400, 256, 1024, DType::f32, Activation::none};  // the LSTM's dx at 256
+  CHECK(!fc::backward_blocking(few_panels, 2, jb::dispatch()).weights_first);
+  // Long reductions take narrow panels (an N-block's rows of x and a panel share L2).
+  const fc::Shape dx512{8400, 512, 2048, DType::f32, Activation::none};  // the LSTM's dx at 512
+  const jb::Blocking dx = fc::backward_blocking(dx512, 2, jb::dispatch());
+  CHECK(dx.weights_first && dx.cols == 32);
 }
 
 TEST(fc_update_in_chunks) {
