@@ -152,6 +152,14 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
     Tx* da = static_cast<Tx*>(a.da) + r * a.ldda;
     Tk* dak = static_cast<Tk*>(a.dak) + r * a.lddak;
     float* db = a.db;
+    // da goes to memory nothing has read for a long time (T x N x 4K): ask for the row two
+    // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
+    // Measured (Intel Xeon, fp32, T = 50, interleaved pairs of lstm::bptt, medians of 15):
+    // 1.05-1.06x at N = 168, C = K = 512, 1.04x at 1024, 1.05x at N = 64, C = K = 256. The
+    // same for the reads (the gates, c, dy) gained nothing.
+    if (r + 2 < rows)
+      for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Tx)))
+        for (int g = 0; g < kGates; ++g) __builtin_prefetch(static_cast<Tx*>(a.da) + (r + 2) * a.ldda + g * k + j, 1, 3);
     // Every array is distinct but dc, which is updated element by element in place. No
     // conditions in the loop: the vectorizer turns them into masked loads, and a masked
     // load from a null array (the fault suppressed lane by lane) took 40 % of the loop's
