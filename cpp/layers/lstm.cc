@@ -27,9 +27,9 @@ namespace jb::lstm {
 
 namespace {
 
-// K-block: one register tile wide (2 AVX-512 vectors of fp32 accumulators), so each gate
-// block is one column of register tiles and the four gate blocks of an item stay in L1.
+// K-blocks are whole register tiles (2 AVX-512 vectors of fp32 accumulators), at most 4.
 constexpr int64_t kCols = 32;
+constexpr int64_t kMaxCols = 4 * kCols;
 constexpr int kGates = 4;
 // The longest reduction block of the buffers we lay out ourselves.
 constexpr int64_t kMaxRed = 256;
@@ -255,10 +255,11 @@ void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, in
 
 // Packs rows [r0, r0 + red) of the stacked weights [W; R; 0] (W: rows [0, hoff), R: rows
 // [hoff, hoff + k)), columns [col, col + cols) of both (leading dimension ld), into one
-// reduction block. A block straddling W and R is staged contiguously first.
+// reduction block. A block straddling W and R is staged contiguously first, in `stage`
+// (kMaxRed x kMaxCols elements of w_dt).
 void pack_stacked(const void* w, const void* r, DType w_dt, int64_t hoff, int64_t k, int64_t ld,
                   int64_t col, int64_t r0, int64_t red, int64_t cols, int64_t bc, DType kd, bool vnni,
-                  char* dst, Isa isa) {
+                  char* dst, char* stage, Isa isa) {
   const int64_t r1 = r0 + red;
   if (r1 <= hoff || r0 >= hoff) {  // all from W, or all from R and its zero pad
     const bool from_w = r1 <= hoff;
@@ -268,7 +269,6 @@ void pack_stacked(const void* w, const void* r, DType w_dt, int64_t hoff, int64_
                   vnni, dst, isa);
     return;
   }
-  alignas(64) char stage[kMaxRed * kCols * 4];
   const size_t ws = dtype_size(w_dt);
   const int64_t wrows = hoff - r0, rrows = std::min(r1 - hoff, k);
   for (int64_t q = 0; q < wrows; ++q)
@@ -303,8 +303,7 @@ struct FwdPlan {
         nblk(ceil_div(s.n, b.rows)),
         groups(kblk, nblk, threads),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
-    // Gate tiles stay in L1 only a register tile wide (and pack_stacked stages that much).
-    if (b.cols > kCols) throw std::invalid_argument("lstm forward: K-blocks are at most 32 columns");
+    if (b.cols > kMaxCols) throw std::invalid_argument("lstm forward: K-blocks are at most 128 columns");
     // The per-step batch: the blocks of [x | h] (fused) or of h (precompute).
     hoff = v == Variant::fused ? s.c : 0;
     red = padded_red(hoff + s.k, vnni);
@@ -422,9 +421,18 @@ PlanCache<13, BwdPlan> bwd_plans;
 
 // ---------------------------------------------------------------------------------------
 
-Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
+// The forward's item streams its four gate panels (rows of [W; R] x cols) for each of its
+// N-blocks: fp32 K-blocks as wide as keeps them within kPanelBytes. Measured (Intel Xeon,
+// fp32, T = 50, forward with saves, three alternating runs each): C = K = 256 at N = 64 and
+// 168: 32 columns 146-165 GFLOP/s, 128 columns 196-210; C = K = 512: 64 columns 3-5 %
+// faster than 32, 128 columns (2 MiB) 5-15 % slower at N = 64; C = K = 1024: 32 columns
+// (the only width within 1 MiB) equal to or faster than 64 and 128.
+Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   Blocking b;
-  b.cols = std::min(s.k, kCols);
+  b.cols = kCols;
+  if (multiply_dtype(s.dt, dp) == DType::f32)
+    while (b.cols < kMaxCols && kGates * (s.c + s.k) * 2 * b.cols * int64_t(sizeof(float)) <= kPanelBytes) b.cols *= 2;
+  b.cols = std::min(s.k, b.cols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
 }
@@ -442,7 +450,7 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 //   K = 512:   32 columns 107-109, 64: 101-103, 128: 89-93, 256: 96-100 (rows 24-84 equal)
 //   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
-  const int64_t wide = 4 * kCols;
+  const int64_t wide = kMaxCols;
   const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= kPanelBytes;
   Blocking b;
   b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? wide : kCols);
@@ -491,13 +499,16 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 
   // Scratch: the weight panels (stacked [W; R] or R), W's panels (precompute), the A
   // buffers, the gates when they are not saved, a widened copy of x (precompute, bf16 x
-  // with fp32 multiplies).
+  // with fp32 multiplies), pack_stacked's stages (one per re-blocking item at once).
   const size_t panels = size_t(kGates * p.kblk * p.rblk * p.blk) * ks;
   const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.xblk * p.blk_x) * ks;
   const size_t abuf = a_is_xh ? 0 : size_t((fused ? T : 2) * N * p.lda) * ks;
   const size_t gbuf = save ? 0 : size_t((fused ? 1 : T) * N * G4) * sizeof(float);
   const size_t xbuf = !fused && p.x_copy ? size_t(T * N * p.ldx) * ks : 0;
-  const auto buf = Scratch::get<5>({panels, xpanels, abuf, gbuf, xbuf});
+  const size_t stage = size_t(kMaxRed * kMaxCols) * dtype_size(w_dt);
+  const int64_t stages = std::max<int64_t>(1, ex.num_threads);
+  const auto buf = Scratch::get<6>({panels, xpanels, abuf, gbuf, xbuf, size_t(stages) * stage});
+  PanelPool stage_pool(buf[5], stage, stages);
   char* const wp = buf[0];
   char* const xp = buf[1];
   char* const ab = a_is_xh ? static_cast<char*>(xh) : buf[2];
@@ -520,9 +531,10 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       // Rows [0, hoff) of the panel come from W, [hoff, hoff + K) from R (fused; a block may
       // straddle the two), zeros after; precompute: R's panel here and W's in its own array.
       char* dst = wp + p.panel(g, kb, p.rblk, p.blk) * ks;
+      const PanelPool::Lease st(stage_pool);
       for (int64_t rb = 0; rb < p.rblk; ++rb)
         pack_stacked(w, r, w_dt, p.hoff, K, G4, g * K + k0, rb * p.red, p.red, cols, b.cols, p.kd,
-                     p.vnni, dst + rb * p.blk * ks, p.isa);
+                     p.vnni, dst + rb * p.blk * ks, st.data, p.isa);
       if (!fused) {
         char* xdst = xp + p.panel(g, kb, p.xblk, p.blk_x) * ks;
         for (int64_t cb = 0; cb < p.xblk; ++cb)

@@ -327,6 +327,30 @@ TEST(lstm_forced_small_blocks_and_threads) {
       }
 }
 
+TEST(lstm_wide_k_blocks) {
+  // K-blocks of up to 128 columns (several register tiles, an edge block of 2), reduction
+  // blocks straddling W and R (staged), both multiply dtypes, 1 and 3 threads.
+  const jb::Blocking blockings[] = {{12, 128, 0}, {5, 96, 0}, {24, 64, 0}};
+  for (const auto& bl : blockings)
+    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
+      for (int64_t threads : {1, 3}) {
+        Opts o;
+        o.force = &bl;
+        o.variant = v;
+        o.threads = threads;
+        run_case(2, 9, 150, 130, threads == 1, o);
+        o.dt = DType::bf16;
+        run_case(2, 9, 151, 130, threads != 1, o);
+      }
+  // The default blocking takes wide fp32 K-blocks when the four gate panels fit.
+  const lstm::Shape small{50, 168, 256, 256, DType::f32, false};
+  CHECK(lstm::step_blocking(small, 2, jb::dispatch()).cols == 128);
+  const lstm::Shape mid{50, 168, 512, 512, DType::f32, false};
+  CHECK(lstm::step_blocking(mid, 2, jb::dispatch()).cols == 64);
+  const lstm::Shape big{50, 168, 1024, 1024, DType::f32, false};
+  CHECK(lstm::step_blocking(big, 2, jb::dispatch()).cols == 32);
+}
+
 TEST(lstm_every_isa) {
   for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
     if (isa > jb::best_isa()) continue;
