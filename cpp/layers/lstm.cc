@@ -422,16 +422,16 @@ PlanCache<13, BwdPlan> bwd_plans;
 // ---------------------------------------------------------------------------------------
 
 // The forward's item streams its four gate panels (rows of [W; R] x cols) for each of its
-// N-blocks: fp32 K-blocks as wide as keeps them within kPanelBytes. Measured (Intel Xeon,
-// fp32, T = 50, forward with saves, three alternating runs each): C = K = 256 at N = 64 and
-// 168: 32 columns 146-165 GFLOP/s, 128 columns 196-210; C = K = 512: 64 columns 3-5 %
-// faster than 32, 128 columns (2 MiB) 5-15 % slower at N = 64; C = K = 1024: 32 columns
-// (the only width within 1 MiB) equal to or faster than 64 and 128.
-Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
+// N-blocks: K-blocks as wide as keeps them within kPanelBytes in fp32 (bf16 multiplies take
+// the same widths). Measured (Intel Xeon, T = 50, forward with saves, three alternating
+// runs each): fp32 C = K = 256 at N = 64 and 168: 32 columns 146-165 GFLOP/s, 128 columns
+// 196-210; C = K = 512: 64 columns 3-5 % faster than 32, 128 columns (2 MiB) 5-15 % slower
+// at N = 64; C = K = 1024: 32 columns (the only width within 1 MiB) equal to or faster than
+// 64 and 128. bf16 on AMX, N = 168: 22-24 -> 15 ms at 256, 63-65 -> 59 ms at 512.
+Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
   Blocking b;
   b.cols = kCols;
-  if (multiply_dtype(s.dt, dp) == DType::f32)
-    while (b.cols < kMaxCols && kGates * (s.c + s.k) * 2 * b.cols * int64_t(sizeof(float)) <= kPanelBytes) b.cols *= 2;
+  while (b.cols < kMaxCols && kGates * (s.c + s.k) * 2 * b.cols * int64_t(sizeof(float)) <= kPanelBytes) b.cols *= 2;
   b.cols = std::min(s.k, b.cols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
