@@ -312,36 +312,31 @@ TEST(lstm_bf16_both_multiply_paths) {
     }
 }
 
+// A forced blocking over both forward variants, 1 and 3 threads, fp32 and bf16 (shape
+// {T, N, C, K} each).
+void run_forced(const jb::Blocking& bl, std::array<int64_t, 4> f32, std::array<int64_t, 4> bf16) {
+  for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
+    for (int64_t threads : {1, 3}) {
+      Opts o;
+      o.force = &bl;
+      o.variant = v;
+      o.threads = threads;
+      run_case(f32[0], f32[1], f32[2], f32[3], threads == 1, o);
+      o.dt = DType::bf16;
+      run_case(bf16[0], bf16[1], bf16[2], bf16[3], threads != 1, o);
+    }
+}
+
 TEST(lstm_forced_small_blocks_and_threads) {
-  const jb::Blocking blockings[] = {{5, 7, 0}, {1, 1, 0}, {12, 16, 0}};
-  for (const auto& bl : blockings)
-    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
-      for (int64_t threads : {1, 3}) {
-        Opts o;
-        o.force = &bl;
-        o.variant = v;
-        o.threads = threads;
-        run_case(3, 11, 9, 19, threads == 1, o);
-        o.dt = DType::bf16;
-        run_case(2, 11, 9, 19, threads != 1, o);
-      }
+  for (const jb::Blocking& bl : {jb::Blocking{5, 7, 0}, jb::Blocking{1, 1, 0}, jb::Blocking{12, 16, 0}})
+    run_forced(bl, {3, 11, 9, 19}, {2, 11, 9, 19});
 }
 
 TEST(lstm_wide_k_blocks) {
   // K-blocks of up to 128 columns (several register tiles, an edge block of 2), reduction
-  // blocks straddling W and R (staged), both multiply dtypes, 1 and 3 threads.
-  const jb::Blocking blockings[] = {{12, 128, 0}, {5, 96, 0}, {24, 64, 0}};
-  for (const auto& bl : blockings)
-    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
-      for (int64_t threads : {1, 3}) {
-        Opts o;
-        o.force = &bl;
-        o.variant = v;
-        o.threads = threads;
-        run_case(2, 9, 150, 130, threads == 1, o);
-        o.dt = DType::bf16;
-        run_case(2, 9, 151, 130, threads != 1, o);
-      }
+  // blocks straddling W and R (staged).
+  for (const jb::Blocking& bl : {jb::Blocking{12, 128, 0}, jb::Blocking{5, 96, 0}, jb::Blocking{24, 64, 0}})
+    run_forced(bl, {2, 9, 150, 130}, {2, 9, 151, 130});
   // The default blocking takes wide fp32 K-blocks when the four gate panels fit.
   const lstm::Shape small{50, 168, 256, 256, DType::f32, false};
   CHECK(lstm::step_blocking(small, 2, jb::dispatch()).cols == 128);
