@@ -429,9 +429,10 @@ PlanCache<13, BwdPlan> bwd_plans;
 // at N = 64; C = K = 1024: 32 columns (the only width within 1 MiB) equal to or faster than
 // 64 and 128. bf16 on AMX, N = 168: 22-24 -> 15 ms at 256, 63-65 -> 59 ms at 512.
 Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
+  auto gate_panels = [&](int64_t cols) { return kGates * (s.c + s.k) * cols * int64_t(sizeof(float)); };
   Blocking b;
   b.cols = kCols;
-  while (b.cols < kMaxCols && kGates * (s.c + s.k) * 2 * b.cols * int64_t(sizeof(float)) <= kPanelBytes) b.cols *= 2;
+  while (b.cols < kMaxCols && gate_panels(2 * b.cols) <= kPanelBytes) b.cols *= 2;
   b.cols = std::min(s.k, b.cols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
@@ -450,10 +451,9 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 //   K = 512:   32 columns 107-109, 64: 101-103, 128: 89-93, 256: 96-100 (rows 24-84 equal)
 //   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
-  const int64_t wide = kMaxCols;
-  const bool fits = kGates * s.k * wide * int64_t(sizeof(float)) <= kPanelBytes;
+  const bool fits = kGates * s.k * kMaxCols * int64_t(sizeof(float)) <= kPanelBytes;
   Blocking b;
-  b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? wide : kCols);
+  b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? kMaxCols : kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
 }
