@@ -13,7 +13,7 @@ fp32 parameters, Flax's dtype=bfloat16; torch: the module in bfloat16).
 
 GFLOP/s count 2 T N (C + K) 4K per forward (3x that for train); the fraction of peak is
 against the machine's peak measured by the probe in the same run (fp32 FMA; bf16: the best
-bf16 unit). Breakdown (like the paper's Table 1, an estimate from public functions only):
+bf16 path, see jax_brgemm.peak_gflops). Breakdown (like the paper's Table 1, an estimate from public functions only):
 "gemm" is the time jb.dense takes for the same multiply work as one pass ((T N) x (C + K) x
 4K, bias fused), the rest of the forward (element-wise cell math, re-blocking, the per-step
 barriers) is "other". Writes bench/results/lstm.json and lstm.png.

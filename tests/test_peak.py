@@ -12,4 +12,5 @@ def test_peak_gflops_reports_the_units_this_cpu_has():
     want = {"float32", "bfloat16_vdpbf16ps", "bfloat16"} | ({"bfloat16_amx"} if isa == "amx" else set())
     assert set(peak) == want
     assert all(v > 1.0 for v in peak.values()), peak  # at least a GFLOP/s on any AVX-512 core
-    assert peak["bfloat16"] == max(v for k, v in peak.items() if k.startswith("bfloat16_"))
+    # bf16 widened exactly to fp32 runs at the FMA rate: the bf16 ceiling is never below it.
+    assert peak["bfloat16"] == max(v for k, v in peak.items() if k != "bfloat16")
