@@ -3,7 +3,8 @@ nn.RNN(nn.OptimizedLSTMCell) (and PyTorch nn.LSTM when torch is installed), side
 in one process.
 
     python bench/bench_lstm.py [--repeats 7] [--min-time 0.2] [--quick] [--n 64 168]
-                               [--c 256 512 1024]
+                               [--c 256 512 1024] [--dtypes float32 bfloat16]
+                               [--passes fwd train] [--name lstm]
 
 Shapes: T = 50, C = K in {256, 512, 1024}, N in {64, 168}; fp32 and bf16 (bf16 compute with
 fp32 parameters, Flax's dtype=bfloat16; torch: the module in bfloat16).
@@ -16,7 +17,9 @@ against the machine's peak measured by the probe in the same run (fp32 FMA; bf16
 bf16 path, see jax_brgemm.peak_gflops). Breakdown (like the paper's Table 1, an estimate from public functions only):
 "gemm" is the time jb.dense takes for the same multiply work as one pass ((T N) x (C + K) x
 4K, bias fused), the rest of the forward (element-wise cell math, re-blocking, the per-step
-barriers) is "other". Writes bench/results/lstm.json and lstm.png.
+barriers) is "other". Every round takes one sample of each contender, back to back; besides the
+ratio of the medians, each row has the median (and range) of the rounds' own ratios, which
+machine noise lasting seconds disturbs least. Writes bench/results/<name>.json and .png.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def contenders(n, c, dtype, torch):
     if torch is not None:
         tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
         lstm = torch.nn.LSTM(c, k, batch_first=True).to(tdt)
-        tx = torch.from_numpy(np.asarray(x, np.float32)).to(tdt)
-        tdy = torch.from_numpy(np.asarray(dy)).to(tdt)
+        tx = torch.from_numpy(np.array(x, np.float32)).to(tdt)
+        tdy = torch.from_numpy(np.array(dy)).to(tdt)
         txg = tx.clone().requires_grad_(True)
 
         def t_fwd():
@@ -93,7 +96,9 @@ def main(argv=None):
     p.add_argument("--n", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--c", type=int, nargs="+", default=list(WIDTHS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--passes", nargs="+", default=["fwd", "train"], choices=["fwd", "train"])
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--name", default="lstm", help="results file name (bench/results/NAME.json, .png)")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.c, args.repeats = [168], [512], min(args.repeats, 3)
@@ -110,7 +115,7 @@ def main(argv=None):
             for n in args.n:
                 cont, gemm = contenders(n, c, DTYPES[dname], torch)
                 fwd_flops = 2.0 * T * n * (2 * c) * 4 * c
-                for pas in ("fwd", "train"):
+                for pas in args.passes:
                     fns = {name: cont[name][pas][0] for name in cont}
                     fargs = {name: cont[name][pas][1] for name in cont}
                     if pas == "fwd":
@@ -125,6 +130,10 @@ def main(argv=None):
                     row["vs_flax"] = g["jax_brgemm"] / g["flax"]
                     if "torch" in g:
                         row["vs_torch"] = g["jax_brgemm"] / g["torch"]
+                    # Each round times every contender once, back to back: the ratio within a
+                    # round is what machine noise (bursts lasting seconds) disturbs least.
+                    row["round_ratios"] = {f"vs_{k}": common.stats([o / m for o, m in zip(samples[k], samples["jax_brgemm"])])
+                                           for k in ("flax", "torch") if k in samples}
                     if pas == "fwd":
                         t_all = row["seconds"]["jax_brgemm"]["median"]
                         t_gemm = min(t_all, row["seconds"]["gemm_only"]["median"])
@@ -133,19 +142,21 @@ def main(argv=None):
                     print(f"{dname:8s} T={T} N={n:<4d} C=K={c:<5d} {pas:5s} " + "  ".join(
                         f"{k} {v:7.1f}" for k, v in g.items()) +
                         f"  | {100 * row['peak_fraction']:5.1f}% of peak, {row['vs_flax']:.2f}x flax" +
-                        (f", {row['vs_torch']:.2f}x torch" if "vs_torch" in row else ""), flush=True)
+                        (f", {row['vs_torch']:.2f}x torch" if "vs_torch" in row else "") +
+                        "; round by round " + ", ".join(f"{k} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+                                                        for k, v in row["round_ratios"].items()), flush=True)
 
-    common.write_results("lstm", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
+    common.write_results(args.name, {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
                                   "torch": bool(torch), "rows": rows})
-    plot(rows, peak)
+    plot(args.name, rows, peak)
     print(markdown(rows))
 
 
-def plot(rows, peak):
+def plot(name, rows, peak):
     short = {"float32": "f32", "bfloat16": "bf16"}
     names = [k for k in rows[0]["gflops"] if k != "gemm_only"]
     labels = [f"{short[r['dtype']]} N{r['n']} C{r['c']} {r['pass']}" for r in rows]
-    common.plot_bars("lstm", labels, {k: [r["gflops"].get(k, 0.0) for r in rows] for k in names},
+    common.plot_bars(name, labels, {k: [r["gflops"].get(k, 0.0) for r in rows] for k in names},
                      "GFLOP/s (median)", f"LSTM T={T}, C=K: forward and training step, {jb.isa()}",
                      hline=peak["float32"], hline_label="fp32 peak (probe)")
 
