@@ -14,12 +14,13 @@ fp32 parameters, Flax's dtype=bfloat16; torch: the module in bfloat16).
 
 GFLOP/s count 2 T N (C + K) 4K per forward (3x that for train); the fraction of peak is
 against the machine's peak measured by the probe in the same run (fp32 FMA; bf16: the best
-bf16 path, see jax_brgemm.peak_gflops). Breakdown (like the paper's Table 1, an estimate from public functions only):
-"gemm" is the time jb.dense takes for the same multiply work as one pass ((T N) x (C + K) x
-4K, bias fused), the rest of the forward (element-wise cell math, re-blocking, the per-step
-barriers) is "other". Every round takes one sample of each contender, back to back; besides the
-ratio of the medians, each row has the median (and range) of the rounds' own ratios, which
-machine noise lasting seconds disturbs least. Writes bench/results/<name>.json and .png.
+bf16 path, see jax_brgemm.peak_gflops). Breakdown (like the paper's Table 1, an estimate
+from public functions only): "gemm" is the time jb.dense takes for the same multiply work as
+one pass ((T N) x (C + K) x 4K, bias fused), the rest of the forward (element-wise cell math,
+re-blocking, the per-step barriers) is "other". Every round takes one sample of each
+contender, back to back; besides the ratio of the medians, each row has the median (and
+range) of the rounds' own ratios, which machine noise lasting seconds disturbs least.
+Writes bench/results/<name>.json and .png.
 """
 
 from __future__ import annotations
@@ -130,9 +131,8 @@ def main(argv=None):
                     row["vs_flax"] = g["jax_brgemm"] / g["flax"]
                     if "torch" in g:
                         row["vs_torch"] = g["jax_brgemm"] / g["torch"]
-                    # Each round times every contender once, back to back: the ratio within a
-                    # round is what machine noise (bursts lasting seconds) disturbs least.
-                    row["round_ratios"] = {f"vs_{k}": common.stats([o / m for o, m in zip(samples[k], samples["jax_brgemm"])])
+                    ours = samples["jax_brgemm"]
+                    row["round_ratios"] = {f"vs_{k}": common.stats([o / m for o, m in zip(samples[k], ours)])
                                            for k in ("flax", "torch") if k in samples}
                     if pas == "fwd":
                         t_all = row["seconds"]["jax_brgemm"]["median"]
