@@ -11,19 +11,21 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// unit: "fma" (fp32 FMA), "vdpbf16ps" (AVX-512 bf16 pairs) or "amx" (bf16 tiles).
+// unit: "fma" (fp32 FMA: zmm, or ymm below AVX-512), "vdpbf16ps" (AVX-512 bf16 pairs) or "amx" (bf16 tiles).
 ffi::Error peak_impl(ffi::ThreadPool pool, int64_t iters, std::string_view unit,
                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
 #if defined(JB_X86)
-  const bool amx = unit == "amx";
-  if (best_isa() < (amx ? Isa::amx : Isa::avx512))
+  const bool amx = unit == "amx", fma = unit == "fma";
+  const Isa isa = best_isa();
+  if (isa < (amx ? Isa::amx : fma ? Isa::avx2 : Isa::avx512))
     return ffi_util::invalid("peak probe: this CPU (or JAX_BRGEMM_ISA) has no " + std::string(unit));
   if (!amx && unit != "fma" && unit != "vdpbf16ps")
     return ffi_util::invalid("peak probe: unit must be fma, vdpbf16ps or amx");
   float* sink = out->typed_data();
   parallel_for(ffi_util::executor(pool), int64_t(out->element_count()), [&](int64_t i) {
-    sink[i] = amx ? peak_loop_amx(iters)
-                  : peak_loop_avx512(unit == "fma" ? DType::f32 : DType::bf16, iters);
+    sink[i] = amx                 ? peak_loop_amx(iters)
+              : fma && isa < Isa::avx512 ? peak_loop_avx2(iters)
+                                    : peak_loop_avx512(fma ? DType::f32 : DType::bf16, iters);
   });
   return ffi::Error::Success();
 #else

@@ -13,7 +13,8 @@ import numpy as np
 from jax_brgemm import _native
 from jax_brgemm._native import _jax_brgemm
 
-# name -> probe unit: fp32 FMA, AVX-512 bf16 pair dot products, AMX bf16 tiles.
+# name -> probe unit: fp32 FMA (zmm, or ymm on AVX2), AVX-512 bf16 pair dot products, AMX
+# bf16 tiles.
 _UNITS = {"float32": "fma", "bfloat16_vdpbf16ps": "vdpbf16ps", "bfloat16_amx": "amx"}
 
 
@@ -27,19 +28,19 @@ def peak_gflops(seconds: float = 0.3, repeats: int = 7) -> dict[str, float]:
     """GFLOP/s of independent register (or AMX tile) chains on all of XLA's threads, with
     no memory traffic: the median over ``repeats`` runs of about ``seconds`` each.
 
-    Keys: ``"float32"`` (FMA), ``"bfloat16_vdpbf16ps"`` and, where the CPU has AMX,
-    ``"bfloat16_amx"``; ``"bfloat16"`` is the ceiling of a bf16 multiply with fp32
+    Keys: ``"float32"`` (FMA), ``"bfloat16_vdpbf16ps"`` on AVX-512 and, where the CPU has
+    AMX, ``"bfloat16_amx"``; ``"bfloat16"`` is the ceiling of a bf16 multiply with fp32
     accumulation by any path: the best bf16 unit, or the FMA on operands widened exactly to
     fp32 where that is faster (an Intel Xeon without AMX: ``vdpbf16ps`` at half the FMA
-    rate). Empty below AVX-512 (the probe is written for AVX-512 and AMX).
+    rate; AVX2: the FMA is the only path). Empty without AVX2 (the generic kernel).
     """
     isa = _native.isa()
-    if isa not in ("avx512", "amx"):
+    if isa == "generic":
         return {}
     items = 4 * max(1, os.cpu_count() or 1)  # several items per thread: balanced finish
     peak = {}
     for name, unit in _UNITS.items():
-        if unit == "amx" and isa != "amx":
+        if (unit == "amx" and isa != "amx") or (unit == "vdpbf16ps" and isa == "avx2"):
             continue
 
         def probe(iters):
