@@ -12,7 +12,7 @@ struct Avx512 {
   // 12 x 2 accumulators (24 of the 32 zmm registers), leaving room for the B vectors and
   // the A broadcast; >= 8 independent chains hide the FMA latency. Tall rather than wide
   // tiles: B streams from L2 across the batch, and each B vector feeds 12 FMAs.
-  static constexpr int mr(int) { return 12; }
+  static constexpr int mr(int, bool) { return 12; }
 
   // Row i of a tile starts at row[kRowBase[i]] + kRowMul[i] * lda (bytes).
   static constexpr int kRowBase[12] = {0, 0, 0, 1, 0, 1, 2, 1, 0, 3, 2, 1};

@@ -8,7 +8,7 @@ namespace {
 
 struct Generic {
   static constexpr int VL = 8, NV_MAX = 2;
-  static constexpr int mr(int) { return 4; }
+  static constexpr int mr(int, bool) { return 4; }
 
   template <int MR, int NV>
   static void tile_f32(const TileArgs& t) { tile<MR, NV, false>(t); }

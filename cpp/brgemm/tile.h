@@ -48,7 +48,7 @@ inline void finish_tile(float* tile, int rows, int cols, int ld, const TileArgs&
   }
 }
 
-// Rows of tile functions, one row per vector count NV, one entry per row count 1..MR(NV).
+// Rows of tile functions, one row per vector count NV, one entry per row count 1..mr(NV).
 template <class K, int NV, int... R>
 constexpr auto tile_row(bool bf16, std::integer_sequence<int, R...>) {
   return bf16 ? std::array<TileFn, sizeof...(R)>{&K::template tile_bf16<R + 1, NV>...}
@@ -57,8 +57,8 @@ constexpr auto tile_row(bool bf16, std::integer_sequence<int, R...>) {
 
 template <class K, int NV>
 const TileFn* tiles(bool bf16) {
-  static const auto f32 = tile_row<K, NV>(false, std::make_integer_sequence<int, K::mr(NV)>());
-  static const auto b16 = tile_row<K, NV>(true, std::make_integer_sequence<int, K::mr(NV)>());
+  static const auto f32 = tile_row<K, NV>(false, std::make_integer_sequence<int, K::mr(NV, false)>());
+  static const auto b16 = tile_row<K, NV>(true, std::make_integer_sequence<int, K::mr(NV, true)>());
   return bf16 ? b16.data() : f32.data();
 }
 
@@ -69,7 +69,7 @@ const TileFn* tiles_for(int nv, bool bf16, std::integer_sequence<int, NV...>) {
   return row;
 }
 
-// Covers the C block with register tiles: up to NV_MAX vectors wide, MR(NV) rows high;
+// Covers the C block with register tiles: up to NV_MAX vectors wide, mr(NV, bf16) rows high;
 // edge tiles use fewer rows and a masked last vector, never padding copies.
 template <class K>
 void run_tiles(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int64_t batch,
@@ -80,7 +80,7 @@ void run_tiles(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int6
   for (int64_t j0 = 0; j0 < d.n; j0 += int64_t(K::NV_MAX) * vl) {
     const int64_t cols = std::min<int64_t>(int64_t(K::NV_MAX) * vl, d.n - j0);
     const int nv = int((cols + vl - 1) / vl);
-    const int mr = K::mr(nv);
+    const int mr = K::mr(nv, bf16);
     const TileFn* row = tiles_for<K>(nv, bf16, std::make_integer_sequence<int, K::NV_MAX>());
     TileArgs t{a, b, batch, d.k, d.lda, d.ldb, 0, bf16 ? 2 * j0 : j0, nullptr, d.ldc,
                bias ? bias + j0 : nullptr, int(cols - int64_t(nv - 1) * vl), d.accumulate,

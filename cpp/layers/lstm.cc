@@ -20,6 +20,7 @@
 #include "layers/common/operand.h"
 #include "layers/common/plan_cache.h"
 #include "layers/common/reblock.h"
+#include "layers/common/target.h"
 #include "layers/common/scratch.h"
 #include "layers/common/work.h"
 
@@ -73,8 +74,8 @@ inline const char* off(const void* p, int64_t elems, size_t es) {
 
 // ---------------------------------------------------------------------------------------
 // The element-wise cell math of one (N-block, K-block) tile, fused after its gate blocks.
-// One templated loop per direction, instantiated for the baseline ISA and, through a
-// function-level target attribute, for AVX-512 (taken when the kernels use avx512 or amx).
+// One templated loop per direction, instantiated for the baseline ISA, AVX2 and AVX-512
+// (layers/common/target.h), taken by the kernel ISA in use.
 
 #define JB_INLINE __attribute__((always_inline)) inline
 
@@ -196,11 +197,14 @@ void cell_fwd_base(const CellFwd& a) { cell_fwd_loop<A, B>(a); }
 template <class A, class B>
 void cell_bwd_base(const CellBwd& a) { cell_bwd_loop<A, B>(a); }
 #if defined(JB_X86)
-#define JB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 template <class A, class B>
-JB_AVX512 void cell_fwd_avx512(const CellFwd& a) { cell_fwd_loop<A, B>(a); }
+JB_TARGET_AVX2 void cell_fwd_avx2(const CellFwd& a) { cell_fwd_loop<A, B>(a); }
 template <class A, class B>
-JB_AVX512 void cell_bwd_avx512(const CellBwd& a) { cell_bwd_loop<A, B>(a); }
+JB_TARGET_AVX2 void cell_bwd_avx2(const CellBwd& a) { cell_bwd_loop<A, B>(a); }
+template <class A, class B>
+JB_TARGET_AVX512 void cell_fwd_avx512(const CellFwd& a) { cell_fwd_loop<A, B>(a); }
+template <class A, class B>
+JB_TARGET_AVX512 void cell_bwd_avx512(const CellBwd& a) { cell_bwd_loop<A, B>(a); }
 #endif
 
 // The cell functions for (dt, multiply dtype) on an ISA, chosen once by the plan.
@@ -208,6 +212,7 @@ template <class A, class B>
 void (*fwd_fn(Isa isa))(const CellFwd&) {
 #if defined(JB_X86)
   if (isa >= Isa::avx512) return &cell_fwd_avx512<A, B>;
+  if (isa == Isa::avx2) return &cell_fwd_avx2<A, B>;
 #endif
   (void)isa;
   return &cell_fwd_base<A, B>;
@@ -216,6 +221,7 @@ template <class A, class B>
 void (*bwd_fn(Isa isa))(const CellBwd&) {
 #if defined(JB_X86)
   if (isa >= Isa::avx512) return &cell_bwd_avx512<A, B>;
+  if (isa == Isa::avx2) return &cell_bwd_avx2<A, B>;
 #endif
   (void)isa;
   return &cell_bwd_base<A, B>;

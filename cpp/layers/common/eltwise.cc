@@ -1,11 +1,12 @@
-// One templated loop per operation, instantiated twice: for the baseline ISA and, through a
-// function-level target attribute, for AVX-512 (taken when the kernels use avx512 or amx).
-// The loops are branch-free so the compiler vectorizes them for either target.
+// One templated loop per operation, instantiated for the baseline ISA, AVX2 and AVX-512
+// (layers/common/target.h) and taken by the kernel ISA in use. The loops are branch-free
+// so the compiler vectorizes them for every target.
 #include "layers/common/eltwise.h"
 
 #include <type_traits>
 
 #include "brgemm/activation.h"
+#include "layers/common/target.h"
 
 namespace jb::eltwise {
 
@@ -96,20 +97,24 @@ void grad_base(Activation act, const void* dy, const void* s, void* dz, int64_t 
 }
 
 #if defined(JB_X86)
-#define JB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-template <class T>
-JB_AVX512 void activate_avx512(Activation act, const void* z, void* y, int64_t n) {
-  activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);
-}
-template <class T>
-JB_AVX512 void grad_avx512(Activation act, const void* dy, const void* s, void* dz, int64_t n) {
-  grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n);
-}
-template <bool kNesterov, bool kDecay>
-JB_AVX512 void sgd_avx512(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
-                          float weight_decay) {
-  sgd_loop<kNesterov, kDecay>(g, w, m, n, lr, momentum, weight_decay);
-}
+// Each operation under each target attribute, from the one loop above.
+#define JB_ELTWISE_VARIANTS(target, isa)                                                         \
+  template <class T>                                                                           \
+  target void activate_##isa(Activation act, const void* z, void* y, int64_t n) {              \
+    activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);                       \
+  }                                                                                            \
+  template <class T>                                                                           \
+  target void grad_##isa(Activation act, const void* dy, const void* s, void* dz, int64_t n) { \
+    grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n); \
+  }                                                                                            \
+  template <bool kNesterov, bool kDecay>                                                       \
+  target void sgd_##isa(const float* g, float* w, float* m, int64_t n, float lr, float momentum, \
+                        float weight_decay) {                                                  \
+    sgd_loop<kNesterov, kDecay>(g, w, m, n, lr, momentum, weight_decay);                       \
+  }
+JB_ELTWISE_VARIANTS(JB_TARGET_AVX2, avx2)
+JB_ELTWISE_VARIANTS(JB_TARGET_AVX512, avx512)
+#undef JB_ELTWISE_VARIANTS
 #endif
 
 }  // namespace
@@ -119,6 +124,7 @@ void sgd(const float* g, float* w, float* m, int64_t n, float lr, float momentum
   sgd_variant(nesterov, weight_decay != 0.0f, [&](auto nest, auto decay) {
 #if defined(JB_X86)
     if (isa >= Isa::avx512) return sgd_avx512<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
+    if (isa == Isa::avx2) return sgd_avx2<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
 #endif
     sgd_loop<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
   });
@@ -128,6 +134,10 @@ void activate(Activation act, DType dt, const void* z, void* y, int64_t n, Isa i
 #if defined(JB_X86)
   if (isa >= Isa::avx512) {
     dt == DType::f32 ? activate_avx512<float>(act, z, y, n) : activate_avx512<uint16_t>(act, z, y, n);
+    return;
+  }
+  if (isa == Isa::avx2) {
+    dt == DType::f32 ? activate_avx2<float>(act, z, y, n) : activate_avx2<uint16_t>(act, z, y, n);
     return;
   }
 #endif
@@ -140,6 +150,10 @@ void act_grad(Activation act, DType dt, const void* dy, const void* saved, void*
   if (isa >= Isa::avx512) {
     dt == DType::f32 ? grad_avx512<float>(act, dy, saved, dz, n)
                      : grad_avx512<uint16_t>(act, dy, saved, dz, n);
+    return;
+  }
+  if (isa == Isa::avx2) {
+    dt == DType::f32 ? grad_avx2<float>(act, dy, saved, dz, n) : grad_avx2<uint16_t>(act, dy, saved, dz, n);
     return;
   }
 #endif
