@@ -1,8 +1,10 @@
-// Packing into kernel operand blocks: a portable scalar path for everything, and AVX-512
-// paths (function-level target attributes, taken only when the kernel ISA in use is
-// avx512 or amx) for the heavy cases: VNNI pair interleaving and transposition, as 16 x 16
-// transposes of 32-bit words. Both paths produce the same bits.
+// Packing into kernel operand blocks: a portable scalar path for everything, and SIMD paths
+// (function-level target attributes, taken only when the kernel ISA in use has them) for
+// the heavy cases: on AVX-512, VNNI pair interleaving and transposition as 16 x 16
+// transposes of 32-bit words; on AVX2 (whose kernels multiply in fp32 only), fp32
+// transposition as 8 x 8 transposes. All paths produce the same bits.
 #include "layers/common/reblock.h"
+#include "layers/common/target.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -55,7 +57,7 @@ void scalar(const S* src, int64_t ld, bool trans, int64_t r0, int64_t r1, int64_
 
 #if defined(JB_X86)
 
-#define JB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define JB_AVX512 JB_TARGET_AVX512
 
 // fp32 bit patterns -> bf16 in the low half of each 32-bit lane, exactly f32_to_bf16.
 JB_AVX512 inline __m512i bf16_bits(__m512i u) {
@@ -174,6 +176,51 @@ JB_AVX512 void simd(const S* src, int64_t ld, bool trans, int64_t rows, int64_t 
   *cols_done = j_end;
 }
 
+// AVX2: fp32 destinations (the only kind its kernels read), transposed.
+// 8 consecutive source values as fp32 (bf16 widened exactly).
+template <class S>
+JB_TARGET_AVX2 inline __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) return _mm256_loadu_ps(p);
+  else
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// r[i] lane j -> r[j] lane i.
+JB_TARGET_AVX2 inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], q[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 2; ++g) {  // q[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3
+    q[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    q[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    q[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    q[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(q[c], q[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(q[c], q[4 + c], 0x31);
+  }
+}
+
+// Whole 8 x 8 tiles of a transposed pack into fp32; returns the region it covered, like simd.
+template <class S>
+JB_TARGET_AVX2 void simd_avx2_t(const S* src, int64_t ld, int64_t rows, int64_t cols, int64_t pcols,
+                                float* dst, int64_t* rows_done, int64_t* cols_done) {
+  const int64_t r_end = rows / 8 * 8, j_end = cols / 8 * 8;
+  __m256 v[8];
+  for (int64_t r0 = 0; r0 < r_end; r0 += 8)
+    for (int64_t j0 = 0; j0 < j_end; j0 += 8) {
+      for (int i = 0; i < 8; ++i) v[i] = load8(src + (j0 + i) * ld + r0);
+      transpose8(v);
+      for (int w = 0; w < 8; ++w) _mm256_storeu_ps(dst + (r0 + w) * pcols + j0, v[w]);
+    }
+  *rows_done = r_end;
+  *cols_done = j_end;
+}
+
 #endif  // JB_X86
 
 template <class S, class D>
@@ -189,6 +236,8 @@ void pack_typed(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols
   const bool bf16_plain_t = std::is_same_v<D, uint16_t> && trans && !vnni;
   if (isa >= Isa::avx512 && !(bf16_plain_t && pcols % 2))
     simd<S, D>(src, ld, trans, rows, cols, pcols, vnni, dst, &rd, &cd);
+  if constexpr (std::is_same_v<D, float>)
+    if (isa == Isa::avx2 && trans) simd_avx2_t<S>(src, ld, rows, cols, pcols, dst, &rd, &cd);
 #endif
   // The rest: rows [rd, rows) of every column, and columns [cd, cols) of rows [0, rd).
   scalar(src, ld, trans, rd, rows, 0, cols, pcols, vnni, dst);
