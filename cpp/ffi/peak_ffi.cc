@@ -23,9 +23,9 @@ ffi::Error peak_impl(ffi::ThreadPool pool, int64_t iters, std::string_view unit,
     return ffi_util::invalid("peak probe: unit must be fma, vdpbf16ps or amx");
   float* sink = out->typed_data();
   parallel_for(ffi_util::executor(pool), int64_t(out->element_count()), [&](int64_t i) {
-    sink[i] = amx                 ? peak_loop_amx(iters)
-              : fma && isa < Isa::avx512 ? peak_loop_avx2(iters)
-                                    : peak_loop_avx512(fma ? DType::f32 : DType::bf16, iters);
+    if (amx) sink[i] = peak_loop_amx(iters);
+    else if (fma && isa < Isa::avx512) sink[i] = peak_loop_avx2(iters);
+    else sink[i] = peak_loop_avx512(fma ? DType::f32 : DType::bf16, iters);
   });
   return ffi::Error::Success();
 #else

@@ -57,10 +57,8 @@ void scalar(const S* src, int64_t ld, bool trans, int64_t r0, int64_t r1, int64_
 
 #if defined(JB_X86)
 
-#define JB_AVX512 JB_TARGET_AVX512
-
 // fp32 bit patterns -> bf16 in the low half of each 32-bit lane, exactly f32_to_bf16.
-JB_AVX512 inline __m512i bf16_bits(__m512i u) {
+JB_TARGET_AVX512 inline __m512i bf16_bits(__m512i u) {
   const __m512i hi = _mm512_srli_epi32(u, 16);
   const __m512i rounded = _mm512_srli_epi32(
       _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
@@ -73,7 +71,7 @@ JB_AVX512 inline __m512i bf16_bits(__m512i u) {
 // 16 consecutive source values as 32-bit words: fp32 bits (D = float) or bf16 bits in
 // the low half (D = uint16_t).
 template <class S, class D>
-JB_AVX512 inline __m512i load16(const S* p) {
+JB_TARGET_AVX512 inline __m512i load16(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     const __m512i u = _mm512_loadu_si512(p);
     if constexpr (std::is_same_v<D, float>) return u;
@@ -87,13 +85,13 @@ JB_AVX512 inline __m512i load16(const S* p) {
 
 // Two rows' 16 values as 16 bf16 pairs: (a[i], b[i]) in word i.
 template <class S>
-JB_AVX512 inline __m512i pairs_across(const S* a, const S* b) {
+JB_TARGET_AVX512 inline __m512i pairs_across(const S* a, const S* b) {
   return _mm512_or_si512(load16<S, uint16_t>(a), _mm512_slli_epi32(load16<S, uint16_t>(b), 16));
 }
 
 // 32 consecutive values of one row as 16 bf16 pairs: (p[2i], p[2i + 1]) in word i.
 template <class S>
-JB_AVX512 inline __m512i pairs_along(const S* p) {
+JB_TARGET_AVX512 inline __m512i pairs_along(const S* p) {
   if constexpr (std::is_same_v<S, uint16_t>) {
     return _mm512_loadu_si512(p);
   } else {
@@ -104,7 +102,7 @@ JB_AVX512 inline __m512i pairs_along(const S* p) {
 }
 
 // r[i] word j -> r[j] word i.
-JB_AVX512 inline void transpose16(__m512i (&r)[16]) {
+JB_TARGET_AVX512 inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16], s[4][4];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -131,7 +129,7 @@ JB_AVX512 inline void transpose16(__m512i (&r)[16]) {
 // Whole tiles with AVX-512; returns the region it covered, [0, rows_done) x [0, cols_done),
 // the caller finishes the rest with the scalar path.
 template <class S, class D>
-JB_AVX512 void simd(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols,
+JB_TARGET_AVX512 void simd(const S* src, int64_t ld, bool trans, int64_t rows, int64_t cols,
                     int64_t pcols, bool vnni, D* dst, int64_t* rows_done, int64_t* cols_done) {
   *rows_done = *cols_done = 0;
   if (!trans) {
