@@ -4,7 +4,7 @@
 //   jb_lstm_fwd   x (N, T, C) | (T, N, C), w (C, 4K), r (K, 4K), bias (4K,) f32,
 //                 c0 (N, K) f32, h0 (N, K)
 //                 -> y (x's layout, K features), c_T (N, K) f32, h_T (N, K),
-//                    gates (T, N, 4K) f32, cs (T, N, K) f32 and xh (x's layout,
+//                    gates (T, N, 4K, x's dtype), cs (T, N, K) f32 and xh (x's layout,
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
 //                 attrs time_major, variant (0 automatic, 1 fused, 2 precompute)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
@@ -95,7 +95,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   JB_DTYPE(op, "y", *y, x.element_type());
   JB_DTYPE(op, "c_last", *c_last, ffi::DataType::F32);
   JB_DTYPE(op, "h_last", *h_last, x.element_type());
-  JB_DTYPE(op, "gates", *gates, ffi::DataType::F32);
+  JB_DTYPE(op, "gates", *gates, x.element_type());
   JB_DTYPE(op, "cs", *cs, ffi::DataType::F32);
   JB_DTYPE(op, "xh", *xh, x.element_type());
   if (n == 0 || k == 0) return ffi::Error::Success();
@@ -107,7 +107,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
                   r.untyped_data(), w_dt, static_cast<const float*>(bias.untyped_data()),
                   static_cast<const float*>(c0.untyped_data()), h0.untyped_data(), y->untyped_data(),
                   static_cast<float*>(c_last->untyped_data()), h_last->untyped_data(),
-                  save ? static_cast<float*>(gates->untyped_data()) : nullptr,
+                  save ? gates->untyped_data() : nullptr,
                   save ? static_cast<float*>(cs->untyped_data()) : nullptr, save ? xh->untyped_data() : nullptr,
                   lstm::Variant(variant));
   });
@@ -138,7 +138,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_SHAPE(op, "db", db->dimensions(), {g});
   JB_SHAPE(op, "dc0", dc0->dimensions(), {n, k});
   JB_SHAPE(op, "dh0", dh0->dimensions(), {n, k});
-  JB_DTYPE(op, "gates", gates, ffi::DataType::F32);
+  JB_DTYPE(op, "gates", gates, dy.element_type());
   JB_DTYPE(op, "cs", cs, ffi::DataType::F32);
   JB_DTYPE(op, "c0", c0, ffi::DataType::F32);
   JB_DTYPE(op, "dc_last", dc_last, ffi::DataType::F32);
@@ -150,7 +150,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   const Executor ex = ffi_util::executor(pool);
   return guarded(op, [&] {
     lstm::bptt(ex, dispatch(), {t, n, 0, k, dt, time_major}, r.untyped_data(), w_dt,
-               static_cast<const float*>(gates.untyped_data()), static_cast<const float*>(cs.untyped_data()),
+               gates.untyped_data(), static_cast<const float*>(cs.untyped_data()),
                static_cast<const float*>(c0.untyped_data()), dy.untyped_data(),
                static_cast<const float*>(dc_last.untyped_data()), dh_last.untyped_data(), da->untyped_data(),
                static_cast<float*>(db->untyped_data()), static_cast<float*>(dc0->untyped_data()),

@@ -27,8 +27,8 @@
 //
 // Layouts: x (and y, da, xh) are (N, T, features) or, with time_major, (T, N, features),
 // read and written in place. The forward saves for the backward (when `gates` is not null)
-// the activated gates (T, N, 4K) and the cell states c_t (T, N, K), fp32, time-major, and
-// [x | h_prev] (xh, in x's layout and dtype). c0, c_T,
+// the activated gates (T, N, 4K, in dt) and the cell states c_t (T, N, K, fp32), both
+// time-major, and [x | h_prev] (xh, in x's layout and dtype). c0, c_T,
 // dc are fp32; h0, h_T, y, dy, dh, da in the compute dtype dt; W and R in w_dt (fp32 or
 // bf16, cast while re-blocked); bf16 multiplies as multiply_dtype(dt, dp), accumulation,
 // the cell state and all element-wise math in fp32.
@@ -62,12 +62,12 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 // away from a 4 KiB row period).
 int64_t saved_width(const Shape& s, const Dispatch& dp);
 
-// Runs the sequence. gates (T*N*4K), cs (T*N*K) and xh (T*N*saved_width, x's layout and
+// Runs the sequence. gates (T*N*4K, dt), cs (T*N*K) and xh (T*N*saved_width, x's layout and
 // dtype) are saved when not null (all or none): xh holds every step's [x_t | h_{t-1} | 0],
 // the weight update's operand. force_blocking / variant override the heuristics (tests).
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
              const void* r, DType w_dt, const float* bias, const float* c0, const void* h0,
-             void* y, float* c_last, void* h_last, float* gates, float* cs, void* xh,
+             void* y, float* c_last, void* h_last, void* gates, float* cs, void* xh,
              Variant variant = Variant::automatic, const Blocking* force = nullptr);
 
 // Backward through time from the forward's saved gates and cell states. dy (x's layout, K
@@ -75,7 +75,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 // dc_last / dh_last: zeros). Writes da (x's layout, 4K features, dt), db (4K fp32), dc0
 // (N x K fp32), dh0 (N x K dt).
 void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r, DType w_dt,
-          const float* gates, const float* cs, const float* c0, const void* dy,
+          const void* gates, const float* cs, const float* c0, const void* dy,
           const float* dc_last, const void* dh_last, void* da, float* db, float* dc0, void* dh0,
           const Blocking* force = nullptr);
 

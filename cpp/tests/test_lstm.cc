@@ -198,7 +198,8 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
   // Inference forward (nothing saved) and training forward (gates and cell states saved).
   for (bool save : {false, true}) {
     Tensor y(o.dt, T * N * K), hl(o.dt, N * K), cl(DType::f32, N * K);
-    std::vector<float> gates(save ? T * N * G : 0), cs(save ? T * N * K : 0);
+    Tensor gates(o.dt, save ? T * N * G : 0);
+    std::vector<float> cs(save ? T * N * K : 0);
     const int64_t width = lstm::saved_width(s, o.dp);
     Tensor xh(o.dt, save ? T * N * width : 0);
     lstm::forward(ex, o.dp, s, x.data(), w.data(), r.data(), o.w_dt, b.data(), c0.data(), h0.data(),

@@ -5,8 +5,9 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 * ``jb_lstm_fwd``: the forward over all time steps in one call. The weights are re-blocked
   once; per step, every (N-block, K-block) tile computes its four gate blocks with BRGEMM
   over ``[x_t | h_{t-1}]`` (sigmoid / tanh in the kernel's epilogue) and the cell update
-  while they are hot. For training it also saves the activated gates and the cell states
-  (float32), and keeps the buffer the steps multiplied, ``xh = [x | h_prev]``.
+  while they are hot. For training it also saves the activated gates (in the computation
+  dtype) and the cell states (float32), and keeps the buffer the steps multiplied,
+  ``xh = [x | h_prev]``.
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
   gate gradient ``da``, the bias gradient and the initial carry's gradients.
@@ -151,7 +152,7 @@ def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
-    gates = jax.ShapeDtypeStruct((t, n, 4 * k) if save else (0,), jnp.float32)
+    gates = jax.ShapeDtypeStruct((t, n, 4 * k) if save else (0,), x.dtype)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
     width = _native._jax_brgemm.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
