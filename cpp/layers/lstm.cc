@@ -442,15 +442,22 @@ PlanCache<13, BwdPlan> bwd_plans;
 
 // ---------------------------------------------------------------------------------------
 
+// Bytes per element of the weight panels a pass streams: bf16 multiplied on AMX tiles counts
+// as bf16. (bf16 by vdpbf16ps on the AMD EPYC Zen 4 measured best at fp32's widths.)
+int64_t panel_elem_bytes(const Shape& s, const Dispatch& dp) {
+  return dp.isa == Isa::amx && multiply_dtype(s.dt, dp) == DType::bf16 ? 2 : int64_t(sizeof(float));
+}
+
 // The forward's item streams its four gate panels (rows of [W; R] x cols) for each of its
-// N-blocks: K-blocks as wide as keeps them within kPanelBytes in fp32 (bf16 multiplies take
-// the same widths). Measured (Intel Xeon, T = 50, forward with saves, three alternating
-// runs each): fp32 C = K = 256 at N = 64 and 168: 32 columns 146-165 GFLOP/s, 128 columns
-// 196-210; C = K = 512: 64 columns 3-5 % faster than 32, 128 columns (2 MiB) 5-15 % slower
-// at N = 64; C = K = 1024: 32 columns (the only width within 1 MiB) equal to or faster than
-// 64 and 128. bf16 on AMX, N = 168: 22-24 -> 15 ms at 256, 63-65 -> 59 ms at 512.
-Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
-  auto gate_panels = [&](int64_t cols) { return kGates * (s.c + s.k) * cols * int64_t(sizeof(float)); };
+// N-blocks: K-blocks as wide as keeps them within kPanelBytes. Measured (Intel Xeon, T = 50,
+// forward with saves, three alternating runs each): fp32 C = K = 256 at N = 64 and 168: 32
+// columns 146-165 GFLOP/s, 128 columns 196-210; C = K = 512: 64 columns 3-5 % faster than 32,
+// 128 columns (2 MiB) 5-15 % slower at N = 64; C = K = 1024: 32 columns (the only width
+// within 1 MiB) equal to or faster than 64 and 128. bf16 on AMX (C++ loops, two threads,
+// ms): C = K = 512, N = 168: 32 columns 51-62, 64: 48-51, 128: 44-48; N = 64: 21-22, 21,
+// 20; C = K = 1024, N = 168: 142-145, 136-143, 132-141; N = 64: 60, 57-58, 65.
+Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
+  auto gate_panels = [&](int64_t cols) { return kGates * (s.c + s.k) * cols * panel_elem_bytes(s, dp); };
   Blocking b;
   b.cols = kCols;
   while (b.cols < kMaxCols && gate_panels(2 * b.cols) <= kPanelBytes) b.cols *= 2;
@@ -467,14 +474,19 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch&) {
 //   fp32 K = 1024, N = 64:   128: 204-211, 32: 183-185 (the 2 MiB panel leaves L2)
 //   fp32 K = 1024, N = 168:  equal within the noise
 //   bf16 K = 256, N = 168:   128: 24, 32: 18; K = 512: equal
-// So 128 columns for fp32 multiplies while that panel fits in L2, else 32. The same rule came
-// out best on an Intel Xeon with a 2 MiB L2 (fp32, N = 168, C++ loop, medians of 6):
+// So 128 columns while that panel fits in L2, else 32; bf16 by vdpbf16ps takes 32. The same
+// rule came out best on an Intel Xeon with a 2 MiB L2 (fp32, N = 168, C++ loop, medians of 6):
 //   K = 512:   32 columns 107-109, 64: 101-103, 128: 89-93, 256: 96-100 (rows 24-84 equal)
 //   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
+// and for bf16 on its AMX tiles, whose panels are half the bytes (C++ loops, two threads):
+//   N = 168:   K = 256: 32 columns 11, 128: 7; K = 512: 30, 25; K = 1024: 87-88, 76-77
+//   N = 64:    K = 256: 4.4, 3.0; K = 512: 10.3, 9.8; K = 1024: 30-34, 33
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
-  const bool fits = kGates * s.k * kMaxCols * int64_t(sizeof(float)) <= kPanelBytes;
+  const int64_t es = panel_elem_bytes(s, dp);
+  const bool wide = multiply_dtype(s.dt, dp) == DType::f32 || es == 2;
+  const bool fits = kGates * s.k * kMaxCols * es <= kPanelBytes;
   Blocking b;
-  b.cols = std::min(s.k, multiply_dtype(s.dt, dp) == DType::f32 && fits ? kMaxCols : kCols);
+  b.cols = std::min(s.k, wide && fits ? kMaxCols : kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
   return b;
 }
