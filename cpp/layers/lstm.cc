@@ -80,9 +80,9 @@ inline const char* off(const void* p, int64_t elems, size_t es) {
 #define JB_INLINE __attribute__((always_inline)) inline
 
 struct CellFwd {
-  int64_t rows, cols, k;  // tile; k = hidden size (gate g is at column offset g * k)
-  const float* g;         // activated gates at (n0, k0) of gate 0, leading dim ldg
-  int64_t ldg;
+  int64_t rows, cols, k;  // tile; k = hidden size
+  const float* g;         // activated gates at (n0, k0) of gate 0, gate q at column q * gk
+  int64_t ldg, gk;        // of the step's gate buffer (ldg 4K, gk K) or an item's gate tile
   const float* cp;  // c_{t-1}, leading dim ldc
   float* cn;        // c_t (may equal cp: in place)
   int64_t ldc;
@@ -90,19 +90,19 @@ struct CellFwd {
   int64_t ldy;
   void* h;  // h_t in the multiply dtype for the next step, leading dim ldh; or null
   int64_t ldh;
-  void* gs;  // the activated gates saved in dt (bf16 runs), leading dim ldg; or null
+  void* gs;  // the activated gates saved in dt (bf16 runs) at (t, n0, k0), leading dim 4K; or null
 };
 
 template <class Ty, class Th, bool H, bool G>
 JB_INLINE void cell_fwd_rows(const CellFwd& a) {
-  const int64_t rows = a.rows, cols = a.cols, k = a.k;
+  const int64_t rows = a.rows, cols = a.cols, k = a.k, gk = a.gk;
   for (int64_t r = 0; r < rows; ++r) {
     const float* gi = a.g + r * a.ldg;
     const float* cp = a.cp + r * a.ldc;
     float* cn = a.cn + r * a.ldc;
     Ty* y = static_cast<Ty*>(a.y) + r * a.ldy;
     Th* h = H ? static_cast<Th*>(a.h) + r * a.ldh : nullptr;
-    Ty* gs = G ? static_cast<Ty*>(a.gs) + r * a.ldg : nullptr;
+    Ty* gs = G ? static_cast<Ty*>(a.gs) + r * kGates * k : nullptr;
     // c_t, y and the saved gates go to memory nothing has touched yet: ask for the row two
     // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
     // Measured (Intel Xeon with AMX, T = 50, N = 168, C = K = 512, C++ loops over
@@ -114,19 +114,19 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Ty))) {
         __builtin_prefetch(y + 2 * a.ldy + j, 1, 3);
         if constexpr (G)
-          for (int q = 0; q < kGates; ++q) __builtin_prefetch(gs + 2 * a.ldg + q * k + j, 1, 3);
+          for (int q = 0; q < kGates; ++q) __builtin_prefetch(gs + 2 * kGates * k + q * k + j, 1, 3);
       }
     }
     // No loop-carried dependencies: c_t may overwrite c_{t-1} in place, element by element.
 #pragma GCC ivdep
     for (int64_t j = 0; j < cols; ++j) {
-      const float c = gi[k + j] * cp[j] + gi[j] * gi[2 * k + j];
-      const float hv = gi[3 * k + j] * tanh_f(c);
+      const float c = gi[gk + j] * cp[j] + gi[j] * gi[2 * gk + j];
+      const float hv = gi[3 * gk + j] * tanh_f(c);
       cn[j] = c;
       y[j] = from_f32<Ty>(hv);
       if constexpr (H) h[j] = from_f32<Th>(hv);
       if constexpr (G)
-        for (int q = 0; q < kGates; ++q) gs[q * k + j] = from_f32<Ty>(gi[q * k + j]);
+        for (int q = 0; q < kGates; ++q) gs[q * k + j] = from_f32<Ty>(gi[q * gk + j]);
     }
   }
 }
@@ -333,25 +333,28 @@ struct FwdPlan {
     astride = v == Variant::fused ? row_step(s) * lda : lda;
     rblk = rpad / red;
     blk = reblock::block_elems(red, b.cols, vnni);
-    for (int g = 0; g < kGates; ++g)
-      step[g].emplace(desc(red, astride, v == Variant::precompute, v == Variant::fused, kGateAct[g]), s.n,
-                      s.k, b.rows, b.cols, isa);
+    ldt = padded_ld(kGates * b.cols, sizeof(float));
+    for (int g = 0; g < kGates; ++g) {
+      step[g].emplace(desc(red, astride, v == Variant::precompute, v == Variant::fused, kGateAct[g], kGates * s.k),
+                      s.n, s.k, b.rows, b.cols, isa);
+      if (v == Variant::fused) step_tile[g].emplace(desc(red, astride, false, true, kGateAct[g], ldt), s.n, s.k, b.rows, b.cols, isa);
+    }
     if (v == Variant::precompute) {
       red_x = reduction_block(s.c, vnni);
       xblk = s.c / red_x;
       blk_x = reblock::block_elems(red_x, b.cols, vnni);
       x_copy = s.dt != kd;
       ldx = x_copy ? padded_ld(s.c, ks) : row_step(s) * s.c;
-      pre.emplace(desc(red_x, ldx, false, true, Activation::none), s.n, s.k, b.rows, b.cols, isa);
+      pre.emplace(desc(red_x, ldx, false, true, Activation::none, kGates * s.k), s.n, s.k, b.rows, b.cols, isa);
     }
   }
 
-  BrgemmDesc desc(int64_t k, int64_t lda_, bool accumulate, bool bias, Activation act) const {
+  BrgemmDesc desc(int64_t k, int64_t lda_, bool accumulate, bool bias, Activation act, int64_t ldc) const {
     BrgemmDesc d;
     d.k = k;
     d.lda = lda_;
     d.ldb = vnni ? 2 * b.cols : b.cols;
-    d.ldc = kGates * s.k;
+    d.ldc = ldc;
     d.ab = kd;
     d.c = DType::f32;
     d.accumulate = accumulate;
@@ -376,9 +379,11 @@ struct FwdPlan {
   // h's column in A, the padded reduction, A's columns and the rows between (t, n) and
   // (t, n + 1) in A.
   int64_t hoff = 0, red = 0, rpad = 0, lda = 0, astride = 0, rblk = 0, blk = 0;
+  int64_t ldt = 0;  // the gate tile's leading dimension (rows of four K-blocks)
   int64_t red_x = 0, xblk = 0, blk_x = 0, ldx = 0;
   bool x_copy = false;
-  std::optional<KernelSet> step[kGates];
+  // The gates into the step's gate buffer (N x 4K), or into an item's gate tile (fused).
+  std::optional<KernelSet> step[kGates], step_tile[kGates];
   std::optional<KernelSet> pre;
 };
 
@@ -524,9 +529,11 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const FwdPlan& p = *plan;
   const Blocking& b = p.b;
   const bool fused = p.v == Variant::fused, save = gates != nullptr;
-  // fp32 runs save the gates the BRGEMMs write; bf16 runs save bf16 copies, written by the
-  // cell from a one-step fp32 buffer (half the bytes to memory here and in the backward).
+  // fp32 training saves the gates the BRGEMMs write. Otherwise (fused) they go to a gate tile
+  // of the item's own, hot in L2, from which the cell reads them; bf16 training saves bf16
+  // copies the cell writes (half the bytes to memory here and in the backward).
   const bool gates_in_place = save && s.dt == DType::f32;
+  const bool tiles = fused && !gates_in_place;
   const int64_t K = s.k, G4 = kGates * s.k, N = s.n, T = s.t;
   const size_t ks = p.ks;
   // The fused A buffer is the saved xh itself when training in the multiply dtype;
@@ -534,17 +541,20 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const bool a_is_xh = fused && xh && s.dt == p.kd;
 
   // Scratch: the weight panels (stacked [W; R] or R), W's panels (precompute), the A
-  // buffers, the fp32 gates when they are not saved in place, a widened copy of x (precompute, bf16 x
-  // with fp32 multiplies), pack_stacked's stages (one per re-blocking item at once).
+  // buffers, every step's fp32 gates (precompute, unless saved in place), a widened copy of
+  // x (precompute, bf16 x with fp32 multiplies), pack_stacked's stages and the gate tiles
+  // (one per item running at once).
   const size_t panels = size_t(kGates * p.kblk * p.rblk * p.blk) * ks;
   const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.xblk * p.blk_x) * ks;
   const size_t abuf = a_is_xh ? 0 : size_t((fused ? T : 2) * N * p.lda) * ks;
-  const size_t gbuf = gates_in_place ? 0 : size_t((fused ? 1 : T) * N * G4) * sizeof(float);
+  const size_t gbuf = fused || gates_in_place ? 0 : size_t(T * N * G4) * sizeof(float);
   const size_t xbuf = !fused && p.x_copy ? size_t(T * N * p.ldx) * ks : 0;
   const size_t stage = size_t(kMaxRed * kMaxCols) * dtype_size(w_dt);
   const int64_t stages = std::max<int64_t>(1, ex.num_threads);
-  const auto buf = Scratch::get<6>({panels, xpanels, abuf, gbuf, xbuf, size_t(stages) * stage});
-  PanelPool stage_pool(buf[5], stage, stages);
+  const size_t tile = tiles ? size_t(b.rows * p.ldt) * sizeof(float) : 0;
+  const auto buf = Scratch::get<7>({panels, xpanels, abuf, gbuf, xbuf, size_t(stages) * stage,
+                                    size_t(stages) * round_up(tile, 64)});
+  PanelPool stage_pool(buf[5], stage, stages), tile_pool(buf[6], tile, stages);
   char* const wp = buf[0];
   char* const xp = buf[1];
   char* const ab = a_is_xh ? static_cast<char*>(xh) : buf[2];
@@ -621,20 +631,24 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 
   // The time loop: one parallel_for per step (the step barrier).
   for (int64_t t = 0; t < T; ++t) {
-    float* gt = gs + (fused && !gates_in_place ? 0 : t * N * G4);
+    float* gt = tiles ? nullptr : gs + t * N * G4;
     const char* a_t = a_step(t);
     char* h_next = t + 1 < T ? a_step(t + 1) + p.hoff * ks : nullptr;
     const float* c_prev = save ? (t ? cs + (t - 1) * N * K : c0) : c_last;
     float* c_next = save ? cs + t * N * K : c_last;
     parallel_for(ex, p.groups.items(), [&](int64_t i) {
       const int64_t kb = p.groups.panel(i), k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
+      const PanelPool::Lease lt(tile_pool);
+      float* const gtile = reinterpret_cast<float*>(lt.data);
       for (int64_t nb = p.groups.first(i); nb < p.groups.last(i); ++nb) {
         const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
+        float* const g0 = tiles ? gtile : gt + n0 * G4 + k0;  // gate 0 of the tile
+        const int64_t ldg = tiles ? p.ldt : G4, gk = tiles ? b.cols : K;
         for (int g = 0; g < kGates; ++g)
-          (*p.step[g])(rows, cols).strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, p.rblk, p.blk) * ks,
-                                          p.blk, p.rblk, gt + n0 * G4 + g * K + k0,
-                                          fused ? bias + g * K + k0 : nullptr);
-        CellFwd c{rows, cols, K, gt + n0 * G4 + k0, G4, c_prev + n0 * K + k0, c_next + n0 * K + k0, K,
+          (*(tiles ? p.step_tile : p.step)[g])(rows, cols)
+              .strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, p.rblk, p.blk) * ks, p.blk, p.rblk,
+                       g0 + g * gk, fused ? bias + g * K + k0 : nullptr);
+        CellFwd c{rows, cols, K, g0, ldg, gk, c_prev + n0 * K + k0, c_next + n0 * K + k0, K,
                   off(y, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
                   h_next ? h_next + (n0 * p.astride + k0) * ks : nullptr, p.astride,
                   save && !gates_in_place ? off(gates, (t * N + n0) * G4 + k0, es) : nullptr};
