@@ -52,7 +52,10 @@ def _tiny_model(impl, dtype):
 
 def _tiny_benchmark(dataset, name="tiny", target=0.8):
     mlp = suite.SUITE["mlp"]
-    common = {**mlp.hparams["common"], "global_batch_size": 64, "opt_base_learning_rate": 0.2,
+    # Learning rate 0.05: every seed reaches the target at epoch 2 (0 of 140 random seeds
+    # failed, brgemm and xla); at 0.2, 3 of 40 diverged, and the closed division's tests
+    # draw their seeds from system randomness.
+    common = {**mlp.hparams["common"], "global_batch_size": 64, "opt_base_learning_rate": 0.05,
               "opt_learning_rate_warmup_epochs": 0.5, "opt_learning_rate_decay_epochs": 4.0}
     return dataclasses.replace(mlp, name=name, description="tiny test MLP", dataset=dataset,
                                model=_tiny_model, target=target, max_epochs=4,
