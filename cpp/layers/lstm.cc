@@ -90,7 +90,7 @@ struct CellFwd {
   int64_t ldy;
   void* h;  // h_t in the multiply dtype for the next step, leading dim ldh; or null
   int64_t ldh;
-  void* gs;  // the activated gates saved in dt (bf16 runs) at (t, n0, k0), leading dim 4K; or null
+  void* saved;  // the activated gates saved in dt (bf16 runs) at (t, n0, k0), leading dim 4K; or null
 };
 
 template <class Ty, class Th, bool H, bool G>
@@ -102,7 +102,7 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
     float* cn = a.cn + r * a.ldc;
     Ty* y = static_cast<Ty*>(a.y) + r * a.ldy;
     Th* h = H ? static_cast<Th*>(a.h) + r * a.ldh : nullptr;
-    Ty* gs = G ? static_cast<Ty*>(a.gs) + r * kGates * k : nullptr;
+    Ty* sv = G ? static_cast<Ty*>(a.saved) + r * kGates * k : nullptr;
     // c_t, y and the saved gates go to memory nothing has touched yet: ask for the row two
     // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
     // Measured (Intel Xeon with AMX, T = 50, N = 168, C = K = 512, C++ loops over
@@ -114,7 +114,7 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Ty))) {
         __builtin_prefetch(y + 2 * a.ldy + j, 1, 3);
         if constexpr (G)
-          for (int q = 0; q < kGates; ++q) __builtin_prefetch(gs + 2 * kGates * k + q * k + j, 1, 3);
+          for (int q = 0; q < kGates; ++q) __builtin_prefetch(sv + 2 * kGates * k + q * k + j, 1, 3);
       }
     }
     // No loop-carried dependencies: c_t may overwrite c_{t-1} in place, element by element.
@@ -126,15 +126,15 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       y[j] = from_f32<Ty>(hv);
       if constexpr (H) h[j] = from_f32<Th>(hv);
       if constexpr (G)
-        for (int q = 0; q < kGates; ++q) gs[q * k + j] = from_f32<Ty>(gi[q * gk + j]);
+        for (int q = 0; q < kGates; ++q) sv[q * k + j] = from_f32<Ty>(gi[q * gk + j]);
     }
   }
 }
 
 template <class Ty, class Th>
 JB_INLINE void cell_fwd_loop(const CellFwd& a) {
-  if (a.h) a.gs ? cell_fwd_rows<Ty, Th, true, true>(a) : cell_fwd_rows<Ty, Th, true, false>(a);
-  else a.gs ? cell_fwd_rows<Ty, Th, false, true>(a) : cell_fwd_rows<Ty, Th, false, false>(a);
+  if (a.h) a.saved ? cell_fwd_rows<Ty, Th, true, true>(a) : cell_fwd_rows<Ty, Th, true, false>(a);
+  else a.saved ? cell_fwd_rows<Ty, Th, false, true>(a) : cell_fwd_rows<Ty, Th, false, false>(a);
 }
 
 struct CellBwd {
