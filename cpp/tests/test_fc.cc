@@ -196,6 +196,13 @@ TEST(fc_update_in_chunks) {
   for (const auto& bl : blockings)
     for (DType dt : {DType::f32, DType::bf16})
       for (DType w_dt : {DType::f32, DType::bf16}) run_case(23, 24, 19, dt, w_dt, Activation::none, true, 2, &bl);
+  // K-blocks of several 32-column sub-panels of dz, and an edge K-block whose last
+  // sub-panel is narrower (K = 100: 64 + 36; K = 200: 96 + 96 + 8).
+  const jb::Blocking wide[] = {{24, 64, 6, 3}, {12, 96, 4, 2}};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    run_case(23, 24, 100, dt, dt, Activation::none, true, 2, &wide[0]);
+    run_case(23, 30, 200, dt, dt, Activation::none, true, 3, &wide[1]);
+  }
 }
 
 // update_sgd against update() followed by the SGD step in double precision.
