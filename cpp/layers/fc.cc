@@ -36,9 +36,6 @@ namespace {
 // Output block width. Weight panels are this wide: 512 contiguous bytes per fp32 row pack
 // about 1.5x faster than 256 (measured); the update writes its dw in longer row pieces.
 constexpr int64_t kCols = 128;
-// The update's sub-panels of dz: one register tile wide (AVX-512 and AMX; AVX2 and the
-// portable path run two tiles per sub-panel).
-constexpr int64_t kSub = 32;
 
 // The update's chunk of re-blocked operands: well inside the last-level cache (32 MiB on the
 // Zen 4 measured; 8 MiB measured 185 GFLOP/s there against 152-167 for 4 and 16 MiB, fp32,
@@ -191,12 +188,10 @@ PlanCache<13, PanelPlan> forward_plans, backward_plans;
 // ---------------------------------------------------------------------------------------
 // The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][bk / sub][Nb][bn][sub]
 // (VNNI pairs of n for bf16), both zero-padded to whole N-blocks; (C-block, K-block) items
-// of dw, each computed as one BRGEMM per sub-panel of `sub` columns (one register tile
-// wide). A register tile then streams its B contiguously across the whole chunk (its B
-// prefetch running on into the next N-block) instead of picking 128 bytes out of every 512
-// of [bn][bk] blocks. Measured (Intel Xeon with AMX, two threads, C++ loops over
+// of dw, each computed as one BRGEMM per sub-panel (sub_cols). A register tile streams its B
+// contiguously across the whole chunk. Measured (Intel Xeon, two threads, C++ loops over
 // fc::update, the LSTM's weight update at batch 8400): fp32 C = K = 1024 387-393 ms against
-// 409-418 (1.05x), C = K = 256 1.04x, 512 equal; bf16 on AMX equal or 1 % faster.
+// 409-418 with [bn][bk] blocks (1.05x), C = K = 256 1.04x, 512 equal.
 // A long batch (the LSTM's weight update reduces over every step and row) runs in chunks
 // of N-blocks whose re-blocked operands fit in the last-level cache: each chunk is
 // re-blocked and then reduced into dw while it is hot, instead of every item streaming its
@@ -217,7 +212,7 @@ struct UpdatePlan {
         kblk(ceil_div(s.k, b.cols)),
         nblk(ceil_div(s.n, b.red)),
         blk_a(b.rows * b.red),
-        sub(b.cols % kSub ? b.cols : kSub),
+        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
         blk_sub(reblock::block_elems(b.red, sub, vnni)),
         blk_b(ceil_div(b.cols, sub) * blk_sub),
         chunk(b.chunk > 0 ? std::min(b.chunk, nblk) : chunk_blocks(s, b.red, ks, nblk)),

@@ -322,6 +322,8 @@ struct FwdPlan {
         ks(dtype_size(kd)),
         kblk(ceil_div(s.k, b.cols)),
         nblk(ceil_div(s.n, b.rows)),
+        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
+        nsub(ceil_div(b.cols, sub)),
         groups(kblk, nblk, threads),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
     if (b.cols > kMaxCols) throw std::invalid_argument("lstm forward: K-blocks are at most 128 columns");
@@ -332,20 +334,20 @@ struct FwdPlan {
     lda = v == Variant::fused ? saved_width(s, dp) : padded_ld(rpad, ks);
     astride = v == Variant::fused ? row_step(s) * lda : lda;
     rblk = rpad / red;
-    blk = reblock::block_elems(red, b.cols, vnni);
+    blk = reblock::block_elems(red, sub, vnni);
     ldt = padded_ld(kGates * b.cols, sizeof(float));
     for (int g = 0; g < kGates; ++g) {
       step[g].emplace(desc(red, astride, v == Variant::precompute, v == Variant::fused, kGateAct[g], kGates * s.k),
-                      s.n, s.k, b.rows, b.cols, isa);
-      if (v == Variant::fused) step_tile[g].emplace(desc(red, astride, false, true, kGateAct[g], ldt), s.n, s.k, b.rows, b.cols, isa);
+                      s.n, s.k, b.rows, sub, isa);
+      if (v == Variant::fused) step_tile[g].emplace(desc(red, astride, false, true, kGateAct[g], ldt), s.n, s.k, b.rows, sub, isa);
     }
     if (v == Variant::precompute) {
       red_x = reduction_block(s.c, vnni);
       xblk = s.c / red_x;
-      blk_x = reblock::block_elems(red_x, b.cols, vnni);
+      blk_x = reblock::block_elems(red_x, sub, vnni);
       x_copy = s.dt != kd;
       ldx = x_copy ? padded_ld(s.c, ks) : row_step(s) * s.c;
-      pre.emplace(desc(red_x, ldx, false, true, Activation::none, kGates * s.k), s.n, s.k, b.rows, b.cols, isa);
+      pre.emplace(desc(red_x, ldx, false, true, Activation::none, kGates * s.k), s.n, s.k, b.rows, sub, isa);
     }
   }
 
@@ -353,7 +355,7 @@ struct FwdPlan {
     BrgemmDesc d;
     d.k = k;
     d.lda = lda_;
-    d.ldb = vnni ? 2 * b.cols : b.cols;
+    d.ldb = vnni ? 2 * sub : sub;
     d.ldc = ldc;
     d.ab = kd;
     d.c = DType::f32;
@@ -362,9 +364,11 @@ struct FwdPlan {
     d.act = act;
     return d;
   }
-  // Element offset of the weight panel block (g, kb, rb) in a panel array of `nb` blocks of
-  // `be` elements per panel.
-  int64_t panel(int g, int64_t kb, int64_t nb, int64_t be) const { return (g * kblk + kb) * nb * be; }
+  // Element offset of sub-panel j of the weight panel (g, kb) in a panel array of `nb`
+  // blocks of `be` elements per sub-panel.
+  int64_t panel(int g, int64_t kb, int64_t j, int64_t nb, int64_t be) const {
+    return ((g * kblk + kb) * nsub + j) * nb * be;
+  }
 
   const Shape s;
   const Variant v;
@@ -374,6 +378,7 @@ struct FwdPlan {
   const bool vnni;
   const size_t ks;
   const int64_t kblk, nblk;
+  const int64_t sub, nsub;  // sub-panel width and sub-panels per K-block
   const WorkGroups groups;
   void (*const cell)(const CellFwd&);
   // h's column in A, the padded reduction, A's columns and the rows between (t, n) and
@@ -412,17 +417,19 @@ struct BwdPlan {
         nblk(ceil_div(s.n, b.rows)),
         red(reduction_block(kGates * s.k, vnni)),
         rblk(kGates * s.k / red),
-        blk(reblock::block_elems(red, b.cols, vnni)),
+        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
+        nsub(ceil_div(b.cols, sub)),
+        blk(reblock::block_elems(red, sub, vnni)),
         ldda(padded_ld(kGates * s.k, ks)),
         groups(kblk, nblk, threads),
-        kernels(desc(), s.n, s.k, b.rows, b.cols, dp.isa),
+        kernels(desc(), s.n, s.k, b.rows, sub, dp.isa),
         cell(pick_bwd(s.dt, kd, dp.isa)) {}
 
   BrgemmDesc desc() const {
     BrgemmDesc d;
     d.k = red;
     d.lda = ldda;
-    d.ldb = vnni ? 2 * b.cols : b.cols;
+    d.ldb = vnni ? 2 * sub : sub;
     d.ldc = s.k;
     d.ab = kd;
     d.c = DType::f32;
@@ -435,7 +442,7 @@ struct BwdPlan {
   const DType kd;
   const bool vnni;
   const size_t ks;
-  const int64_t kblk, nblk, red, rblk, blk, ldda;
+  const int64_t kblk, nblk, red, rblk, sub, nsub, blk, ldda;  // blk: one sub-panel's block
   const WorkGroups groups;
   const KernelSet kernels;
   void (*const cell)(const CellBwd&);
@@ -479,17 +486,22 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 //   fp32 K = 1024, N = 64:   128: 204-211, 32: 183-185 (the 2 MiB panel leaves L2)
 //   fp32 K = 1024, N = 168:  equal within the noise
 //   bf16 K = 256, N = 168:   128: 24, 32: 18; K = 512: equal
-// So 128 columns while that panel fits in L2, else 32; bf16 by vdpbf16ps takes 32. The same
-// rule came out best on an Intel Xeon with a 2 MiB L2 (fp32, N = 168, C++ loop, medians of 6):
+// So 128 columns while that panel fits in L2, else 32; bf16 by vdpbf16ps takes 32. On an
+// Intel Xeon with a 2 MiB L2 (fp32, N = 168, C++ loop, medians of 6), with panels of
+// [red][cols] blocks:
 //   K = 512:   32 columns 107-109, 64: 101-103, 128: 89-93, 256: 96-100 (rows 24-84 equal)
 //   K = 1024:  32 columns 342-361, 64: 373-385, 128: 437-448, 256: 436-482
-// and for bf16 on its AMX tiles, whose panels are half the bytes (C++ loops, two threads):
+// and with the panels in 32-column sub-panels (kSubCols; two threads, ms): K = 1024, N = 168:
+// 32 columns 250, 64: 236, 128: 222 (rows 24: 238, 48: 228, 168: 219); N = 64: 98 and 93 (32,
+// 128); K = 256: 25 and 15. For bf16 on its AMX tiles, whose panels are half the bytes (C++
+// loops, two threads, [red][cols] blocks):
 //   N = 168:   K = 256: 32 columns 11, 128: 7; K = 512: 30, 25; K = 1024: 87-88, 76-77
 //   N = 64:    K = 256: 4.4, 3.0; K = 512: 10.3, 9.8; K = 1024: 30-34, 33
+// The Zen 4 numbers predate the sub-panels; its 1 MiB L2 keeps its measured choices.
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   const int64_t es = panel_elem_bytes(s, dp);
   const bool wide = multiply_dtype(s.dt, dp) == DType::f32 || es == 2;
-  const bool fits = kGates * s.k * kMaxCols * es <= kPanelBytes;
+  const bool fits = kGates * s.k * kMaxCols * es <= l2_bytes();
   Blocking b;
   b.cols = std::min(s.k, wide && fits ? kMaxCols : kCols);
   b.rows = split_rows(s.n, ceil_div(s.k, b.cols), threads);
@@ -545,8 +557,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   // buffers, every step's fp32 gates (precompute, unless saved in place), a widened copy of
   // x (precompute, bf16 x with fp32 multiplies), pack_stacked's stages and the gate tiles
   // (one per item running at once).
-  const size_t panels = size_t(kGates * p.kblk * p.rblk * p.blk) * ks;
-  const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.xblk * p.blk_x) * ks;
+  const size_t panels = size_t(kGates * p.kblk * p.nsub * p.rblk * p.blk) * ks;
+  const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.nsub * p.xblk * p.blk_x) * ks;
   const size_t abuf = a_is_xh ? 0 : size_t((fused ? T : 2) * N * p.lda) * ks;
   const size_t gbuf = fused || gates_in_place ? 0 : size_t(T * N * G4) * sizeof(float);
   const size_t xbuf = !fused && p.x_copy ? size_t(T * N * p.ldx) * ks : 0;
@@ -577,16 +589,18 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       const int64_t kb = i % p.kblk, k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
       // Rows [0, hoff) of the panel come from W, [hoff, hoff + K) from R (fused; a block may
       // straddle the two), zeros after; precompute: R's panel here and W's in its own array.
-      char* dst = wp + p.panel(g, kb, p.rblk, p.blk) * ks;
       const PanelPool::Lease st(stage_pool);
-      for (int64_t rb = 0; rb < p.rblk; ++rb)
-        pack_stacked(w, r, w_dt, p.hoff, K, G4, g * K + k0, rb * p.red, p.red, cols, b.cols, p.kd,
-                     p.vnni, dst + rb * p.blk * ks, st.data, p.isa);
-      if (!fused) {
-        char* xdst = xp + p.panel(g, kb, p.xblk, p.blk_x) * ks;
+      for (int64_t j = 0; j < p.nsub && j * p.sub < cols; ++j) {
+        const int64_t col = g * K + k0 + j * p.sub, w_cols = std::min(p.sub, cols - j * p.sub);
+        char* dst = wp + p.panel(g, kb, j, p.rblk, p.blk) * ks;
+        for (int64_t rb = 0; rb < p.rblk; ++rb)
+          pack_stacked(w, r, w_dt, p.hoff, K, G4, col, rb * p.red, p.red, w_cols, p.sub, p.kd, p.vnni,
+                       dst + rb * p.blk * ks, st.data, p.isa);
+        if (fused) continue;
+        char* xdst = xp + p.panel(g, kb, j, p.xblk, p.blk_x) * ks;
         for (int64_t cb = 0; cb < p.xblk; ++cb)
-          reblock::pack(at(w, w_dt, cb * p.red_x * G4 + g * K + k0), w_dt, G4, false, p.red_x, cols,
-                        p.red_x, b.cols, p.kd, p.vnni, xdst + cb * p.blk_x * ks, p.isa);
+          reblock::pack(at(w, w_dt, cb * p.red_x * G4 + col), w_dt, G4, false, p.red_x, w_cols, p.red_x,
+                        p.sub, p.kd, p.vnni, xdst + cb * p.blk_x * ks, p.isa);
       }
       return;
     }
@@ -623,9 +637,12 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       for (int64_t nb = 0; nb < p.nblk; ++nb) {
         const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
         for (int g = 0; g < kGates; ++g)
-          (*p.pre)(rows, cols).strided(a + n0 * p.ldx * ks, p.red_x, xp + p.panel(g, kb, p.xblk, p.blk_x) * ks,
-                                       p.blk_x, p.xblk, gs + (t * N + n0) * G4 + g * K + k0,
-                                       bias + g * K + k0);
+          for (int64_t j = 0; j * p.sub < cols; ++j) {
+            const int64_t c0 = g * K + k0 + j * p.sub;
+            (*p.pre)(rows, std::min(p.sub, cols - j * p.sub))
+                .strided(a + n0 * p.ldx * ks, p.red_x, xp + p.panel(g, kb, j, p.xblk, p.blk_x) * ks, p.blk_x,
+                         p.xblk, gs + (t * N + n0) * G4 + c0, bias + c0);
+          }
       }
     });
   }
@@ -646,9 +663,10 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
         float* const g0 = tiles ? gtile : gt + n0 * G4 + k0;  // gate 0 of the tile
         const int64_t ldg = tiles ? p.ldt : G4, gk = tiles ? b.cols : K;
         for (int g = 0; g < kGates; ++g)
-          (*(tiles ? p.step_tile : p.step)[g])(rows, cols)
-              .strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, p.rblk, p.blk) * ks, p.blk, p.rblk,
-                       g0 + g * gk, fused ? bias + g * K + k0 : nullptr);
+          for (int64_t j = 0; j * p.sub < cols; ++j)
+            (*(tiles ? p.step_tile : p.step)[g])(rows, std::min(p.sub, cols - j * p.sub))
+                .strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, j, p.rblk, p.blk) * ks, p.blk,
+                         p.rblk, g0 + g * gk + j * p.sub, fused ? bias + g * K + k0 + j * p.sub : nullptr);
         CellFwd c{rows, cols, K, g0, ldg, gk, c_prev + n0 * K + k0, c_next + n0 * K + k0, K,
                   off(y, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
                   h_next ? h_next + (n0 * p.astride + k0) * ks : nullptr, p.astride,
@@ -704,7 +722,7 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
   const Blocking& b = p.b;
   const size_t ks = p.ks;
 
-  const auto buf = Scratch::get<4>({size_t(p.kblk * p.rblk * p.blk) * ks, size_t(2 * N * p.ldda) * ks,
+  const auto buf = Scratch::get<4>({size_t(p.kblk * p.nsub * p.rblk * p.blk) * ks, size_t(2 * N * p.ldda) * ks,
                                     size_t(N * K) * sizeof(float), size_t(p.nblk * G4) * sizeof(float)});
   char* const rt = buf[0];   // R^T panels [Kb][4K / red] blocks
   char* const dak = buf[1];  // da_t for the next step's A, alternating
@@ -712,17 +730,21 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
   float* const dbp = reinterpret_cast<float*>(buf[3]);  // partial db per N-block
   std::memset(dbp, 0, size_t(p.nblk * G4) * sizeof(float));
 
-  // R^T panel kb, block rb: element (q, j) = R[k0 + j, rb * red + q].
+  // R^T panel kb, sub-panel j, block rb: element (q, jj) = R[k0 + j * sub + jj, rb * red + q].
   parallel_for(ex, p.kblk, [&](int64_t kb) {
     const int64_t k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
-    for (int64_t rb = 0; rb < p.rblk; ++rb)
-      reblock::pack(at(r, w_dt, k0 * G4 + rb * p.red), w_dt, G4, true, p.red, cols, p.red, b.cols, p.kd,
-                    p.vnni, rt + (kb * p.rblk + rb) * p.blk * ks, p.isa);
+    for (int64_t j = 0; j * p.sub < cols; ++j)
+      for (int64_t rb = 0; rb < p.rblk; ++rb)
+        reblock::pack(at(r, w_dt, (k0 + j * p.sub) * G4 + rb * p.red), w_dt, G4, true, p.red,
+                      std::min(p.sub, cols - j * p.sub), p.red, p.sub, p.kd, p.vnni,
+                      rt + ((kb * p.nsub + j) * p.rblk + rb) * p.blk * ks, p.isa);
   });
 
   auto recurrent = [&](int64_t kb, int64_t n0, int64_t rows, int64_t cols, const char* a) {
-    p.kernels(rows, cols).strided(a + n0 * p.ldda * ks, p.red, rt + kb * p.rblk * p.blk * ks, p.blk, p.rblk,
-                                  dhr + n0 * K + kb * b.cols);
+    for (int64_t j = 0; j * p.sub < cols; ++j)
+      p.kernels(rows, std::min(p.sub, cols - j * p.sub))
+          .strided(a + n0 * p.ldda * ks, p.red, rt + (kb * p.nsub + j) * p.rblk * p.blk * ks, p.blk, p.rblk,
+                   dhr + n0 * K + kb * b.cols + j * p.sub);
   };
   for (int64_t t = T - 1; t >= 0; --t) {
     const char* a_next = dak + (t + 1) % 2 * N * p.ldda * ks;

@@ -1,10 +1,23 @@
 #include "layers/common/blocking.h"
 
+#include <unistd.h>
+
 namespace jb {
 
 namespace {
 constexpr int64_t kMaxRows = 96;
 }  // namespace
+
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+    long v = -1;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return v > 0 ? int64_t(v) : kPanelBytes;
+  }();
+  return bytes;
+}
 
 int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads) {
   if (m <= kRowQuantum) return m;

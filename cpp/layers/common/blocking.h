@@ -32,6 +32,20 @@ struct Blocking {
 // (AMD Zen 4), half of a 2 MiB one (Intel Xeon); wider panels measured slower on both.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
 
+// Weight panels wider than one register tile are stored as sub-panels of this many columns
+// (one AVX-512 tile, two AVX2 ones), each contiguous across its reduction blocks, and
+// multiplied by one BRGEMM call each: a register tile then streams its B rows contiguously,
+// with its B prefetch running on from one block into the next, instead of picking one tile's
+// columns out of every wider row. A panel width that is no multiple of it is one sub-panel.
+// AMX tiles load B 16 rows at a time at any stride, and a call configures and releases the
+// tiles: bf16 on AMX keeps whole panels (measured on an Intel Xeon, sub-panels there were
+// 0.83-0.91x at C = K = 256 and 512 and 1.08-1.12x at 1024).
+constexpr int64_t kSubCols = 32;
+inline int64_t sub_cols(int64_t cols, bool amx) { return amx || cols % kSubCols ? cols : kSubCols; }
+
+// This core's L2 in bytes (the C library's report; kPanelBytes where it has none).
+int64_t l2_bytes();
+
 // A multiple of every ISA's register-tile height.
 constexpr int64_t kRowQuantum = 12;
 // Work items per thread a pass aims for, so a late or slow thread still finds work.
