@@ -301,13 +301,14 @@ Blocking update_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   b.cols = std::min(s.k, kCols);
   b.rows = split_rows(s.c, ceil_div(s.k, b.cols), threads);
   // The batch is padded with zeros to whole blocks (both operands are re-blocked), so the
-  // block only needs to be even for bf16 VNNI pairs; as equal as possible otherwise, and up
-  // to 256 long: fewer, longer batch elements per register tile. Measured against blocks of
-  // up to 64 (Intel Xeon, two threads, C++ loops over fc::update): fp32 batch 8400, 512 ->
-  // 2048 1.04x, 1024 -> 4096 1.02x, 2048 -> 4096 1.02x; batch 250 and 1000, 1024 -> 2048
-  // 1.06x and 1.02x; bf16 on AMX equal.
-  const int64_t nb = ceil_div(s.n, 256);
-  b.red = round_up(ceil_div(s.n, nb), multiply_dtype(s.dt, dp) == DType::bf16 ? 2 : 1);
+  // block only needs to be even for bf16 VNNI pairs, and a multiple of 32 on AMX tiles (they
+  // reduce 32 deep; a remainder goes through the AVX-512 path, which halved the speed of
+  // blocks of 248); up to 256 long: fewer, longer batch elements per register tile.
+  // Measured against blocks of up to 64 (Intel Xeon, two threads, C++ loops over
+  // fc::update): fp32 batch 8400, 512 -> 2048 1.04x, 1024 -> 4096 1.02x, 2048 -> 4096 1.02x;
+  // batch 250 and 1000, 1024 -> 2048 1.06x and 1.02x.
+  const DType kd = multiply_dtype(s.dt, dp);
+  b.red = padded_block(s.n, kd == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256);
   return b;
 }
 

@@ -54,19 +54,6 @@ inline int64_t padded_ld(int64_t cols, size_t es, int64_t stride = 1) {
   return cols + 1;  // stride a multiple of 64 rows: an odd pad breaks the 4 KiB period
 }
 
-// The reduction block for an operand we lay out ourselves, `total` columns zero-padded to
-// whole blocks: the block that minimises the padded work, with a penalty for short blocks
-// (per batch element overhead of the kernel). Even for VNNI pairs.
-int64_t padded_red(int64_t total, bool even) {
-  int64_t best = 0;
-  double best_cost = 0;
-  for (int64_t r = even ? 2 : 1; r <= kMaxRed; r += even ? 2 : 1) {
-    const double cost = double(round_up(total, r)) * (1.0 + 8.0 / double(r));
-    if (!best || cost < best_cost - 1e-9) best = r, best_cost = cost;
-  }
-  return best;
-}
-
 inline char* off(void* p, int64_t elems, size_t es) { return static_cast<char*>(p) + elems * int64_t(es); }
 inline const char* off(const void* p, int64_t elems, size_t es) {
   return static_cast<const char*>(p) + elems * int64_t(es);
@@ -329,7 +316,7 @@ struct FwdPlan {
     if (b.cols > kMaxCols) throw std::invalid_argument("lstm forward: K-blocks are at most 128 columns");
     // The per-step batch: the blocks of [x | h] (fused) or of h (precompute).
     hoff = v == Variant::fused ? s.c : 0;
-    red = padded_red(hoff + s.k, vnni);
+    red = padded_block(hoff + s.k, vnni ? 2 : 1, kMaxRed);
     rpad = round_up(hoff + s.k, red);
     lda = v == Variant::fused ? saved_width(s, dp) : padded_ld(rpad, ks);
     astride = v == Variant::fused ? row_step(s) * lda : lda;
@@ -519,7 +506,7 @@ Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant
 
 int64_t saved_width(const Shape& s, const Dispatch& dp) {
   const DType kd = multiply_dtype(s.dt, dp);
-  const int64_t red = padded_red(s.c + s.k, kd == DType::bf16);
+  const int64_t red = padded_block(s.c + s.k, kd == DType::bf16 ? 2 : 1, kMaxRed);
   return padded_ld(round_up(s.c + s.k, red), dtype_size(kd), row_step(s));
 }
 

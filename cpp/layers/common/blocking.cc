@@ -30,6 +30,16 @@ int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads) {
   return std::min(rows, m);
 }
 
+int64_t padded_block(int64_t total, int64_t quantum, int64_t max) {
+  int64_t best = 0;
+  double best_cost = 0;
+  for (int64_t r = quantum; r <= std::max(max, quantum); r += quantum) {
+    const double cost = double(round_up(total, r)) * (1.0 + 8.0 / double(r));
+    if (!best || cost < best_cost - 1e-9) best = r, best_cost = cost;
+  }
+  return best;
+}
+
 int64_t reduction_block(int64_t size, bool even) {
   constexpr int64_t kTarget = 256, kMin = 32;
   if (size <= kTarget) return size;

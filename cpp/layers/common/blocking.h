@@ -62,6 +62,12 @@ int64_t split_rows(int64_t m, int64_t col_blocks, int64_t threads);
 // divides it.
 int64_t reduction_block(int64_t size, bool even);
 
+// The block of a reduced dimension of `total` that we zero-pad to whole blocks ourselves (the
+// operand is re-blocked or laid out by us): a multiple of `quantum` up to `max` that
+// minimises the padded work, with a penalty for short blocks (the kernel's overhead per
+// batch element).
+int64_t padded_block(int64_t total, int64_t quantum, int64_t max);
+
 // b clamped to an output of rows x cols (at least one row and column).
 inline Blocking clamped(Blocking b, int64_t rows, int64_t cols) {
   b.rows = std::max<int64_t>(1, std::min(b.rows, rows));

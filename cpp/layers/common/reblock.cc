@@ -86,7 +86,7 @@ JB_TARGET_AVX512 inline __m512i load16(const S* p) {
 // Two rows' 16 values as 16 bf16 pairs: (a[i], b[i]) in word i.
 template <class S>
 JB_TARGET_AVX512 inline __m512i pairs_across(const S* a, const S* b) {
-  return _mm512_or_si512(load16<S, uint16_t>(a), _mm512_slli_epi32(load16<S, uint16_t>(b), 16));
+  return _mm512_or_si512(load16<S, uint16_t>(a), _mm512_slli_epi32((load16<S, uint16_t>(b)), 16));
 }
 
 // 32 consecutive values of one row as 16 bf16 pairs: (p[2i], p[2i + 1]) in word i.
