@@ -212,9 +212,9 @@ struct UpdatePlan {
         kblk(ceil_div(s.k, b.cols)),
         nblk(ceil_div(s.n, b.red)),
         blk_a(b.rows * b.red),
-        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
+        sub(sub_cols(b.cols, isa, kd)),
+        nsub(ceil_div(b.cols, sub)),
         blk_sub(reblock::block_elems(b.red, sub, vnni)),
-        blk_b(ceil_div(b.cols, sub) * blk_sub),
         chunk(b.chunk > 0 ? std::min(b.chunk, nblk) : chunk_blocks(s, b.red, ks, nblk)),
         chunks(ceil_div(nblk, chunk)),
         dw32(chunks > 1 && dw_dt != DType::f32),
@@ -236,7 +236,8 @@ struct UpdatePlan {
   const DType kd;
   const bool vnni;
   const size_t ks;
-  const int64_t cblk, kblk, nblk, blk_a, sub, blk_sub, blk_b;
+  const int64_t cblk, kblk, nblk, blk_a;
+  const int64_t sub, nsub, blk_sub;  // sub-panel width, sub-panels per K-block, one's block
   const int64_t chunk, chunks;  // N-blocks per chunk, chunks
   const bool dw32;              // chunks accumulate in an fp32 copy of a bf16 dw
   const KernelSet first, rest;  // the first chunk's (writes dw) and the others' (accumulate)
@@ -420,8 +421,7 @@ void update_chunks(const Executor& ex, const Shape& s, const UpdatePlan& p, cons
   const Blocking& b = p.b;
   const int64_t ldx = s.ldx ? s.ldx : s.c;
   const View<char, 2> xt(xt_buf, {p.cblk * p.chunk, int64_t(p.blk_a * p.ks)});   // [Cb][chunk] blocks
-  const int64_t nsub = p.blk_b / p.blk_sub;
-  const View<char, 3> dzb(dz_buf, {p.kblk, nsub * p.chunk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][chunk] blocks
+  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.chunk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][chunk] blocks
   for (int64_t ch = 0; ch < p.chunks; ++ch) {
     const int64_t nb0 = ch * p.chunk, nbs = std::min(p.chunk, p.nblk - nb0);
     parallel_for(ex, p.cblk * nbs + p.kblk, [&](int64_t i) {
@@ -473,7 +473,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
   const UpdatePlan& p = update_plan(ex, dp, s, dw_dt, force);
   const Blocking& b = p.b;
   const auto buf = Scratch::get<3>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
-                                    size_t(p.kblk * p.chunk * p.blk_b) * p.ks,
+                                    size_t(p.kblk * p.chunk * p.nsub * p.blk_sub) * p.ks,
                                     p.dw32 ? size_t(s.c * s.k) * sizeof(float) : 0});
   char* const out = p.dw32 ? buf[2] : static_cast<char*>(dw);
   const size_t os = p.dw32 ? sizeof(float) : dtype_size(dw_dt);
@@ -509,7 +509,7 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
   const bool tiled = p.chunks == 1;
   const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
   const auto buf = Scratch::get<4>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
-                                    size_t(p.kblk * p.chunk * p.blk_b) * p.ks,
+                                    size_t(p.kblk * p.chunk * p.nsub * p.blk_sub) * p.ks,
                                     tiled ? Scratch::aligned(tile_bytes) * size_t(ex.num_threads)
                                           : size_t(s.c * s.k) * sizeof(float),
                                     b ? size_t(s.k) * sizeof(float) : 0});

@@ -309,7 +309,7 @@ struct FwdPlan {
         ks(dtype_size(kd)),
         kblk(ceil_div(s.k, b.cols)),
         nblk(ceil_div(s.n, b.rows)),
-        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
+        sub(sub_cols(b.cols, isa, kd)),
         nsub(ceil_div(b.cols, sub)),
         groups(kblk, nblk, threads),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
@@ -404,7 +404,7 @@ struct BwdPlan {
         nblk(ceil_div(s.n, b.rows)),
         red(reduction_block(kGates * s.k, vnni)),
         rblk(kGates * s.k / red),
-        sub(sub_cols(b.cols, isa == Isa::amx && vnni)),
+        sub(sub_cols(b.cols, isa, kd)),
         nsub(ceil_div(b.cols, sub)),
         blk(reblock::block_elems(red, sub, vnni)),
         ldda(padded_ld(kGates * s.k, ks)),

@@ -41,7 +41,9 @@ constexpr int64_t kPanelBytes = int64_t(1) << 20;
 // tiles: bf16 on AMX keeps whole panels (measured on an Intel Xeon, sub-panels there were
 // 0.83-0.91x at C = K = 256 and 512 and 1.08-1.12x at 1024).
 constexpr int64_t kSubCols = 32;
-inline int64_t sub_cols(int64_t cols, bool amx) { return amx || cols % kSubCols ? cols : kSubCols; }
+inline int64_t sub_cols(int64_t cols, Isa isa, DType multiply) {
+  return (isa == Isa::amx && multiply == DType::bf16) || cols % kSubCols ? cols : kSubCols;
+}
 
 // This core's L2 in bytes (the C library's report; kPanelBytes where it has none).
 int64_t l2_bytes();
