@@ -56,7 +56,7 @@ def passes(n, c, dtype):
     bptt = jax.jit(lambda *a: lstm_ops._bptt(*a, False))
     bptt_args = (wh_k, gates, cs, c0, dy, c_t, h_t)  # the final carry stands in for its gradient
     da = bptt(*bptt_args)[0]
-    da2 = da.reshape(n * T, 4 * k)
+    da2 = da.reshape(n * T, da.shape[2])  # the gradient and its rows' padding
     xh2 = xh.reshape(n * T, xh.shape[2])
     dx = jax.jit(_bwd_call)
     upd = jax.jit(lambda a, d: _upd_call(a, d, (c + k, 4 * k), jnp.float32, False)[0])

@@ -196,6 +196,23 @@ def test_lstm_vmap_folds_and_differentiates(time_major):
           jax.vmap(_loss(ref, time_major), mapped)(args[0], wis, *args[2:]), 1e-4)
 
 
+@pytest.mark.parametrize("time_major", [False, True])
+def test_lstm_gradients_through_padded_gate_gradient_rows(time_major):
+    # The next step's rows of da (4K wide) on a 4 KiB period: 4K = 1024 fp32 values
+    # (time-major), or T x 4K = 2 x 512 (batch-major rows are T apart). The layer pads them
+    # and every pass after it skips the padding; under vmap db sums the first 4K too.
+    from jax_brgemm import _native
+    k, t = (256, 2) if time_major else (128, 2)
+    assert _native._jax_brgemm.lstm_da_width(t, 5, k, False, time_major) > 4 * k
+    args = _args(jax.random.key(3), 5, t, 7, k, time_major)
+    ours, ref = _ours(time_major), lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
+    close(_loss(ours, time_major)(*args), _loss(ref, time_major)(*args), 1e-4)
+    shared = (0, None, None, None, 0, None)
+    xs, c0s = jnp.stack([args[0], -args[0]]), jnp.stack([args[4], 0.5 * args[4]])
+    close(jax.jit(jax.vmap(_loss(ours, time_major), shared))(xs, *args[1:4], c0s, args[5]),
+          jax.vmap(_loss(ref, time_major), shared)(xs, *args[1:4], c0s, args[5]), 1e-4)
+
+
 def test_lstm_bad_input():
     x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 2, 3, 4, 5)
     with pytest.raises(ValueError, match="rank 3"):

@@ -4,9 +4,10 @@
 //   jb_fc_fwd       x (.., N, C), w (.., C, K), bias (.., K) or (.., 0)
 //                   -> y (.., N, K), z (.., N, K) for gelu else empty      attr act
 //   jb_fc_act_grad  dy (.., N, K), saved (.., N, K) -> dz (.., N, K)       attr act
-//   jb_fc_bwd       dz (.., N, K), w (.., C, K) -> dx (.., N, C)
-//   jb_fc_upd       x (.., N, C'), dz (.., N, K) -> dw (.., C, K), db (.., K) or (.., 0);
-//                   C' >= C (x's first C columns)
+//   jb_fc_bwd       dz (.., N, K'), w (.., C, K) -> dx (.., N, C);  K' >= K (dz's first K
+//                   columns)
+//   jb_fc_upd       x (.., N, C'), dz (.., N, K') -> dw (.., C, K), db (.., K) or (.., 0);
+//                   C' >= C, K' >= K (x's first C columns, dz's first K)
 //   jb_fc_upd_sgd   x (N, C), dz (N, K), w (C, K), mw (C, K), b (K) or (0), mb like b,
 //                   lr (), after (any; not read) -> w, mw, b, mb, updated in place
 //                   (aliased to the inputs)
@@ -120,6 +121,15 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   });
 }
 
+// dz's row length: its last dim, at least K (jb.lstm's da is wider: padded rows, the first K
+// columns used).
+ffi::ErrorOr<int64_t> dz_columns(const char* op, ffi::AnyBuffer::Dimensions dz, int64_t k) {
+  if (dz.size() < 2 || dz[dz.size() - 1] < k)
+    return ffi::Unexpected(invalid(std::string(op) + ": dz has shape " + dims_str(dz) + ", expected (..., N, " +
+                                   std::to_string(k) + ") or more columns"));
+  return dz[dz.size() - 1];
+}
+
 ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
                   ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = "jb_fc_bwd";
@@ -132,7 +142,8 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
   if (xd.size() < 2 || wd.size() < 2) return invalid("jb_fc_bwd: dx and w need rank >= 2");
   const int64_t n = xd[xd.size() - 2], c = xd[xd.size() - 1], k = wd[wd.size() - 1];
   const Items items = items_of(xd, 2);
-  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, k}, items));
+  JB_TRY(ldz, dz_columns(op, dz.dimensions(), k));
+  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, ldz}, items));
   JB_TRY(lw, operand(op, "w", wd, {c, k}, items));
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
@@ -140,13 +151,13 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
   const Dispatch& dp = dispatch();
   return guarded(op, [&] {
     if (lw.shared && lz.dense) {
-      fc::backward(ex, dp, {items.count * n, c, k, dt}, dz.untyped_data(), w.untyped_data(), w_dt,
-                   dx->untyped_data());
+      fc::backward(ex, dp, {items.count * n, c, k, dt, Activation::none, 0, ldz}, dz.untyped_data(),
+                   w.untyped_data(), w_dt, dx->untyped_data());
       return;
     }
     for (int64_t i = 0; i < items.count; ++i)
-      fc::backward(ex, dp, {n, c, k, dt}, ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)),
-                   w_dt, ptr(dx, i * n * c));
+      fc::backward(ex, dp, {n, c, k, dt, Activation::none, 0, ldz}, ptr(dz, items.offset(lz, i)),
+                   ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c));
   });
 }
 
@@ -169,7 +180,8 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
     return invalid("jb_fc_upd: x " + dims_str(xd) + " has fewer columns than dw " + dims_str(wd) + " has rows");
   const Items items = items_of(wd, 2);
   JB_TRY(lx, operand(op, "x", xd, {n, ldx}, items));
-  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, k}, items));
+  JB_TRY(ldz, dz_columns(op, dz.dimensions(), k));
+  JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, ldz}, items));
   const bool has_db = db->element_count() != 0;
   const auto bd = db->dimensions();
   if (has_db && (bd.size() != wd.size() - 1 || bd[bd.size() - 1] != k ||
@@ -181,7 +193,7 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   auto* db_f = static_cast<float*>(db->untyped_data());
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, dp, {n, c, k, dt, Activation::none, ldx}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
+      fc::update(ex, dp, {n, c, k, dt, Activation::none, ldx, ldz}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
                  ptr(dw, i * c * k), w_dt, has_db ? db_f + i * k : nullptr);
   });
 }

@@ -8,7 +8,8 @@
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
 //                 attrs time_major, variant (0 automatic, 1 fused, 2 precompute)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
-//                 -> da (x's layout, 4K features), db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
+//                 -> da (x's layout, lstm::da_width features: the first 4K, then padding),
+//                    db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
 //                 attr time_major
 // x, y, h, dy, dh and da share the compute dtype (float32 or bfloat16); w and r are
 // float32 or bfloat16 (cast inside the call).
@@ -134,7 +135,10 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_SHAPE(op, "c0", c0.dimensions(), {n, k});
   JB_SHAPE(op, "dc_last", dc_last.dimensions(), {n, k});
   JB_SHAPE(op, "dh_last", dh_last.dimensions(), {n, k});
-  JB_SHAPE(op, "da", da->dimensions(), time_major ? std::vector<int64_t>{t, n, g} : std::vector<int64_t>{n, t, g});
+  const lstm::Shape s{t, n, 0, k, dt, time_major};
+  const int64_t width = lstm::da_width(s, dispatch());
+  JB_SHAPE(op, "da", da->dimensions(),
+           time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
   JB_SHAPE(op, "db", db->dimensions(), {g});
   JB_SHAPE(op, "dc0", dc0->dimensions(), {n, k});
   JB_SHAPE(op, "dh0", dh0->dimensions(), {n, k});
@@ -149,7 +153,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_DTYPE(op, "dh0", *dh0, dy.element_type());
   const Executor ex = ffi_util::executor(pool);
   return guarded(op, [&] {
-    lstm::bptt(ex, dispatch(), {t, n, 0, k, dt, time_major}, r.untyped_data(), w_dt,
+    lstm::bptt(ex, dispatch(), s, r.untyped_data(), w_dt,
                gates.untyped_data(), static_cast<const float*>(cs.untyped_data()),
                static_cast<const float*>(c0.untyped_data()), dy.untyped_data(),
                static_cast<const float*>(dc_last.untyped_data()), dh_last.untyped_data(), da->untyped_data(),

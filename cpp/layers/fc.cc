@@ -81,17 +81,17 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
 }
 
 // The cache key of a pass: everything its plan depends on.
-using Key = std::array<int64_t, 13>;
+using Key = std::array<int64_t, 14>;
 Key key_of(const Shape& s, bool bias, int64_t threads, const Dispatch& dp, const Blocking* force) {
-  return {s.n, s.c, s.k, int64_t(s.dt), int64_t(s.act), bias, threads, int64_t(dp.isa),
+  return {s.n, s.c, s.k, s.ldz, int64_t(s.dt), int64_t(s.act), bias, threads, int64_t(dp.isa),
           int64_t(dp.bf16_multiply), force ? force->rows : -1, force ? force->cols : -1,
           force ? force->red : -1, force ? force->weights_first : -1};
 }
 
 // ---------------------------------------------------------------------------------------
 // The plan the forward and the backward share: an N x `out_cols` output reducing over
-// `reduced`. The A operand is an activation matrix (N x reduced), read in place or copied
-// once. Work items are a weight panel of `cols` output columns, re-blocked by the item
+// `reduced`. The A operand is an activation matrix (N x reduced, rows `lda` apart), read in
+// place or copied once. Work items are a weight panel of `cols` output columns, re-blocked by the item
 // into a leased buffer (reduced / red blocks of red x cols), and the group of N-blocks
 // computed with it; or, with weights_first, every panel is re-blocked by a first parallel
 // loop and an item is one N-block computed against all of them.
@@ -99,7 +99,7 @@ Key key_of(const Shape& s, bool bias, int64_t threads, const Dispatch& dp, const
 struct PanelPlan {
   // `act` is fused into the output (forward only).
   PanelPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t out_cols, int64_t reduced,
-            bool bias, Activation act, int64_t threads)
+            int64_t lda, bool bias, Activation act, int64_t threads)
       : b(fixed(chosen, s.n, out_cols, reduced)),
         isa(dp.isa),
         kd(multiply_dtype(s.dt, dp)),
@@ -109,7 +109,7 @@ struct PanelPlan {
         n(s.n),
         out_cols(out_cols),
         rblk(reduced / b.red),
-        aop(s.dt, kd, s.n, reduced),
+        aop(s.dt, kd, s.n, reduced, lda),
         kernels(desc(s.dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols, dp.isa),
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
         panel_bytes(Scratch::aligned(size_t(rblk * blk) * ks)) {}
@@ -183,7 +183,7 @@ struct PanelPlan {
   }
 };
 
-PlanCache<13, PanelPlan> forward_plans, backward_plans;
+PlanCache<14, PanelPlan> forward_plans, backward_plans;
 
 // ---------------------------------------------------------------------------------------
 // The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][bk / sub][Nb][bn][sub]
@@ -277,7 +277,7 @@ struct UpdatePlan {
   }
 };
 
-PlanCache<14, UpdatePlan> update_plans;
+PlanCache<15, UpdatePlan> update_plans;
 
 }  // namespace
 
@@ -327,7 +327,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   if (s.n <= 0 || s.k <= 0) return;
   const bool gelu = s.act == Activation::gelu;
   const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
-    return PanelPlan(dp, s, force ? *force : forward_blocking(s, ex.num_threads, dp), s.k, s.c,
+    return PanelPlan(dp, s, force ? *force : forward_blocking(s, ex.num_threads, dp), s.k, s.c, s.c,
                      bias != nullptr, gelu ? Activation::none : s.act, ex.num_threads);
   });
   const PanelPlan& p = *plan;
@@ -377,7 +377,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
   if (s.n <= 0 || s.c <= 0) return;
   const auto plan = backward_plans.get(key_of(s, false, ex.num_threads, dp, force), [&] {
     return PanelPlan(dp, s, force ? *force : backward_blocking(s, ex.num_threads, dp), s.c, s.k,
-                     false, Activation::none, ex.num_threads);
+                     s.ldz ? s.ldz : s.k, false, Activation::none, ex.num_threads);
   });
   const PanelPlan& p = *plan;
   const size_t es = dtype_size(s.dt);
@@ -403,10 +403,10 @@ namespace {
 
 const UpdatePlan& update_plan(const Executor& ex, const Dispatch& dp, const Shape& s, DType dw_dt,
                               const Blocking* force) {
-  const Key k13 = key_of(s, false, ex.num_threads, dp, force);
-  std::array<int64_t, 14> key;
-  std::copy(k13.begin(), k13.end(), key.begin());
-  key[13] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
+  const Key k14 = key_of(s, false, ex.num_threads, dp, force);
+  std::array<int64_t, 15> key;
+  std::copy(k14.begin(), k14.end(), key.begin());
+  key[14] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
   return *update_plans.get(key, [&] {
     return UpdatePlan(dp, s, force ? *force : update_blocking(s, ex.num_threads, dp), dw_dt);
   });
@@ -419,7 +419,7 @@ template <class Item>
 void update_chunks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
                    const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
   const Blocking& b = p.b;
-  const int64_t ldx = s.ldx ? s.ldx : s.c;
+  const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
   const View<char, 2> xt(xt_buf, {p.cblk * p.chunk, int64_t(p.blk_a * p.ks)});   // [Cb][chunk] blocks
   const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.chunk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][chunk] blocks
   for (int64_t ch = 0; ch < p.chunks; ++ch) {
@@ -437,16 +437,16 @@ void update_chunks(const Executor& ex, const Shape& s, const UpdatePlan& p, cons
       if (db && ch == 0) std::fill(db + k0, db + k0 + cols, 0.0f);
       for (int64_t nb = 0; nb < nbs; ++nb) {
         const int64_t n0 = (nb0 + nb) * b.red, rows = std::min(b.red, s.n - n0);
-        const void* src = at(dz, s.dt, n0 * s.k + k0);
+        const void* src = at(dz, s.dt, n0 * ldz + k0);
         for (int64_t j = 0; j < cols; j += p.sub)
-          reblock::pack(at(src, s.dt, j), s.dt, s.k, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
+          reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
                         p.vnni, dzb.at(kb, j / p.sub * p.chunk + nb), p.isa);
         if (db)
           with_type(s.dt, [&](auto ts) {
             using T = decltype(ts);
             const T* t = static_cast<const T*>(src);
             for (int64_t r = 0; r < rows; ++r)
-              for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * s.k + j]);
+              for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * ldz + j]);
           });
       }
     });

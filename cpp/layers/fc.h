@@ -30,6 +30,7 @@ struct Shape {
   DType dt = DType::f32;        // compute dtype
   Activation act = Activation::none;
   int64_t ldx = 0;  // update only: x's leading dimension, >= c (0: c); extra columns are ignored
+  int64_t ldz = 0;  // backward and update: dz's leading dimension, >= k (0: k); likewise
 };
 
 // What the forward leaves for the backward besides x and w: the output y when the
@@ -61,12 +62,13 @@ void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // they read dz, measured no faster inside a training step than act_grad's one pass over dz
 // (fp32 equal, bf16 4-8 % slower: both passes then recompute it), so they take dz.
 
-// dx = dz @ w^T.
+// dx = dz @ w^T (dz's rows s.ldz apart when it is set).
 void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
               DType w_dt, void* dx, const Blocking* force = nullptr);
 
 // dw = x^T @ dz (written in dw_dt) and, when db is not null, db = sum over the batch of dz.
-// x's rows are s.ldx apart when it is set (the first c columns of a wider matrix).
+// x's rows are s.ldx apart when it is set (the first c columns of a wider matrix), dz's
+// s.ldz apart.
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
 

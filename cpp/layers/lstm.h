@@ -17,10 +17,11 @@
 //                        only h_{t-1} @ R, accumulated onto those gates.
 // bptt     backward through time: per step (t = T-1 .. 0), items (K-block, group of
 //          N-blocks) compute dh_t = dy_t + da_{t+1} @ R^T with one BRGEMM over the blocks of
-//          4K (R^T re-blocked once per call), then the fused gate derivatives of their
-//          tiles: da_t, and dc_{t-1} in place. The bias gradient is summed per N-block on
-//          the way (race-free, each block has one owner per step), the initial carry's
-//          gradient (dc_0, dh_0 = da_0 @ R^T) comes out at the end.
+//          4K (R^T re-blocked once per call; da_{t+1} read where the step wrote it), then
+//          the fused gate derivatives of their tiles: da_t, and dc_{t-1} in place. The
+//          bias gradient is summed per N-block on the way (race-free, each block has one
+//          owner per step), the initial carry's gradient (dc_0, dh_0 = da_0 @ R^T) comes
+//          out at the end.
 // The rest of the backward is two big passes of the fully-connected layer over all time
 // steps at once, after the loop (cpp/layers/fc, called from jax_brgemm/ops/lstm.py):
 // dx = da @ W^T and [dW; dR] = [x | h_prev]^T @ da, where da is every step's gate gradient
@@ -59,6 +60,10 @@ Variant forward_variant(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 
+// Columns of bptt's da: 4K, padded away from a 4 KiB row period when the next step's
+// BRGEMM reads da in place (multiply dtype = dt); the fc passes after it read the first 4K.
+int64_t da_width(const Shape& s, const Dispatch& dp);
+
 // Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and
 // away from a 4 KiB row period).
 int64_t saved_width(const Shape& s, const Dispatch& dp);
@@ -73,8 +78,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 
 // Backward through time from the forward's saved gates and cell states. dy (x's layout, K
 // features), dc_last (N x K fp32) and dh_last (N x K, dt) are the incoming gradients (null
-// dc_last / dh_last: zeros). Writes da (x's layout, 4K features, dt), db (4K fp32), dc0
-// (N x K fp32), dh0 (N x K dt).
+// dc_last / dh_last: zeros). Writes da (x's layout, da_width features of which the first 4K
+// are the gradient, dt), db (4K fp32), dc0 (N x K fp32), dh0 (N x K dt).
 void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r, DType w_dt,
           const void* gates, const float* cs, const float* c0, const void* dy,
           const float* dc_last, const void* dh_last, void* da, float* db, float* dc0, void* dh0,

@@ -205,6 +205,34 @@ TEST(fc_update_in_chunks) {
   }
 }
 
+TEST(fc_backward_and_update_read_the_first_k_columns_of_a_wider_dz) {
+  // jb.lstm's da: rows ldz apart, extra columns (here NaN) never read. ldz = 1024 fp32 is a
+  // 4 KiB row period (dx copies its A operand), 1040 is read in place.
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t ldz : {int64_t(1000), int64_t(1024), int64_t(1040)}) {
+      const int64_t n = 37, c = 29, k = 1000;
+      std::mt19937 rng{unsigned(ldz)};
+      Tensor x(dt, n * c), w(DType::f32, c * k), dz(dt, n * k), wide(dt, n * ldz);
+      x.fill(rng);
+      w.fill(rng, 0.05f);
+      dz.fill(rng);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < ldz; ++j) wide.set(i * ldz + j, j < k ? dz.get(i * k + j) : NAN);
+      const fc::Shape dense{n, c, k, dt}, padded{n, c, k, dt, Activation::none, 0, ldz};
+      Tensor dx(dt, n * c), dx_w(dt, n * c), dw(DType::f32, c * k), dw_w(DType::f32, c * k);
+      std::vector<float> db(k), db_w(k);
+      fc::backward(ex, jb::dispatch(), dense, dz.data(), w.data(), DType::f32, dx.data());
+      fc::backward(ex, jb::dispatch(), padded, wide.data(), w.data(), DType::f32, dx_w.data());
+      fc::update(ex, jb::dispatch(), dense, x.data(), dz.data(), dw.data(), DType::f32, db.data());
+      fc::update(ex, jb::dispatch(), padded, x.data(), wide.data(), dw_w.data(), DType::f32, db_w.data());
+      for (int64_t i = 0; i < n * c; ++i) CHECK(dx_w.get(i) == dx.get(i)) << "dx[" << i << "] ldz " << ldz;
+      for (int64_t i = 0; i < c * k; ++i) CHECK(dw_w.get(i) == dw.get(i)) << "dw[" << i << "] ldz " << ldz;
+      CHECK(db_w == db) << "db, ldz " << ldz;
+    }
+}
+
 // update_sgd against update() followed by the SGD step in double precision.
 void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool bias, int64_t threads,
               const jb::Dispatch& dp = jb::dispatch()) {

@@ -214,7 +214,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     close(cl, ref.cl, tol, "c_T", ctx);
     if (!save) continue;
 
-    Tensor da(o.dt, T * N * G), dh0(o.dt, N * K), dc0(DType::f32, N * K), db(DType::f32, G);
+    const int64_t da_w = lstm::da_width(s, o.dp);
+    CHECK(da_w >= G) << ctx;
+    Tensor da(o.dt, T * N * da_w), dh0(o.dt, N * K), dc0(DType::f32, N * K), db(DType::f32, G);
     lstm::bptt(ex, o.dp, s, r.data(), o.w_dt, gates.data(), cs.data(), c0.data(), dy.data(),
                o.no_carry_grads ? nullptr : dcl.data(), o.no_carry_grads ? nullptr : dhl.data(), da.data(),
                db.f.data(), dc0.f.data(), dh0.data(), o.force);
@@ -237,8 +239,8 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
           }
         }
     // The rest of the backward: the FC passes over all steps at once, the update over xh.
-    const jb::fc::Shape fx{T * N, C, G, o.dt, jb::Activation::none};
-    const jb::fc::Shape fxh{T * N, C + K, G, o.dt, jb::Activation::none, width};
+    const jb::fc::Shape fx{T * N, C, G, o.dt, jb::Activation::none, 0, da_w};
+    const jb::fc::Shape fxh{T * N, C + K, G, o.dt, jb::Activation::none, width, da_w};
     Tensor dx(o.dt, T * N * C), dwr(o.w_dt, (C + K) * G), dw(o.w_dt, C * G), dr(o.w_dt, K * G);
     jb::fc::backward(ex, o.dp, fx, da.data(), w.data(), o.w_dt, dx.data());
     jb::fc::update(ex, o.dp, fxh, xh.data(), da.data(), dwr.data(), o.w_dt, nullptr);
@@ -297,6 +299,23 @@ TEST(lstm_fp32_shapes_variants_layouts) {
         o.variant = v;
         run_case(sh[0], sh[1], sh[2], sh[3], tm, o);
       }
+}
+
+TEST(lstm_da_rows_padded_away_from_a_4k_period) {
+  // bptt's next step reads da in place, its rows T * width apart (N, T, 4K) or width apart
+  // (T, N, 4K): 2 x 512 fp32 and 2 x 1024 bf16 are 4 KiB, so these rows get padded.
+  const lstm::Shape f32{2, 5, 3, 128, DType::f32, false}, bf16{2, 4, 5, 256, DType::bf16, false};
+  CHECK(lstm::da_width(f32, jb::dispatch()) > 4 * 128);
+  run_case(2, 5, 3, 128, false, Opts{});
+  run_case(3, 4, 3, 256, true, Opts{});  // 4K = 1024 fp32 values: 4 KiB rows, time-major
+  Opts o;
+  o.dt = DType::bf16;
+  for (const char* mode : {"dot", "fp32"}) {
+    o.dp = jb::make_dispatch(jb::best_isa(), mode);
+    const bool in_place = jb::multiply_dtype(DType::bf16, o.dp) == DType::bf16;
+    CHECK((lstm::da_width(bf16, o.dp) > 4 * 256) == in_place) << mode;  // a copy needs no pad
+    run_case(2, 4, 5, 256, false, o);
+  }
 }
 
 TEST(lstm_bf16_both_multiply_paths) {

@@ -24,18 +24,18 @@ inline const void* at(const void* p, DType t, int64_t i) {
   return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
 }
 
-// An activation matrix (rows x cols, row-major) as the A operand of a BRGEMM: read in
-// place when the kernel can, else copied once (in row chunks, the work items of a
-// parallel loop): widened from bf16 for fp32 multiplies, with rows padded by a cache
-// line when their stride is a multiple of 4 KiB (the rows of a register tile would all
-// fall in one L1 set and evict each other).
+// An activation matrix (rows x cols, row-major, rows `ld` apart) as the A operand of a
+// BRGEMM: read in place when the kernel can, else copied once (in row chunks, the work
+// items of a parallel loop): widened from bf16 for fp32 multiplies, and packed with rows
+// padded by a cache line when their stride is a multiple of 4 KiB (the rows of a register
+// tile would all fall in one L1 set and evict each other).
 class ActivationOperand {
  public:
-  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols)
-      : from_(from), to_(to), rows_(rows), cols_(cols) {
+  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols, int64_t ld = 0)
+      : from_(from), to_(to), rows_(rows), cols_(cols), src_ld_(ld ? ld : cols) {
     const int64_t es = int64_t(dtype_size(to));
-    ld_ = cols * es % 4096 == 0 ? cols + 64 / es : cols;
-    copy_ = from != to || ld_ != cols;
+    copy_ = from != to || src_ld_ * es % 4096 == 0;
+    ld_ = !copy_ ? src_ld_ : cols * es % 4096 == 0 ? cols + 64 / es : cols;
     chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
   }
   bool copied() const { return copy_; }
@@ -47,7 +47,7 @@ class ActivationOperand {
     const int64_t r1 = std::min(rows_, (i + 1) * chunk_);
     const int64_t fs = int64_t(dtype_size(from_));
     for (int64_t r = i * chunk_; r < r1; ++r) {
-      const char* s = static_cast<const char*>(src) + r * cols_ * fs;
+      const char* s = static_cast<const char*>(src) + r * src_ld_ * fs;
       char* d = dst + r * ld_ * int64_t(dtype_size(to_));
       if (from_ == to_) {
         std::memcpy(d, s, size_t(cols_) * dtype_size(to_));
@@ -61,7 +61,7 @@ class ActivationOperand {
 
  private:
   DType from_, to_;
-  int64_t rows_, cols_, ld_, chunk_;
+  int64_t rows_, cols_, src_ld_, ld_, chunk_;
   bool copy_;
 };
 

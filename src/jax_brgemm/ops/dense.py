@@ -217,12 +217,12 @@ def _act_grad_call(dy, saved, act):
 
 
 def _bwd_call(dz, kernel):
-    """dx = dz @ kernel.T."""
+    """dx = dz @ kernel.T; dz may have more columns than kernel (its first K are used)."""
     return _bwd_target()(dz, kernel)[0]
 
 
 def _upd_call(x, dz, w_shape, w_dtype, with_bias):
-    """(x.T @ dz, the column sums of dz)."""
+    """(x.T @ dz, the column sums of dz) over w_shape's C first columns of x and K of dz."""
     return _upd_target(tuple(w_shape), np.dtype(w_dtype), with_bias)(x, dz)
 
 

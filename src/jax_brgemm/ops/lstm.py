@@ -10,7 +10,8 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
   ``xh = [x | h_prev]``.
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
-  gate gradient ``da``, the bias gradient and the initial carry's gradients.
+  gate gradient ``da`` (rows padded past 4K columns, away from a 4 KiB period, so that the
+  BRGEMMs read it in place), the bias gradient and the initial carry's gradients.
 * The remaining gradients are two big fully-connected passes over all steps at once
   (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
   pass over the saved ``xh``, ``[dkernel_i; dkernel_h] = xh.T @ da`` (reduction over every
@@ -192,7 +193,11 @@ def _bptt(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
 
 def _bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
     n, k = c0.shape
-    da = jax.ShapeDtypeStruct(dy.shape[:2] + (4 * k,), dy.dtype)
+    t = dy.shape[0] if time_major else dy.shape[1]
+    # da's rows are padded (the first 4K columns are the gradient): the next step's BRGEMM
+    # reads them in place, and so do the fully-connected passes after bptt.
+    width = _native._jax_brgemm.lstm_da_width(t, n, k, dy.dtype == jnp.bfloat16, time_major)
+    da = jax.ShapeDtypeStruct(dy.shape[:2] + (width,), dy.dtype)
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), dy.dtype))
     return jax.ffi.ffi_call("jb_lstm_bptt", outs, vmap_method="sequential")(
@@ -222,7 +227,7 @@ def _bptt_vmappable(time_major):
                                _fold(dc_t, in_batched[5], size, False),
                                _fold(dh_t, in_batched[6], size, False))
         da = _unfold(da, size, time_major)
-        db = jnp.sum(da.astype(jnp.float32), axis=(1, 2))
+        db = jnp.sum(da[..., :4 * wh.shape[0]].astype(jnp.float32), axis=(1, 2))
         return (da, db, _unfold(dc0, size, False), _unfold(dh0, size, False)), (True,) * 4
 
     return bptt
@@ -247,7 +252,7 @@ def _lstm_bwd(time_major, res, g):
                              dh_t.astype(dt), time_major)
     c, k = wi.shape[0], wh.shape[0]
     rows = xh.shape[0] * xh.shape[1]
-    da2 = da.reshape(rows, 4 * k)
+    da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
     dx = _bwd_call(da2, wi).reshape(xh.shape[:2] + (c,))
     # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
     # every step, one GEMM reducing over all rows into C + K output rows; da is read once.
