@@ -198,11 +198,10 @@ def test_lstm_vmap_folds_and_differentiates(time_major):
 
 @pytest.mark.parametrize("time_major", [False, True])
 def test_lstm_gradients_through_padded_gate_gradient_rows(time_major):
-    # The next step's rows of da (4K wide) on a 4 KiB period: 4K = 1024 fp32 values
-    # (time-major), or T x 4K = 2 x 512 (batch-major rows are T apart). The layer pads them
-    # and every pass after it skips the padding; under vmap db sums the first 4K too.
+    # 4K = 1024 fp32 values: bptt's da rows fall on a 4 KiB period, so the layer pads them
+    # and the passes after it skip the padding; under vmap db sums the first 4K too.
     from jax_brgemm import _native
-    k, t = (256, 2) if time_major else (128, 2)
+    k, t = 256, 2
     assert _native._jax_brgemm.lstm_da_width(t, 5, k, False, time_major) > 4 * k
     args = _args(jax.random.key(3), 5, t, 7, k, time_major)
     ours, ref = _ours(time_major), lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731

@@ -136,7 +136,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_SHAPE(op, "dc_last", dc_last.dimensions(), {n, k});
   JB_SHAPE(op, "dh_last", dh_last.dimensions(), {n, k});
   const lstm::Shape s{t, n, 0, k, dt, time_major};
-  const int64_t width = lstm::da_width(s, dispatch());
+  const int64_t width = lstm::da_width(s);
   JB_SHAPE(op, "da", da->dimensions(),
            time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
   JB_SHAPE(op, "db", db->dimensions(), {g});

@@ -39,7 +39,7 @@ NB_MODULE(_jax_brgemm, m) {
                                  jb::dispatch());
   }, "Columns of jb_lstm_fwd's saved xh for a shape and compute dtype (float32 or bfloat16).");
   m.def("lstm_da_width", [](int64_t t, int64_t n, int64_t k, bool bf16, bool time_major) {
-    return jb::lstm::da_width({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major}, jb::dispatch());
+    return jb::lstm::da_width({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major});
   }, "Columns of jb_lstm_bptt's da (4K, padded) for a shape and compute dtype.");
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
         "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");

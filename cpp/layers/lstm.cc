@@ -14,7 +14,6 @@
 #include <cstring>
 #include <optional>
 #include <stdexcept>
-#include <type_traits>
 
 #include "brgemm/activation.h"
 #include "layers/common/kernels.h"
@@ -138,8 +137,8 @@ struct CellBwd {
   float* dc;         // in: dc_t from the step after, out: dc_{t-1}
   void* da;          // dt, leading dim ldda
   int64_t ldda;
-  void* dak;  // a copy in the multiply dtype for the next step's BRGEMM (when it differs
-  int64_t lddak;  // from dt; else the BRGEMM reads da), leading dim lddak
+  void* dak;  // the multiply dtype, for the next step's BRGEMM, leading dim lddak
+  int64_t lddak;
   float* db;  // this N-block's partial bias gradient at k0 of gate 0
 };
 
@@ -154,8 +153,7 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
     const Tx* dy = static_cast<const Tx*>(a.dy) + r * a.ldy;
     float* dc = a.dc + r * a.ldc;
     Tx* da = static_cast<Tx*>(a.da) + r * a.ldda;
-    Tk* dak = nullptr;  // null when in place (no copy)
-    if constexpr (!std::is_same_v<Tk, Tx>) dak = static_cast<Tk*>(a.dak) + r * a.lddak;
+    Tk* dak = static_cast<Tk*>(a.dak) + r * a.lddak;
     float* db = a.db;
     // da goes to memory nothing has read for a long time (T x N x 4K): ask for the row two
     // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
@@ -184,12 +182,10 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
       da[k + j] = from_f32<Tx>(da_f);
       da[2 * k + j] = from_f32<Tx>(da_g);
       da[3 * k + j] = from_f32<Tx>(da_o);
-      if constexpr (!std::is_same_v<Tk, Tx>) {
-        dak[j] = from_f32<Tk>(da_i);
-        dak[k + j] = from_f32<Tk>(da_f);
-        dak[2 * k + j] = from_f32<Tk>(da_g);
-        dak[3 * k + j] = from_f32<Tk>(da_o);
-      }
+      dak[j] = from_f32<Tk>(da_i);
+      dak[k + j] = from_f32<Tk>(da_f);
+      dak[2 * k + j] = from_f32<Tk>(da_g);
+      dak[3 * k + j] = from_f32<Tk>(da_o);
       db[j] += da_i;
       db[k + j] += da_f;
       db[2 * k + j] += da_g;
@@ -393,11 +389,10 @@ Key key_of(const Shape& s, int64_t variant, int64_t threads, const Dispatch& dp,
 PlanCache<13, FwdPlan> fwd_plans;
 
 // ---------------------------------------------------------------------------------------
-// The backward-through-time plan: R^T re-blocked [Kb][4K / red][red][bk] once per call.
-// The next step's A operand is da_t itself, whose rows are padded away from a 4 KiB period
-// (da_width); when the multiply dtype differs from dt, two alternating N x 4K buffers hold
-// a copy of da_t in it. (Measured against always copying: fp32 bptt at N = 168 1.07x at
-// C = K = 512 and 1024, Intel Xeon: one fewer write stream of T x N x 4K.)
+// The backward-through-time plan: R^T re-blocked [Kb][4K / red][red][bk] once per call;
+// two alternating N x 4K buffers hold da_t in the multiply dtype as the next step's A.
+// (Reading da_t in place instead, its rows padded, measured 2-4 % slower inside jitted
+// bptt calls, fp32 N = 168 C = K = 1024, Intel Xeon: the compact copy is the better A.)
 
 struct BwdPlan {
   BwdPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
@@ -414,9 +409,8 @@ struct BwdPlan {
         sub(sub_cols(b.cols, isa, kd)),
         nsub(ceil_div(b.cols, sub)),
         blk(reblock::block_elems(red, sub, vnni)),
-        in_place(kd == s.dt),
-        width(da_width(s, dp)),
-        ldda(in_place ? row_step(s) * width : padded_ld(kGates * s.k, ks)),
+        width(da_width(s)),
+        ldda(padded_ld(kGates * s.k, ks)),
         groups(kblk, nblk, threads),
         kernels(desc(), s.n, s.k, b.rows, sub, dp.isa),
         cell(pick_bwd(s.dt, kd, dp.isa)) {}
@@ -439,8 +433,7 @@ struct BwdPlan {
   const bool vnni;
   const size_t ks;
   const int64_t kblk, nblk, red, rblk, sub, nsub, blk;  // blk: one sub-panel's block
-  const bool in_place;  // the BRGEMM's A is da itself (else a copy in the multiply dtype)
-  const int64_t width, ldda;  // da's row length, the A operand's row stride
+  const int64_t width, ldda;  // the rows of da and of its copies
   const WorkGroups groups;
   const KernelSet kernels;
   void (*const cell)(const CellBwd&);
@@ -515,10 +508,7 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 // should change.
 Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant::fused; }
 
-int64_t da_width(const Shape& s, const Dispatch& dp) {
-  const int64_t g4 = kGates * s.k;
-  return multiply_dtype(s.dt, dp) == s.dt ? padded_ld(g4, dtype_size(s.dt), row_step(s)) : g4;
-}
+int64_t da_width(const Shape& s) { return padded_ld(kGates * s.k, dtype_size(s.dt)); }
 
 int64_t saved_width(const Shape& s, const Dispatch& dp) {
   const DType kd = multiply_dtype(s.dt, dp);
@@ -725,11 +715,10 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
   const Blocking& b = p.b;
   const size_t ks = p.ks;
 
-  const auto buf = Scratch::get<4>({size_t(p.kblk * p.nsub * p.rblk * p.blk) * ks,
-                                    p.in_place ? 0 : size_t(2 * N * p.ldda) * ks,
+  const auto buf = Scratch::get<4>({size_t(p.kblk * p.nsub * p.rblk * p.blk) * ks, size_t(2 * N * p.ldda) * ks,
                                     size_t(N * K) * sizeof(float), size_t(p.nblk * G4) * sizeof(float)});
   char* const rt = buf[0];   // R^T panels [Kb][4K / red] blocks
-  char* const dak = buf[1];  // the copies of da_t for the next step's A, alternating
+  char* const dak = buf[1];  // da_t for the next step's A, alternating
   float* const dhr = reinterpret_cast<float*>(buf[2]);
   float* const dbp = reinterpret_cast<float*>(buf[3]);  // partial db per N-block
   std::memset(dbp, 0, size_t(p.nblk * G4) * sizeof(float));
@@ -750,12 +739,9 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
           .strided(a + n0 * p.ldda * ks, p.red, rt + (kb * p.nsub + j) * p.rblk * p.blk * ks, p.blk, p.rblk,
                    dhr + n0 * K + kb * b.cols + j * p.sub);
   };
-  // Step t's rows of da (their A operand when in place), and of the copy.
-  auto da_at = [&](int64_t t) { return off(da, row_of(s, t, 0) * p.width, es); };
-  auto dak_at = [&](int64_t t) { return dak + t % 2 * N * p.ldda * ks; };
   for (int64_t t = T - 1; t >= 0; --t) {
-    const char* a_next = p.in_place ? da_at(t + 1) : dak_at(t + 1);
-    char* a_t = p.in_place ? nullptr : dak_at(t);
+    const char* a_next = dak + (t + 1) % 2 * N * p.ldda * ks;
+    char* a_t = dak + t % 2 * N * p.ldda * ks;
     const float* c_prev = t ? cs + (t - 1) * N * K : c0;
     parallel_for(ex, p.groups.items(), [&](int64_t i) {
       const int64_t kb = p.groups.panel(i), k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
@@ -768,7 +754,7 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
         CellBwd c{rows, cols, K, off(gates, (t * N + n0) * G4 + k0, es), G4, cs + (t * N + n0) * K + k0,
                   c_prev + n0 * K + k0, K, dh_in, off(dy, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
                   dc0 + n0 * K + k0, off(da, row_of(s, t, n0) * p.width + k0, es), row_step(s) * p.width,
-                  a_t ? a_t + (n0 * p.ldda + k0) * ks : nullptr, p.ldda, dbp + nb * G4 + k0};
+                  a_t + (n0 * p.ldda + k0) * ks, p.ldda, dbp + nb * G4 + k0};
         p.cell(c);
       }
     });
@@ -778,7 +764,7 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
     const int64_t kb = p.groups.panel(i), k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
     for (int64_t nb = p.groups.first(i); nb < p.groups.last(i); ++nb) {
       const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
-      recurrent(kb, n0, rows, cols, p.in_place ? da_at(0) : dak_at(0));
+      recurrent(kb, n0, rows, cols, dak);
       copy_rows(dhr + n0 * K + k0, DType::f32, K, off(dh0, n0 * K + k0, es), s.dt, K, rows, cols, cols);
     }
   });

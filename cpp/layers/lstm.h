@@ -17,11 +17,10 @@
 //                        only h_{t-1} @ R, accumulated onto those gates.
 // bptt     backward through time: per step (t = T-1 .. 0), items (K-block, group of
 //          N-blocks) compute dh_t = dy_t + da_{t+1} @ R^T with one BRGEMM over the blocks of
-//          4K (R^T re-blocked once per call; da_{t+1} read where the step wrote it), then
-//          the fused gate derivatives of their tiles: da_t, and dc_{t-1} in place. The
-//          bias gradient is summed per N-block on the way (race-free, each block has one
-//          owner per step), the initial carry's gradient (dc_0, dh_0 = da_0 @ R^T) comes
-//          out at the end.
+//          4K (R^T re-blocked once per call), then the fused gate derivatives of their
+//          tiles: da_t, and dc_{t-1} in place. The bias gradient is summed per N-block on
+//          the way (race-free, each block has one owner per step), the initial carry's
+//          gradient (dc_0, dh_0 = da_0 @ R^T) comes out at the end.
 // The rest of the backward is two big passes of the fully-connected layer over all time
 // steps at once, after the loop (cpp/layers/fc, called from jax_brgemm/ops/lstm.py):
 // dx = da @ W^T and [dW; dR] = [x | h_prev]^T @ da, where da is every step's gate gradient
@@ -60,9 +59,9 @@ Variant forward_variant(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 
-// Columns of bptt's da: 4K, padded away from a 4 KiB row period when the next step's
-// BRGEMM reads da in place (multiply dtype = dt); the fc passes after it read the first 4K.
-int64_t da_width(const Shape& s, const Dispatch& dp);
+// Columns of bptt's da: 4K, padded away from a 4 KiB row period, so that the fc passes
+// after it (dx, the weight update) read its first 4K columns in place.
+int64_t da_width(const Shape& s);
 
 // Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and
 // away from a 4 KiB row period).

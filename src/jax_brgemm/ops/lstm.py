@@ -11,7 +11,7 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 * ``jb_lstm_bptt``: backward through time, one call: per step the recurrent gradient
   ``da_{t+1} @ R^T`` by BRGEMM, fused with the gate derivatives. It returns every step's
   gate gradient ``da`` (rows padded past 4K columns, away from a 4 KiB period, so that the
-  BRGEMMs read it in place), the bias gradient and the initial carry's gradients.
+  passes after it read it in place), the bias gradient and the initial carry's gradients.
 * The remaining gradients are two big fully-connected passes over all steps at once
   (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
   pass over the saved ``xh``, ``[dkernel_i; dkernel_h] = xh.T @ da`` (reduction over every
@@ -194,8 +194,8 @@ def _bptt(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
 def _bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
     n, k = c0.shape
     t = dy.shape[0] if time_major else dy.shape[1]
-    # da's rows are padded (the first 4K columns are the gradient): the next step's BRGEMM
-    # reads them in place, and so do the fully-connected passes after bptt.
+    # da's rows are padded (the first 4K columns are the gradient) away from a 4 KiB
+    # period, so that the fully-connected passes after bptt read them in place.
     width = _native._jax_brgemm.lstm_da_width(t, n, k, dy.dtype == jnp.bfloat16, time_major)
     da = jax.ShapeDtypeStruct(dy.shape[:2] + (width,), dy.dtype)
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
