@@ -16,20 +16,11 @@ struct Avx2 {
   static constexpr int mr(int nv, bool bf16) { return nv == 2 ? (bf16 ? 4 : 6) : (bf16 ? 8 : 12); }
 
   // A masked load (vmaskmovps) is slow next to a plain one: ~15-20 % of a 6 x 2 tile's time
-  // on AMD Zen 3. So tiles whose last vector is whole never mask.
-  template <int MR, int NV>
-  static void tile_f32(const TileArgs& t) {
-    if (t.tail == VL) f32_tile<MR, NV, false>(t);
-    else f32_tile<MR, NV, true>(t);
-  }
-  template <int MR, int NV>
-  static void tile_bf16(const TileArgs& t) {
-    if (t.tail == VL) bf16_tile<MR, NV, false>(t);
-    else bf16_tile<MR, NV, true>(t);
-  }
+  // on AMD Zen 3. So tiles whose last vector is whole never mask (tile.h's MASKED).
+  static constexpr bool kMasksTail = true;
 
   template <int MR, int NV, bool MASKED>
-  static void f32_tile(const TileArgs& t) {
+  static void tile_f32(const TileArgs& t) {
     static_assert(MR <= 12, "the row addressing covers 12 rows");
     const int64_t lda = t.lda * int64_t(sizeof(float));
     __m256 acc[MR][NV];
@@ -67,7 +58,7 @@ struct Avx2 {
   }
 
   template <int MR, int NV, bool MASKED>
-  static void bf16_tile(const TileArgs& t) {
+  static void tile_bf16(const TileArgs& t) {
     __m256 acc[MR][NV];
     const __m256i last = tail_mask(t.tail);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));

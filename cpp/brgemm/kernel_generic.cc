@@ -9,10 +9,11 @@ namespace {
 struct Generic {
   static constexpr int VL = 8, NV_MAX = 2;
   static constexpr int mr(int, bool) { return 4; }
+  static constexpr bool kMasksTail = false;  // the tail is a loop bound here, not a mask
 
-  template <int MR, int NV>
+  template <int MR, int NV, bool>
   static void tile_f32(const TileArgs& t) { tile<MR, NV, false>(t); }
-  template <int MR, int NV>
+  template <int MR, int NV, bool>
   static void tile_bf16(const TileArgs& t) { tile<MR, NV, true>(t); }
 
   template <int MR, int NV, bool BF16>

@@ -49,23 +49,33 @@ inline void finish_tile(float* tile, int rows, int cols, int ld, const TileArgs&
 }
 
 // Rows of tile functions, one row per vector count NV, one entry per row count 1..mr(NV).
-template <class K, int NV, int... R>
+// MASKED: the tile's last vector is partial. Kernels whose masked loads cost more than
+// plain ones (K::kMasksTail: vmaskmovps on Zen 3, an FMA-port uop for AVX-512's on Intel)
+// get tiles that mask nothing for blocks whose last vector is whole.
+template <class K, int NV, bool MASKED, int... R>
 constexpr auto tile_row(bool bf16, std::integer_sequence<int, R...>) {
-  return bf16 ? std::array<TileFn, sizeof...(R)>{&K::template tile_bf16<R + 1, NV>...}
-              : std::array<TileFn, sizeof...(R)>{&K::template tile_f32<R + 1, NV>...};
+  return bf16 ? std::array<TileFn, sizeof...(R)>{&K::template tile_bf16<R + 1, NV, MASKED>...}
+              : std::array<TileFn, sizeof...(R)>{&K::template tile_f32<R + 1, NV, MASKED>...};
 }
 
 template <class K, int NV>
-const TileFn* tiles(bool bf16) {
-  static const auto f32 = tile_row<K, NV>(false, std::make_integer_sequence<int, K::mr(NV, false)>());
-  static const auto b16 = tile_row<K, NV>(true, std::make_integer_sequence<int, K::mr(NV, true)>());
+const TileFn* tiles(bool bf16, bool masked) {
+  using F32 = std::make_integer_sequence<int, K::mr(NV, false)>;
+  using B16 = std::make_integer_sequence<int, K::mr(NV, true)>;
+  static const auto f32 = tile_row<K, NV, false>(false, F32());
+  static const auto b16 = tile_row<K, NV, false>(true, B16());
+  if constexpr (K::kMasksTail) {
+    static const auto f32m = tile_row<K, NV, true>(false, F32());
+    static const auto b16m = tile_row<K, NV, true>(true, B16());
+    if (masked) return bf16 ? b16m.data() : f32m.data();
+  }
   return bf16 ? b16.data() : f32.data();
 }
 
 template <class K, int... NV>
-const TileFn* tiles_for(int nv, bool bf16, std::integer_sequence<int, NV...>) {
+const TileFn* tiles_for(int nv, bool bf16, bool masked, std::integer_sequence<int, NV...>) {
   const TileFn* row = nullptr;
-  ((nv == NV + 1 ? (row = tiles<K, NV + 1>(bf16), 0) : 0), ...);
+  ((nv == NV + 1 ? (row = tiles<K, NV + 1>(bf16, masked), 0) : 0), ...);
   return row;
 }
 
@@ -81,10 +91,10 @@ void run_tiles(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int6
     const int64_t cols = std::min<int64_t>(int64_t(K::NV_MAX) * vl, d.n - j0);
     const int nv = int((cols + vl - 1) / vl);
     const int mr = K::mr(nv, bf16);
-    const TileFn* row = tiles_for<K>(nv, bf16, std::make_integer_sequence<int, K::NV_MAX>());
+    const int tail = int(cols - int64_t(nv - 1) * vl);
+    const TileFn* row = tiles_for<K>(nv, bf16, tail != vl, std::make_integer_sequence<int, K::NV_MAX>());
     TileArgs t{a, b, batch, d.k, d.lda, d.ldb, 0, bf16 ? 2 * j0 : j0, nullptr, d.ldc,
-               bias ? bias + j0 : nullptr, int(cols - int64_t(nv - 1) * vl), d.accumulate,
-               d.c, d.act};
+               bias ? bias + j0 : nullptr, tail, d.accumulate, d.c, d.act};
     for (int64_t i0 = 0; i0 < d.m; i0 += mr) {
       const int rows = int(std::min<int64_t>(mr, d.m - i0));
       t.a_off = i0 * d.lda;
