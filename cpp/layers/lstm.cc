@@ -14,6 +14,10 @@
 #include <cstring>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
+#if defined(JB_X86)
+#include <immintrin.h>
+#endif
 
 #include "brgemm/activation.h"
 #include "layers/common/kernels.h"
@@ -66,6 +70,29 @@ inline const char* off(const void* p, int64_t elems, size_t es) {
 
 #define JB_INLINE __attribute__((always_inline)) inline
 
+// Copies `bytes` from src to dst with non-temporal stores where dst is 16-byte aligned: for
+// rows written now and read back only by a later pass (from memory anyway), this skips the
+// read-for-ownership of every line and keeps them out of the caches.
+JB_INLINE void stream_bytes(void* dst, const void* src, size_t bytes) {
+#if defined(JB_X86)
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    auto* d = static_cast<__m128i*>(dst);
+    auto* q = static_cast<const char*>(src);
+    size_t i = 0;
+    for (; i + 16 <= bytes; i += 16) _mm_stream_si128(d++, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    std::memcpy(static_cast<char*>(dst) + i, q + i, bytes - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+// Orders an item's streamed stores before whatever reads them after the pass.
+inline void stream_fence() {
+#if defined(JB_X86)
+  _mm_sfence();
+#endif
+}
+
 struct CellFwd {
   int64_t rows, cols, k;  // tile; k = hidden size
   const float* g;         // activated gates at (n0, k0) of gate 0, gate q at column q * gk
@@ -82,6 +109,8 @@ struct CellFwd {
 
 template <class Ty, class Th, bool H, bool G>
 JB_INLINE void cell_fwd_rows(const CellFwd& a) {
+  // fp32 gates are saved as they are: streamed from the tile after each row (below).
+  constexpr bool S = G && std::is_same_v<Ty, float>;
   const int64_t rows = a.rows, cols = a.cols, k = a.k, gk = a.gk;
   for (int64_t r = 0; r < rows; ++r) {
     const float* gi = a.g + r * a.ldg;
@@ -100,7 +129,7 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(float))) __builtin_prefetch(cn + 2 * a.ldc + j, 1, 3);
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Ty))) {
         __builtin_prefetch(y + 2 * a.ldy + j, 1, 3);
-        if constexpr (G)
+        if constexpr (G && !S)
           for (int q = 0; q < kGates; ++q) __builtin_prefetch(sv + 2 * kGates * k + q * k + j, 1, 3);
       }
     }
@@ -112,9 +141,11 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       cn[j] = c;
       y[j] = from_f32<Ty>(hv);
       if constexpr (H) h[j] = from_f32<Th>(hv);
-      if constexpr (G)
+      if constexpr (G && !S)
         for (int q = 0; q < kGates; ++q) sv[q * k + j] = from_f32<Ty>(gi[q * gk + j]);
     }
+    if constexpr (S)
+      for (int q = 0; q < kGates; ++q) stream_bytes(sv + q * k, gi + q * gk, size_t(cols) * sizeof(float));
   }
 }
 
@@ -144,6 +175,9 @@ struct CellBwd {
 
 template <class Tx, class Tk>
 JB_INLINE void cell_bwd_loop(const CellBwd& a) {
+  // When da and the next step's copy share a dtype, da is streamed from that copy after each
+  // row (below) instead of stored element by element.
+  constexpr bool S = std::is_same_v<Tx, Tk>;
   const int64_t rows = a.rows, cols = a.cols, k = a.k;
   for (int64_t r = 0; r < rows; ++r) {
     const Tx* g = static_cast<const Tx*>(a.g) + r * a.ldg;
@@ -155,12 +189,14 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
     Tx* da = static_cast<Tx*>(a.da) + r * a.ldda;
     Tk* dak = static_cast<Tk*>(a.dak) + r * a.lddak;
     float* db = a.db;
-    // da goes to memory nothing has read for a long time (T x N x 4K): ask for the row two
-    // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
-    // Measured (Intel Xeon, fp32, T = 50, interleaved pairs of lstm::bptt, medians of 15):
-    // 1.05-1.06x at N = 168, C = K = 512, 1.04x at 1024, 1.05x at N = 64, C = K = 256. The
-    // same for the reads (the gates, c, dy) gained nothing.
-    if (r + 2 < rows)
+    // da goes to memory nothing has read for a long time (T x N x 4K). Stored element by
+    // element, ask for the row two ahead's lines for writing now, so their
+    // read-for-ownership overlaps this row's work. Measured (Intel Xeon, fp32, T = 50,
+    // interleaved pairs of lstm::bptt, medians of 15): 1.05-1.06x at N = 168, C = K = 512,
+    // 1.04x at 1024, 1.05x at N = 64, C = K = 256. The same for the reads (the gates, c, dy)
+    // gained nothing. Streamed (no read-for-ownership at all), against that: 1.02-1.05x at
+    // N = 168, C = K = 256, 1.00-1.02x at 512, 1.00-1.13x at N = 64 (AMD EPYC Zen 4, fp32).
+    if (!S && r + 2 < rows)
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Tx)))
         for (int g = 0; g < kGates; ++g) __builtin_prefetch(static_cast<Tx*>(a.da) + (r + 2) * a.ldda + g * k + j, 1, 3);
     // Every array is distinct but dc, which is updated element by element in place. No
@@ -178,10 +214,12 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
       const float da_g = dcur * i * (1.0f - gg * gg);
       const float da_o = dh * tc * o * (1.0f - o);
       dc[j] = dcur * f;
-      da[j] = from_f32<Tx>(da_i);
-      da[k + j] = from_f32<Tx>(da_f);
-      da[2 * k + j] = from_f32<Tx>(da_g);
-      da[3 * k + j] = from_f32<Tx>(da_o);
+      if constexpr (!S) {
+        da[j] = from_f32<Tx>(da_i);
+        da[k + j] = from_f32<Tx>(da_f);
+        da[2 * k + j] = from_f32<Tx>(da_g);
+        da[3 * k + j] = from_f32<Tx>(da_o);
+      }
       dak[j] = from_f32<Tk>(da_i);
       dak[k + j] = from_f32<Tk>(da_f);
       dak[2 * k + j] = from_f32<Tk>(da_g);
@@ -191,6 +229,8 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
       db[2 * k + j] += da_g;
       db[3 * k + j] += da_o;
     }
+    if constexpr (S)
+      for (int q = 0; q < kGates; ++q) stream_bytes(da + q * k, dak + q * k, size_t(cols) * sizeof(Tx));
   }
 }
 
@@ -534,12 +574,15 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const FwdPlan& p = *plan;
   const Blocking& b = p.b;
   const bool fused = p.v == Variant::fused, save = gates != nullptr;
-  // fp32 training saves the gates the BRGEMMs write (through the gate tile and a copy by the
-  // cell measured 0.93-0.99x). Otherwise (fused) they go to a gate tile of the item's own,
-  // hot in L2, from which the cell reads them; bf16 training saves bf16 copies the cell
-  // writes (half the bytes to memory here and in the backward).
-  const bool gates_in_place = save && s.dt == DType::f32;
-  const bool tiles = fused && !gates_in_place;
+  // Fused, the BRGEMMs write the gates to a gate tile of the item's own, hot in L2, from
+  // which the cell reads them and saves them when training: fp32 streamed to memory as they
+  // are, bf16 as bf16 copies (half the bytes to memory here and in the backward). Streaming
+  // measured (AMD EPYC Zen 4, fp32, T = 50, N = 168, C++ loops over lstm::forward, medians of
+  // 25 interleaved pairs) 1.04-1.08x at C = K = 256, 1.01-1.02x at 512, against the BRGEMMs
+  // writing the gates to the saved array themselves, which had beaten a copy by ordinary
+  // stores (0.93-0.99x). Precompute's fp32 gates are in memory already: saved in place.
+  const bool gates_in_place = save && s.dt == DType::f32 && !fused;
+  const bool tiles = fused;
   const int64_t K = s.k, G4 = kGates * s.k, N = s.n, T = s.t;
   const size_t ks = p.ks;
   // The fused A buffer is the saved xh itself when training in the multiply dtype;
@@ -666,6 +709,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
                   save && !gates_in_place ? off(gates, (t * N + n0) * G4 + k0, es) : nullptr};
         p.cell(c);
       }
+      stream_fence();
     });
   }
 
@@ -757,6 +801,7 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
                   a_t + (n0 * p.ldda + k0) * ks, p.ldda, dbp + nb * G4 + k0};
         p.cell(c);
       }
+      stream_fence();
     });
   }
   // dh0 = da_0 @ R^T, and the bias gradient from the per-N-block partials.

@@ -8,8 +8,8 @@
 //
 // forward  per time step, work items are (K-block, group of N-blocks) tiles; an item
 //          computes the four gate blocks of its tiles with one BRGEMM each (sigmoid / tanh
-//          in the kernel's epilogue; into a gate tile of its own unless fp32 training saves
-//          them in place) and the cell update while they are hot, writing h_t and c_t. One
+//          in the kernel's epilogue, into a gate tile of its own) and the cell update while
+//          they are hot, writing h_t and c_t (and, training, streaming the gates out). One
 //          parallel_for per step is the step barrier. Two variants:
 //            fused       the batch of every gate block runs over the blocks of [x_t | h_{t-1}]
 //                        against the stacked weights [W; R] (the paper's Algorithm 2);
