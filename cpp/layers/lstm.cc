@@ -194,8 +194,10 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
     // read-for-ownership overlaps this row's work. Measured (Intel Xeon, fp32, T = 50,
     // interleaved pairs of lstm::bptt, medians of 15): 1.05-1.06x at N = 168, C = K = 512,
     // 1.04x at 1024, 1.05x at N = 64, C = K = 256. The same for the reads (the gates, c, dy)
-    // gained nothing. Streamed (no read-for-ownership at all), against that: 1.02-1.05x at
-    // N = 168, C = K = 256, 1.00-1.02x at 512, 1.00-1.13x at N = 64 (AMD EPYC Zen 4, fp32).
+    // gained nothing. Streamed (no read-for-ownership at all), against that (AMD EPYC Zen 4,
+    // C++ loops over lstm::bptt, interleaved): fp32 1.03-1.06x at N = 168, C = K = 256,
+    // 1.00-1.02x at 512 and 1024 (N = 64: 1.00-1.07x at 512, within +-4 % at 1024); bf16
+    // at N = 168 1.03-1.44x at C = K = 256, 0.88-1.09x at 512 (noisy).
     if (!S && r + 2 < rows)
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Tx)))
         for (int g = 0; g < kGates; ++g) __builtin_prefetch(static_cast<Tx*>(a.da) + (r + 2) * a.ldda + g * k + j, 1, 3);
