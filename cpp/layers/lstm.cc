@@ -104,7 +104,7 @@ struct CellFwd {
   int64_t ldy;
   void* h;  // h_t in the multiply dtype for the next step, leading dim ldh; or null
   int64_t ldh;
-  void* saved;  // the activated gates saved in dt (bf16 runs) at (t, n0, k0), leading dim 4K; or null
+  void* saved;  // where the cell saves the activated gates (dt) at (t, n0, k0), leading dim 4K; or null
 };
 
 template <class Ty, class Th, bool H, bool G>
