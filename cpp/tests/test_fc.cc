@@ -205,6 +205,44 @@ TEST(fc_update_in_chunks) {
   }
 }
 
+TEST(fc_update_of_a_long_batch) {
+  // A batch longer than one chunk: dw as the forward's pass over x^T, zero-padded to whole
+  // reduction blocks (n prime), edge panels and rows; x's and dz's rows wider than c and k
+  // (jb.lstm's saved xh and da, extra columns NaN and never read); db; fp32 and bf16.
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  const int64_t c = 333, k = 400, ldx = 340, ldz = 416;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (DType w_dt : {DType::f32, DType::bf16}) {
+      if (dt == DType::f32 && w_dt == DType::bf16) continue;
+      const int64_t n = dt == DType::f32 ? 3001 : 6007;  // a chunk holds twice the bf16 rows
+      const fc::Shape s{n, c, k, dt, Activation::none, ldx, ldz};
+      CHECK(fc::update_transposes(s, 2, jb::dispatch())) << "the batch is not long enough";
+      std::mt19937 rng{unsigned(7 + int(dt) + 3 * int(w_dt))};
+      Tensor x(dt, n * ldx), dz(dt, n * ldz);
+      x.fill(rng);
+      dz.fill(rng);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = c; j < ldx; ++j) x.set(i * ldx + j, NAN);
+        for (int64_t j = k; j < ldz; ++j) dz.set(i * ldz + j, NAN);
+      }
+      std::vector<double> dw_ref(c * k, 0.0), db_ref(k, 0.0);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t q = 0; q < c; ++q) {
+          const double xv = x.get(i * ldx + q);
+          for (int64_t j = 0; j < k; ++j) dw_ref[q * k + j] += xv * dz.get(i * ldz + j);
+        }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < k; ++j) db_ref[j] += dz.get(i * ldz + j);
+      Tensor dw(w_dt, c * k), dbt(DType::f32, k);
+      dbt.f.assign(k, -1.0f);
+      fc::update(ex, jb::dispatch(), s, x.data(), dz.data(), dw.data(), w_dt, dbt.f.data());
+      // a sum of 3001 products: bf16 inputs are exact in fp32, so only the output's rounding
+      close(dw, dw_ref, w_dt == DType::bf16 ? 1e-2 : 1e-4, "dw");
+      close(dbt, db_ref, 1e-4, "db");
+    }
+}
+
 TEST(fc_backward_and_update_read_the_first_k_columns_of_a_wider_dz) {
   // jb.lstm's da: rows ldz apart, extra columns (here NaN) never read. ldz = 1024 fp32 is a
   // 4 KiB row period (dx copies its A operand), 1040 is read in place.
