@@ -38,10 +38,10 @@ namespace {
 // about 1.5x faster than 256 (measured); the update writes its dw in longer row pieces.
 constexpr int64_t kCols = 128;
 
-// The update's chunk of re-blocked operands: well inside the last-level cache (32 MiB on the
-// Zen 4 measured; 8 MiB measured 185 GFLOP/s there against 152-167 for 4 and 16 MiB, fp32,
-// a batch of 8400, C = 1024, K = 2048, noisy).
-constexpr int64_t kChunkBytes = int64_t(8) << 20;
+// Activations this large stream from memory: the forward and backward then take turns of
+// N-blocks over re-blocked panels (weights_first), and an update whose re-blocked operands
+// are larger (and larger than dw) runs as the forward's pass over x^T (long_update).
+constexpr int64_t kLargeBytes = int64_t(8) << 20;
 
 // Forward (N x K output, reducing C) and backward (N x C output, reducing K) block alike.
 Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, int64_t threads,
@@ -76,7 +76,7 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   while (wf_cols > 32 && reduced * wf_cols * int64_t(dtype_size(kd)) > kPanelBytes / 4) wf_cols /= 2;
   b.weights_first = kd == DType::f32 && ceil_div(out_cols, wf_cols) >= 16 &&
                     ceil_div(s.n, b.rows) >= 2 * kItemsPerThread * threads &&
-                    s.n * reduced * int64_t(dtype_size(kd)) > kChunkBytes;
+                    s.n * reduced * int64_t(dtype_size(kd)) > kLargeBytes;
   if (b.weights_first) b.cols = wf_cols;
   return b;
 }
@@ -201,17 +201,10 @@ PlanCache<14, PanelPlan> forward_plans, backward_plans;
 // The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][bk / sub][Nb][bn][sub]
 // (VNNI pairs of n for bf16), both zero-padded to whole N-blocks; (C-block, K-block) items
 // of dw, each computed as one BRGEMM per sub-panel (sub_cols). A register tile streams its B
-// contiguously across the whole chunk. Measured (Intel Xeon, two threads, C++ loops over
+// contiguously across the whole batch. Measured (Intel Xeon, two threads, C++ loops over
 // fc::update, the LSTM's weight update at batch 8400): fp32 C = K = 1024 387-393 ms against
-// 409-418 with [bn][bk] blocks (1.05x), C = K = 256 1.04x, 512 equal.
-// A long batch (the LSTM's weight update reduces over every step and row) runs in chunks
-// of N-blocks whose re-blocked operands fit in the last-level cache: each chunk is
-// re-blocked and then reduced into dw while it is hot, instead of every item streaming its
-// operands from memory (measured 142 GFLOP/s at a batch of 8400 against 177 at 1024, fp32,
-// C = 1024, K = 2048). Chunks after the first accumulate, in fp32. Even when dw itself is
-// larger than the cache (C = 2048, K = 4096: 32 MiB re-read per chunk) chunks measured
-// faster or equal: fp32 152-168 against 127-148 GFLOP/s, bf16 251-342 against 246-281
-// (AMD Zen 4, 8 MiB chunks; chunk_blocks sizes them by dw too).
+// 409-418 with [bn][bk] blocks (1.05x), C = K = 256 1.04x, 512 equal. For a batch whose
+// re-blocked operands outgrow kLargeBytes and dw, see long_update.
 
 struct UpdatePlan {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
@@ -227,20 +220,18 @@ struct UpdatePlan {
         sub(sub_cols(b.cols, isa, kd)),
         nsub(ceil_div(b.cols, sub)),
         blk_sub(reblock::block_elems(b.red, sub, vnni)),
-        chunk(b.chunk > 0 ? std::min(b.chunk, nblk) : chunk_blocks(s, b.red, ks, nblk)),
-        chunks(ceil_div(nblk, chunk)),
-        dw32(chunks > 1 && dw_dt != DType::f32),
-        first(desc(s, dw32 ? DType::f32 : dw_dt, false, s.k), s.c, s.k, b.rows, sub, dp.isa),
-        rest(desc(s, DType::f32, true, s.k), s.c, s.k, b.rows, sub, dp.isa),
-        tile(desc(s, DType::f32, false, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
+        long_batch(nblk * b.red * (s.c + s.k) * int64_t(ks) >
+                   std::max(kLargeBytes, s.c * s.k * int64_t(sizeof(float)))),
+        kernels(desc(s, dw_dt, s.k), s.c, s.k, b.rows, sub, dp.isa),
+        tile(desc(s, DType::f32, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
 
-  // The item's block of dw (rows x cols at c), reduced over nbs N-blocks of the chunk: one
-  // BRGEMM per sub-panel, into c's columns (ldc and dtype as `kernels` were built).
-  void run(const KernelSet& kernels, int64_t rows, int64_t cols, const char* a, const char* bb, int64_t nbs,
-           char* c, size_t cs) const {
+  // The item's block of dw (rows x cols at c), reduced over every N-block: one BRGEMM per
+  // sub-panel, into c's columns (ldc and dtype as `kernels` were built).
+  void run(const KernelSet& kernels, int64_t rows, int64_t cols, const char* a, const char* bb, char* c,
+           size_t cs) const {
     for (int64_t j = 0; j < cols; j += sub)
-      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * chunk * blk_sub * int64_t(ks), blk_sub,
-                                                     nbs, c + j * int64_t(cs));
+      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * nblk * blk_sub * int64_t(ks), blk_sub,
+                                                     nblk, c + j * int64_t(cs));
   }
 
   const Blocking b;
@@ -250,10 +241,9 @@ struct UpdatePlan {
   const size_t ks;
   const int64_t cblk, kblk, nblk, blk_a;
   const int64_t sub, nsub, blk_sub;  // sub-panel width, sub-panels per K-block, one's block
-  const int64_t chunk, chunks;  // N-blocks per chunk, chunks
-  const bool dw32;              // chunks accumulate in an fp32 copy of a bf16 dw
-  const KernelSet first, rest;  // the first chunk's (writes dw) and the others' (accumulate)
-  const KernelSet tile;         // update_sgd's: one block of dw into a b.cols-wide tile
+  const bool long_batch;  // re-blocked operands above kLargeBytes and dw: long_update's
+  const KernelSet kernels;  // one block of dw, stored in dw's dtype
+  const KernelSet tile;     // update_sgd's: one block of dw into a b.cols-wide tile
 
  private:
   static Blocking fixed(Blocking b, const Shape& s, bool vnni) {
@@ -262,18 +252,7 @@ struct UpdatePlan {
     if (vnni) b.red = round_up(b.red, 2);
     return b;
   }
-  // N-blocks per chunk: re-blocked operands of kChunkBytes, or of dw's fp32 size when that
-  // is larger: every chunk reads and writes all of dw, and a chunk whose operands are
-  // smaller than dw spends more on that round trip than on its operands. Measured (Intel
-  // Xeon, fp32, batch 8400, C = 2048, K = 4096, the LSTM's at C = K = 1024: a 32 MiB dw):
-  // 8 MiB chunks 205-215 GFLOP/s, 16 MiB 226-234, 31 MiB 234-244, 47 MiB 234, 63 MiB 216,
-  // one chunk 118.
-  static int64_t chunk_blocks(const Shape& s, int64_t red, size_t ks, int64_t nblk) {
-    const int64_t per_block = red * (s.c + s.k) * int64_t(ks);
-    const int64_t bytes = std::max(kChunkBytes, s.c * s.k * int64_t(sizeof(float)));
-    return std::clamp<int64_t>(bytes / std::max<int64_t>(1, per_block), 1, nblk);
-  }
-  BrgemmDesc desc(const Shape& s, DType out, bool accumulate, int64_t ldc) const {
+  BrgemmDesc desc(const Shape& s, DType out, int64_t ldc) const {
     // dw is stored straight from the register tiles, with plain stores: inside a training
     // step the optimizer reads it next, from cache. (Non-temporal stores measured 1.4-2.5x
     // slower there: the optimizer then reads dw back from memory.)
@@ -284,7 +263,6 @@ struct UpdatePlan {
     d.ldc = ldc;
     d.ab = kd;
     d.c = out;
-    d.accumulate = accumulate;
     return d;
   }
 };
@@ -292,15 +270,16 @@ struct UpdatePlan {
 PlanCache<15, UpdatePlan> update_plans;
 
 // ---------------------------------------------------------------------------------------
-// The update of a batch the chunked plan would split (the LSTM's reduces over every step and
-// row): dw = x^T dz as the forward's panel pass, x^T (transposed once into scratch,
-// zero-padded to whole reduction blocks) the activations and dz the weights. Every block of
-// dw is reduced over the whole batch in one BRGEMM call and written once; the chunked plan
-// instead stores and reloads dw once per chunk, and each of its items reads its dz panel
-// from L3 for only 96 rows of dw (the item's calls alone on one core: 111 GFLOP/s with all
-// in L2, 98 with that panel from L3). Measured (AMD Zen 4, two threads, C++ loops over
-// fc::update, batch 8400, C x K = the LSTM's (C + K) x 4K, ms before / after): fp32 C = K =
-// 256 62-66 / 53-55, 512 229-234 / 197-203, 1024 773-804 / 732-763; bf16 1.03-1.20x.
+// The update of a long batch (the LSTM's reduces over every step and row): dw = x^T dz as
+// the forward's panel pass, x^T (transposed once into scratch, zero-padded to whole
+// reduction blocks) the activations and dz the weights. Every block of dw is reduced over
+// the whole batch in one BRGEMM call and written once. It replaced chunks of N-blocks
+// re-blocked as UpdatePlan's while in L3, whose items stored and reloaded dw once per chunk
+// and read their dz panel from L3 for only 96 rows of dw (the item's calls alone on one core:
+// 111 GFLOP/s with all in L2, 98 with that panel from L3). Measured (AMD Zen 4, two threads,
+// C++ loops over fc::update, batch 8400, C x K = the LSTM's (C + K) x 4K, ms chunks / this):
+// fp32 C = K = 256 62-66 / 53-55, 512 229-234 / 197-203, 1024 773-804 / 732-763; bf16
+// 1.03-1.20x.
 
 struct LongUpdatePlan {
   LongUpdatePlan(const Dispatch& dp, const Shape& s, DType dw_dt, int64_t threads)
@@ -495,7 +474,7 @@ std::array<int64_t, 15> update_key(int64_t threads, const Dispatch& dp, const Sh
   const Key k14 = key_of(s, false, threads, dp, force);
   std::array<int64_t, 15> key;
   std::copy(k14.begin(), k14.end(), key.begin());
-  key[14] = int64_t(dw_dt) + 16 * (force ? force->chunk : 0);
+  key[14] = int64_t(dw_dt);
   return key;
 }
 
@@ -506,47 +485,42 @@ const UpdatePlan& update_plan(int64_t threads, const Dispatch& dp, const Shape& 
   });
 }
 
-// Both passes of every chunk: re-block its operands (and sum db over it), then call
-// item(i, chunk, nbs, xt, dzb) for each (C-block, K-block) item of dw, whose BRGEMM reduces
-// over the chunk's nbs N-blocks.
+// Both passes: re-block the operands (and sum db), then call item(i, xt, dzb) for each
+// (C-block, K-block) item of dw, whose BRGEMM reduces over every N-block.
 template <class Item>
-void update_chunks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
+void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
                    const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
   const Blocking& b = p.b;
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
-  const View<char, 2> xt(xt_buf, {p.cblk * p.chunk, int64_t(p.blk_a * p.ks)});   // [Cb][chunk] blocks
-  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.chunk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][chunk] blocks
-  for (int64_t ch = 0; ch < p.chunks; ++ch) {
-    const int64_t nb0 = ch * p.chunk, nbs = std::min(p.chunk, p.nblk - nb0);
-    parallel_for(ex, p.cblk * nbs + p.kblk, [&](int64_t i) {
-      if (i < p.cblk * nbs) {  // x^T block (cb, nb)
-        const int64_t cb = i / nbs, c0 = cb * b.rows, n0 = (nb0 + i % nbs) * b.red;
-        reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
-                      std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(cb * p.chunk + i % nbs),
-                      p.isa);
-        return;
-      }
-      const int64_t kb = i - p.cblk * nbs, k0 = kb * b.cols;  // dz column panel kb
-      const int64_t cols = std::min(b.cols, s.k - k0);
-      if (db && ch == 0) std::fill(db + k0, db + k0 + cols, 0.0f);
-      for (int64_t nb = 0; nb < nbs; ++nb) {
-        const int64_t n0 = (nb0 + nb) * b.red, rows = std::min(b.red, s.n - n0);
-        const void* src = at(dz, s.dt, n0 * ldz + k0);
-        for (int64_t j = 0; j < cols; j += p.sub)
-          reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
-                        p.vnni, dzb.at(kb, j / p.sub * p.chunk + nb), p.isa);
-        if (db)
-          with_type(s.dt, [&](auto ts) {
-            using T = decltype(ts);
-            const T* t = static_cast<const T*>(src);
-            for (int64_t r = 0; r < rows; ++r)
-              for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * ldz + j]);
-          });
-      }
-    });
-    // C-block major: an x^T panel is reused
-    parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) { item(i, ch, nbs, xt.at(i / p.kblk * p.chunk), dzb.at(i % p.kblk)); });
-  }
+  const View<char, 2> xt(xt_buf, {p.cblk * p.nblk, int64_t(p.blk_a * p.ks)});   // [Cb][Nb] blocks
+  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.nblk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][Nb] blocks
+  parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
+    if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
+      const int64_t cb = i / p.nblk, c0 = cb * b.rows, n0 = i % p.nblk * b.red;
+      reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
+                    std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(i), p.isa);
+      return;
+    }
+    const int64_t kb = i - p.cblk * p.nblk, k0 = kb * b.cols;  // dz column panel kb
+    const int64_t cols = std::min(b.cols, s.k - k0);
+    if (db) std::fill(db + k0, db + k0 + cols, 0.0f);
+    for (int64_t nb = 0; nb < p.nblk; ++nb) {
+      const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
+      const void* src = at(dz, s.dt, n0 * ldz + k0);
+      for (int64_t j = 0; j < cols; j += p.sub)
+        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
+                      p.vnni, dzb.at(kb, j / p.sub * p.nblk + nb), p.isa);
+      if (db)
+        with_type(s.dt, [&](auto ts) {
+          using T = decltype(ts);
+          const T* t = static_cast<const T*>(src);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * ldz + j]);
+        });
+    }
+  });
+  // C-block major: an x^T panel is reused
+  parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) { item(i, xt.at(i / p.kblk * p.nblk), dzb.at(i % p.kblk)); });
 }
 
 // One row piece of the SGD step (see fc.h), g the gradient of w.
@@ -557,7 +531,7 @@ void sgd_row(const Sgd& o, const float* g, float* w, float* m, int64_t cols, Isa
 }  // namespace
 
 bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp) {
-  return s.n > 0 && s.c > 0 && s.k > 0 && update_plan(threads, dp, s, DType::f32, nullptr).chunks > 1;
+  return s.n > 0 && s.c > 0 && s.k > 0 && update_plan(threads, dp, s, DType::f32, nullptr).long_batch;
 }
 
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
@@ -569,30 +543,21 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     return;
   }
   const UpdatePlan& p = update_plan(ex.num_threads, dp, s, dw_dt, force);
-  if (p.chunks > 1 && !force)
+  if (p.long_batch && !force)
     return long_update(ex, dp, s, x, dz, dw, dw_dt, db, update_key(ex.num_threads, dp, s, dw_dt, force));
   const Blocking& b = p.b;
-  const auto buf = Scratch::get<3>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
-                                    size_t(p.kblk * p.chunk * p.nsub * p.blk_sub) * p.ks,
-                                    p.dw32 ? size_t(s.c * s.k) * sizeof(float) : 0});
-  char* const out = p.dw32 ? buf[2] : static_cast<char*>(dw);
-  const size_t os = p.dw32 ? sizeof(float) : dtype_size(dw_dt);
-  update_chunks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, int64_t ch, int64_t nbs, char* a, char* bb) {
+  const auto buf = Scratch::get<2>(
+      {size_t(p.cblk * p.nblk * p.blk_a) * p.ks, size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks});
+  const size_t os = dtype_size(dw_dt);
+  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
     const int64_t c0 = i / p.kblk * b.rows, k0 = i % p.kblk * b.cols;
     const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-    p.run(ch ? p.rest : p.first, rows, cols, a, bb, nbs, out + (c0 * s.k + k0) * int64_t(os), os);
+    p.run(p.kernels, rows, cols, a, bb, static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), os);
   });
-  if (p.dw32)  // the fp32 sums into the bf16 dw, a C-row per item
-    parallel_for(ex, s.c, [&](int64_t c) {
-      const float* src = reinterpret_cast<const float*>(out) + c * s.k;
-      uint16_t* dst = static_cast<uint16_t*>(dw) + c * s.k;
-      for (int64_t j = 0; j < s.k; ++j) dst[j] = f32_to_bf16(src[j]);
-    });
 }
 
-// The fused step: with one chunk, an item's block of dw goes to a leased tile (L1/L2) and is
-// applied from there, so dw never reaches memory; a longer batch computes the whole dw first
-// (every block must be whole before it is applied).
+// The fused step: an item's block of dw goes to a leased tile (L1/L2) and is applied from
+// there, so dw never reaches memory; a long batch computes the whole dw first (long_update).
 void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
                 const Sgd& o, float* w, float* mw, float* b, float* mb) {
   if (s.c <= 0 || s.k <= 0) return;
@@ -605,8 +570,8 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
     return;
   }
   const UpdatePlan& p = update_plan(ex.num_threads, dp, s, DType::f32, nullptr);
-  if (p.chunks > 1) {  // a long batch: the whole gradient first, in buffers of its own (update
-                       // takes this thread's scratch)
+  if (p.long_batch) {  // the whole gradient first, in buffers of its own (update takes this
+                       // thread's scratch)
     const std::unique_ptr<float[]> g(new float[size_t(s.c * s.k)]), gb(b ? new float[size_t(s.k)] : nullptr);
     update(ex, dp, s, x, dz, g.get(), DType::f32, gb.get());
     parallel_for(ex, s.c, [&](int64_t c) { sgd_row(o, g.get() + c * s.k, w + c * s.k, mw + c * s.k, s.k, isa); });
@@ -615,13 +580,13 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
   }
   const Blocking& bl = p.b;
   const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
-  const auto buf = Scratch::get<4>({size_t(p.cblk * p.chunk * p.blk_a) * p.ks,
-                                    size_t(p.kblk * p.chunk * p.nsub * p.blk_sub) * p.ks,
+  const auto buf = Scratch::get<4>({size_t(p.cblk * p.nblk * p.blk_a) * p.ks,
+                                    size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks,
                                     Scratch::aligned(tile_bytes) * size_t(ex.num_threads),
                                     b ? size_t(s.k) * sizeof(float) : 0});
   float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;
   PanelPool tiles(buf[2], Scratch::aligned(tile_bytes), ex.num_threads);
-  update_chunks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, int64_t, int64_t nbs, char* a, char* bb) {
+  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
     const int64_t c0 = i / p.kblk * bl.rows, k0 = i % p.kblk * bl.cols;
     const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
     // The block's parameters and momenta start on their way from memory now and are in
@@ -634,7 +599,7 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
       }
     const PanelPool::Lease tile(tiles);
     float* t = reinterpret_cast<float*>(tile.data);
-    p.run(p.tile, rows, cols, a, bb, nbs, reinterpret_cast<char*>(t), sizeof(float));
+    p.run(p.tile, rows, cols, a, bb, reinterpret_cast<char*>(t), sizeof(float));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t off = (c0 + r) * s.k + k0;
       sgd_row(o, t + r * bl.cols, w + off, mw + off, cols, isa);

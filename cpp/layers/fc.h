@@ -45,9 +45,9 @@ Saved saved_for(Activation act);
 Blocking forward_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking backward_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 Blocking update_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
-// Whether update() computes a batch this long as the forward's pass over x^T (one BRGEMM
-// over the whole batch per block of dw) rather than in cache-sized chunks of
-// update_blocking's blocks; a forced blocking always takes the chunks.
+// Whether update() computes a batch this long as the forward's pass over x^T (its operands
+// re-blocked in update_blocking's blocks would outgrow the cache); a forced blocking always
+// takes those blocks.
 bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp);
 
 // Every pass finds its plan (blocking, kernels, work split, scratch sizes) in a cache keyed

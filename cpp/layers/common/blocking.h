@@ -21,7 +21,6 @@ inline DType multiply_dtype(DType dt, const Dispatch& dp) {
 // reduced dimension (one BRGEMM batch element).
 struct Blocking {
   int64_t rows = 0, cols = 0, red = 0;
-  int64_t chunk = 0;  // weight updates: reduction blocks per cache-sized chunk (0: by size)
   // Forward and backward: re-block the whole weight first, then let each N-block run past
   // every panel (its rows of the activations stay in L2), instead of each panel's item
   // running past every N-block.
