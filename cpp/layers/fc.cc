@@ -283,17 +283,14 @@ PlanCache<15, UpdatePlan> update_plans;
 
 struct LongUpdatePlan {
   LongUpdatePlan(const Dispatch& dp, const Shape& s, DType dw_dt, int64_t threads)
-      : kd(multiply_dtype(s.dt, dp)),
-        ks(int64_t(dtype_size(kd))),
-        red(padded_block(s.n, kd == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256)),
-        ld(round_up(s.n, red) * ks % 4096 ? round_up(s.n, red) : round_up(s.n, red) + 64 / ks),
-        xt{s.c, round_up(s.n, red), s.k, kd},
+      : red(padded_block(s.n, multiply_dtype(s.dt, dp) == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256)),
+        xt{s.c, round_up(s.n, red), s.k, multiply_dtype(s.dt, dp)},
+        ld(xt.c * int64_t(dtype_size(xt.dt)) % 4096 ? xt.c : xt.c + 64 / int64_t(dtype_size(xt.dt))),
         plan(dp, xt, blocking(dp, xt, red, threads), s.k, xt.c, ld, false, Activation::none, threads, dw_dt) {}
 
-  const DType kd;
-  const int64_t ks, red;
+  const int64_t red;
+  const Shape xt;    // the forward's shape: x^T (C x padded N, the multiply dtype) times dz
   const int64_t ld;  // of x^T, whose rows are never a multiple of 4 KiB apart
-  const Shape xt;    // the forward's shape: x^T (C x padded N) times dz
   const PanelPlan plan;
 
  private:
@@ -306,6 +303,16 @@ struct LongUpdatePlan {
 
 PlanCache<15, LongUpdatePlan> long_update_plans;
 
+// acc[j] += the sum over rows of src[r * ld + j] (db from a piece of dz).
+void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows, int64_t cols, float* acc) {
+  with_type(dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* t = static_cast<const T*>(src);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(t[r * ld + j]);
+  });
+}
+
 // Rows of x^T a transposing item writes.
 constexpr int64_t kTransposeRows = 16;
 
@@ -315,20 +322,21 @@ void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const v
   const PanelPlan& p = lp.plan;
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
   const size_t os = dtype_size(dw_dt);
+  const int64_t ks = int64_t(p.ks);
   p.run_with(
-      ex, size_t(s.c * lp.ld * lp.ks),
+      ex, size_t(s.c * lp.ld * ks),
       [&](char* xt) {
         parallel_for(ex, ceil_div(s.c, kTransposeRows), [&](int64_t i) {
           const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
-          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, lp.kd, false,
-                        xt + c0 * lp.ld * lp.ks, dp.isa);
+          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, p.kd, false, xt + c0 * lp.ld * ks,
+                        dp.isa);
         });
         return const_cast<const char*>(xt);
       },
       [&](int64_t k0, int64_t cols, int64_t r, char* dst) {
         const int64_t n0 = r * lp.red;
         reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp.red, s.n - n0), cols, lp.red,
-                      p.b.cols, lp.kd, p.vnni, dst, dp.isa);
+                      p.b.cols, p.kd, p.vnni, dst, dp.isa);
       },
       [&](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), nullptr);
@@ -337,12 +345,7 @@ void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const v
     parallel_for(ex, ceil_div(s.k, kCols), [&](int64_t i) {
       const int64_t k0 = i * kCols, cols = std::min(kCols, s.k - k0);
       float sum[kCols] = {};
-      with_type(s.dt, [&](auto ts) {
-        using T = decltype(ts);
-        const T* t = static_cast<const T*>(dz) + k0;
-        for (int64_t n = 0; n < s.n; ++n)
-          for (int64_t j = 0; j < cols; ++j) sum[j] += to_f32(t[n * ldz + j]);
-      });
+      add_column_sums(at(dz, s.dt, k0), s.dt, ldz, s.n, cols, sum);
       std::copy(sum, sum + cols, db + k0);
     });
 }
@@ -510,13 +513,7 @@ void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, cons
       for (int64_t j = 0; j < cols; j += p.sub)
         reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
                       p.vnni, dzb.at(kb, j / p.sub * p.nblk + nb), p.isa);
-      if (db)
-        with_type(s.dt, [&](auto ts) {
-          using T = decltype(ts);
-          const T* t = static_cast<const T*>(src);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < cols; ++j) db[k0 + j] += to_f32(t[r * ldz + j]);
-        });
+      if (db) add_column_sums(src, s.dt, ldz, rows, cols, db + k0);
     }
   });
   // C-block major: an x^T panel is reused
