@@ -4,7 +4,8 @@
 //   jb_lstm_fwd   x (N, T, C) | (T, N, C), w (C, 4K), r (K, 4K), bias (4K,) f32,
 //                 c0 (N, K) f32, h0 (N, K)
 //                 -> y (x's layout, K features), c_T (N, K) f32, h_T (N, K),
-//                    gates (T, N, 4K, x's dtype), cs (T, N, K) f32 and xh (x's layout,
+//                    gates (T, ceil(K / B), N, 4B, x's dtype; B = lstm::gate_block),
+//                    cs (T, N, K) f32 and xh (x's layout,
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
 //                 attrs time_major, variant (0 automatic, 1 fused, 2 precompute)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
@@ -32,6 +33,12 @@ bool dims_are(ffi::AnyBuffer::Dimensions d, const std::vector<int64_t>& want) {
   for (size_t i = 0; i < want.size(); ++i)
     if (d[i] != want[i]) return false;
   return true;
+}
+
+// The saved gates' dimensions (lstm.h: gate_block).
+std::vector<int64_t> gate_dims(const lstm::Shape& s) {
+  const int64_t b = lstm::gate_block(s, dispatch());
+  return {s.t, (s.k + b - 1) / b, s.n, 4 * b};
 }
 
 std::string shape_str(const std::vector<int64_t>& v) {
@@ -85,7 +92,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const bool save = gates->element_count() != 0 || cs->element_count() != 0 || xh->element_count() != 0;
   const lstm::Shape s{t, n, c, k, dt, time_major};
   if (save) {
-    JB_SHAPE(op, "gates", gates->dimensions(), {t, n, g});
+    JB_SHAPE(op, "gates", gates->dimensions(), gate_dims(s));
     JB_SHAPE(op, "cs", cs->dimensions(), {t, n, k});
     const int64_t width = lstm::saved_width(s, dispatch());
     JB_SHAPE(op, "xh", xh->dimensions(), time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
@@ -130,12 +137,12 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   const int64_t t = time_major ? yd[0] : yd[1], n = time_major ? yd[1] : yd[0];
   JB_SHAPE(op, "r", rd, {k, g});
   JB_SHAPE(op, "dy", yd, time_major ? std::vector<int64_t>{t, n, k} : std::vector<int64_t>{n, t, k});
-  JB_SHAPE(op, "gates", gates.dimensions(), {t, n, g});
+  const lstm::Shape s{t, n, 0, k, dt, time_major};
+  JB_SHAPE(op, "gates", gates.dimensions(), gate_dims(s));
   JB_SHAPE(op, "cs", cs.dimensions(), {t, n, k});
   JB_SHAPE(op, "c0", c0.dimensions(), {n, k});
   JB_SHAPE(op, "dc_last", dc_last.dimensions(), {n, k});
   JB_SHAPE(op, "dh_last", dh_last.dimensions(), {n, k});
-  const lstm::Shape s{t, n, 0, k, dt, time_major};
   const int64_t width = lstm::da_width(s);
   JB_SHAPE(op, "da", da->dimensions(),
            time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});

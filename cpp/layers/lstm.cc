@@ -58,6 +58,27 @@ inline int64_t padded_ld(int64_t cols, size_t es, int64_t stride = 1) {
   return cols + 1;  // stride a multiple of 64 rows: an odd pad breaks the 4 KiB period
 }
 
+// The saved gates: each step's in K-blocks of bc columns (gate_block; the last one padded to
+// bc), [K-block][n][gate][bc], so that the backward cell reads its tile's gates as one
+// contiguous piece rather than as row pieces 4K apart.
+struct GateLayout {
+  int64_t n, bc, kblk;
+  int64_t row() const { return kGates * bc; }
+  int64_t step() const { return kblk * n * row(); }
+  // Element offset of (t, row r, gate 0, column k).
+  int64_t at(int64_t t, int64_t r, int64_t k) const { return t * step() + (k / bc * n + r) * row() + k % bc; }
+};
+
+// Calls f(k, cols) for the pieces of columns [k0, k0 + cols) within one block of bc columns.
+template <class F>
+void for_pieces(int64_t k0, int64_t cols, int64_t bc, F&& f) {
+  for (int64_t k = k0, end = k0 + cols; k < end;) {
+    const int64_t e = std::min(end, (k / bc + 1) * bc);
+    f(k, e - k);
+    k = e;
+  }
+}
+
 inline char* off(void* p, int64_t elems, size_t es) { return static_cast<char*>(p) + elems * int64_t(es); }
 inline const char* off(const void* p, int64_t elems, size_t es) {
   return static_cast<const char*>(p) + elems * int64_t(es);
@@ -94,7 +115,7 @@ inline void stream_fence() {
 }
 
 struct CellFwd {
-  int64_t rows, cols, k;  // tile; k = hidden size
+  int64_t rows, cols;  // tile
   const float* g;         // activated gates at (n0, k0) of gate 0, gate q at column q * gk
   int64_t ldg, gk;        // of the step's gate buffer (ldg 4K, gk K) or an item's gate tile
   const float* cp;  // c_{t-1}, leading dim ldc
@@ -104,21 +125,22 @@ struct CellFwd {
   int64_t ldy;
   void* h;  // h_t in the multiply dtype for the next step, leading dim ldh; or null
   int64_t ldh;
-  void* saved;  // where the cell saves the activated gates (dt) at (t, n0, k0), leading dim 4K; or null
+  void* saved;  // where the cell saves the activated gates (dt) at (t, n0, k0); or null
+  int64_t lds, sk;  // its rows' stride and gate q's column offset (GateLayout)
 };
 
 template <class Ty, class Th, bool H, bool G>
 JB_INLINE void cell_fwd_rows(const CellFwd& a) {
   // fp32 gates are saved as they are: streamed from the tile after each row (below).
   constexpr bool S = G && std::is_same_v<Ty, float>;
-  const int64_t rows = a.rows, cols = a.cols, k = a.k, gk = a.gk;
+  const int64_t rows = a.rows, cols = a.cols, gk = a.gk, sk = a.sk;
   for (int64_t r = 0; r < rows; ++r) {
     const float* gi = a.g + r * a.ldg;
     const float* cp = a.cp + r * a.ldc;
     float* cn = a.cn + r * a.ldc;
     Ty* y = static_cast<Ty*>(a.y) + r * a.ldy;
     Th* h = H ? static_cast<Th*>(a.h) + r * a.ldh : nullptr;
-    Ty* sv = G ? static_cast<Ty*>(a.saved) + r * kGates * k : nullptr;
+    Ty* sv = G ? static_cast<Ty*>(a.saved) + r * a.lds : nullptr;
     // c_t, y and the saved gates go to memory nothing has touched yet: ask for the row two
     // ahead's lines for writing now, so their read-for-ownership overlaps this row's work.
     // Measured (Intel Xeon with AMX, T = 50, N = 168, C = K = 512, C++ loops over
@@ -130,7 +152,7 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       for (int64_t j = 0; j < cols; j += int64_t(64 / sizeof(Ty))) {
         __builtin_prefetch(y + 2 * a.ldy + j, 1, 3);
         if constexpr (G && !S)
-          for (int q = 0; q < kGates; ++q) __builtin_prefetch(sv + 2 * kGates * k + q * k + j, 1, 3);
+          for (int q = 0; q < kGates; ++q) __builtin_prefetch(sv + 2 * a.lds + q * sk + j, 1, 3);
       }
     }
     // No loop-carried dependencies: c_t may overwrite c_{t-1} in place, element by element.
@@ -142,10 +164,10 @@ JB_INLINE void cell_fwd_rows(const CellFwd& a) {
       y[j] = from_f32<Ty>(hv);
       if constexpr (H) h[j] = from_f32<Th>(hv);
       if constexpr (G && !S)
-        for (int q = 0; q < kGates; ++q) sv[q * k + j] = from_f32<Ty>(gi[q * gk + j]);
+        for (int q = 0; q < kGates; ++q) sv[q * sk + j] = from_f32<Ty>(gi[q * gk + j]);
     }
     if constexpr (S)
-      for (int q = 0; q < kGates; ++q) stream_bytes(sv + q * k, gi + q * gk, size_t(cols) * sizeof(float));
+      for (int q = 0; q < kGates; ++q) stream_bytes(sv + q * sk, gi + q * gk, size_t(cols) * sizeof(float));
   }
 }
 
@@ -157,8 +179,8 @@ JB_INLINE void cell_fwd_loop(const CellFwd& a) {
 
 struct CellBwd {
   int64_t rows, cols, k;
-  const void* g;  // saved activated gates (dt) at (n0, k0) of gate 0, leading dim ldg
-  int64_t ldg;
+  const void* g;  // saved activated gates (dt) at (n0, k0) of gate 0, rows ldg apart,
+  int64_t ldg, gk;  // gate q at column q * gk (GateLayout)
   const float* c;   // c_t, leading dim ldc (also of cp, dhr, dc)
   const float* cp;  // c_{t-1}
   int64_t ldc;
@@ -181,6 +203,7 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
   const int64_t rows = a.rows, cols = a.cols, k = a.k;
   for (int64_t r = 0; r < rows; ++r) {
     const Tx* g = static_cast<const Tx*>(a.g) + r * a.ldg;
+    const int64_t gk = a.gk;
     const float* c = a.c + r * a.ldc;
     const float* cp = a.cp + r * a.ldc;
     const float* dhr = a.dhr + r * a.ldc;
@@ -208,7 +231,7 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
 #pragma GCC ivdep
     for (int64_t j = 0; j < cols; ++j) {
       const float dh = to_f32(dy[j]) + dhr[j];
-      const float i = to_f32(g[j]), f = to_f32(g[k + j]), gg = to_f32(g[2 * k + j]), o = to_f32(g[3 * k + j]);
+      const float i = to_f32(g[j]), f = to_f32(g[gk + j]), gg = to_f32(g[2 * gk + j]), o = to_f32(g[3 * gk + j]);
       const float tc = tanh_f(c[j]);
       const float dcur = dc[j] + dh * o * (1.0f - tc * tc);
       const float da_i = dcur * gg * i * (1.0f - i);
@@ -328,6 +351,11 @@ void pack_stacked(const void* w, const void* r, DType w_dt, int64_t hoff, int64_
   reblock::pack(stage, w_dt, cols, false, wrows + rrows, cols, red, bc, kd, vnni, dst, isa);
 }
 
+GateLayout gate_layout(const Shape& s, const Dispatch& dp) {
+  const int64_t bc = gate_block(s, dp);
+  return {s.n, bc, ceil_div(s.k, bc)};
+}
+
 // ---------------------------------------------------------------------------------------
 // The forward's plan.
 //
@@ -354,6 +382,7 @@ struct FwdPlan {
         sub(sub_cols(b.cols, isa, kd)),
         nsub(ceil_div(b.cols, sub)),
         groups(kblk, nblk, threads),
+        gl(gate_layout(s, dp)),
         cell(pick_fwd(s.dt, kd, dp.isa)) {
     if (b.cols > kMaxCols) throw std::invalid_argument("lstm forward: K-blocks are at most 128 columns");
     // The per-step batch: the blocks of [x | h] (fused) or of h (precompute).
@@ -409,6 +438,7 @@ struct FwdPlan {
   const int64_t kblk, nblk;
   const int64_t sub, nsub;  // sub-panel width and sub-panels per K-block
   const WorkGroups groups;
+  const GateLayout gl;  // of the saved gates
   void (*const cell)(const CellFwd&);
   // h's column in A, the padded reduction, A's columns and the rows between (t, n) and
   // (t, n + 1) in A.
@@ -454,6 +484,7 @@ struct BwdPlan {
         width(da_width(s)),
         ldda(padded_ld(kGates * s.k, ks)),
         groups(kblk, nblk, threads),
+        gl(gate_layout(s, dp)),
         kernels(desc(), s.n, s.k, b.rows, sub, dp.isa),
         cell(pick_bwd(s.dt, kd, dp.isa)) {}
 
@@ -477,6 +508,7 @@ struct BwdPlan {
   const int64_t kblk, nblk, red, rblk, sub, nsub, blk;  // blk: one sub-panel's block
   const int64_t width, ldda;  // the rows of da and of its copies
   const WorkGroups groups;
+  const GateLayout gl;  // of the saved gates
   const KernelSet kernels;
   void (*const cell)(const CellBwd&);
 };
@@ -550,6 +582,12 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 // should change.
 Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant::fused; }
 
+// Measured (AMD EPYC Zen 4, fp32, T = 50, C++ loops over lstm::forward and lstm::bptt, six
+// alternating pairs): against the gates saved as (T, N, 4K) rows, bptt 1.01-1.04x at N = 168,
+// C = K = 1024 (32-column blocks) and 1.05x at N = 64; the forward and 256 / 512 (128-column
+// blocks) equal.
+int64_t gate_block(const Shape& s, const Dispatch& dp) { return bptt_blocking(s, 1, dp).cols; }
+
 int64_t da_width(const Shape& s) { return padded_ld(kGates * s.k, dtype_size(s.dt)); }
 
 int64_t saved_width(const Shape& s, const Dispatch& dp) {
@@ -582,8 +620,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   // measured (AMD EPYC Zen 4, fp32, T = 50, N = 168, C++ loops over lstm::forward, medians of
   // 25 interleaved pairs) 1.04-1.08x at C = K = 256, 1.01-1.02x at 512, against the BRGEMMs
   // writing the gates to the saved array themselves, which had beaten a copy by ordinary
-  // stores (0.93-0.99x). Precompute's fp32 gates are in memory already: saved in place.
-  const bool gates_in_place = save && s.dt == DType::f32 && !fused;
+  // stores (0.93-0.99x). Precompute saves them from its gate buffer the same way.
   const bool tiles = fused;
   const int64_t K = s.k, G4 = kGates * s.k, N = s.n, T = s.t;
   const size_t ks = p.ks;
@@ -598,7 +635,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   const size_t panels = size_t(kGates * p.kblk * p.nsub * p.rblk * p.blk) * ks;
   const size_t xpanels = fused ? 0 : size_t(kGates * p.kblk * p.nsub * p.xblk * p.blk_x) * ks;
   const size_t abuf = a_is_xh ? 0 : size_t((fused ? T : 2) * N * p.lda) * ks;
-  const size_t gbuf = fused || gates_in_place ? 0 : size_t(T * N * G4) * sizeof(float);
+  const size_t gbuf = fused ? 0 : size_t(T * N * G4) * sizeof(float);
   const size_t xbuf = !fused && p.x_copy ? size_t(T * N * p.ldx) * ks : 0;
   const size_t stage = size_t(kMaxRed * kMaxCols) * dtype_size(w_dt);
   const int64_t stages = std::max<int64_t>(1, ex.num_threads);
@@ -609,7 +646,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   char* const wp = buf[0];
   char* const xp = buf[1];
   char* const ab = a_is_xh ? static_cast<char*>(xh) : buf[2];
-  float* const gs = gates_in_place ? static_cast<float*>(gates) : reinterpret_cast<float*>(buf[3]);
+  float* const gs = reinterpret_cast<float*>(buf[3]);
   char* const xc = buf[4];
   // Step t's A and (t, n0)'s row in it.
   auto a_step = [&](int64_t t) { return ab + (fused ? row_of(s, t, 0) * p.lda : t % 2 * N * p.lda) * ks; };
@@ -705,11 +742,14 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
             (*(tiles ? p.step_tile : p.step)[g])(rows, std::min(p.sub, cols - j * p.sub))
                 .strided(a_t + n0 * p.astride * ks, p.red, wp + p.panel(g, kb, j, p.rblk, p.blk) * ks, p.blk,
                          p.rblk, g0 + g * gk + j * p.sub, fused ? bias + g * K + k0 + j * p.sub : nullptr);
-        CellFwd c{rows, cols, K, g0, ldg, gk, c_prev + n0 * K + k0, c_next + n0 * K + k0, K,
-                  off(y, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
-                  h_next ? h_next + (n0 * p.astride + k0) * ks : nullptr, p.astride,
-                  save && !gates_in_place ? off(gates, (t * N + n0) * G4 + k0, es) : nullptr};
-        p.cell(c);
+        // The cell per piece of the tile within one block of the saved gates.
+        for_pieces(k0, cols, save ? p.gl.bc : K, [&](int64_t k, int64_t w) {
+          CellFwd c{rows, w, g0 + (k - k0), ldg, gk, c_prev + n0 * K + k, c_next + n0 * K + k, K,
+                    off(y, row_of(s, t, n0) * K + k, es), row_step(s) * K,
+                    h_next ? h_next + (n0 * p.astride + k) * ks : nullptr, p.astride,
+                    save ? off(gates, p.gl.at(t, n0, k), es) : nullptr, p.gl.row(), p.gl.bc};
+          p.cell(c);
+        });
       }
       stream_fence();
     });
@@ -797,11 +837,14 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const void* r,
         if (t + 1 < T) recurrent(kb, n0, rows, cols, a_next);
         else if (dh_last) copy_rows(off(dh_last, n0 * K + k0, es), s.dt, K, dh_in, DType::f32, K, rows, cols, cols);
         else for (int64_t q = 0; q < rows; ++q) std::fill_n(dh_in + q * K, cols, 0.0f);
-        CellBwd c{rows, cols, K, off(gates, (t * N + n0) * G4 + k0, es), G4, cs + (t * N + n0) * K + k0,
-                  c_prev + n0 * K + k0, K, dh_in, off(dy, row_of(s, t, n0) * K + k0, es), row_step(s) * K,
-                  dc0 + n0 * K + k0, off(da, row_of(s, t, n0) * p.width + k0, es), row_step(s) * p.width,
-                  a_t + (n0 * p.ldda + k0) * ks, p.ldda, dbp + nb * G4 + k0};
-        p.cell(c);
+        for_pieces(k0, cols, p.gl.bc, [&](int64_t k, int64_t w) {
+          CellBwd c{rows, w, K, off(gates, p.gl.at(t, n0, k), es), p.gl.row(), p.gl.bc,
+                    cs + (t * N + n0) * K + k, c_prev + n0 * K + k, K, dhr + n0 * K + k,
+                    off(dy, row_of(s, t, n0) * K + k, es), row_step(s) * K, dc0 + n0 * K + k,
+                    off(da, row_of(s, t, n0) * p.width + k, es), row_step(s) * p.width,
+                    a_t + (n0 * p.ldda + k) * ks, p.ldda, dbp + nb * G4 + k};
+          p.cell(c);
+        });
       }
       stream_fence();
     });

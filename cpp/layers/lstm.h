@@ -28,8 +28,8 @@
 //
 // Layouts: x (and y, da, xh) are (N, T, features) or, with time_major, (T, N, features),
 // read and written in place. The forward saves for the backward (when `gates` is not null)
-// the activated gates (T, N, 4K, in dt) and the cell states c_t (T, N, K, fp32), both
-// time-major, and [x | h_prev] (xh, in x's layout and dtype). c0, c_T,
+// the activated gates (in dt, time-major, in the backward's K-blocks: gate_block), the cell
+// states c_t (T, N, K, fp32) and [x | h_prev] (xh, in x's layout and dtype). c0, c_T,
 // dc are fp32; h0, h_T, y, dy, dh, da in the compute dtype dt; W and R in w_dt (fp32 or
 // bf16, cast while re-blocked); bf16 multiplies as multiply_dtype(dt, dp), accumulation,
 // the cell state and all element-wise math in fp32.
@@ -63,11 +63,16 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 // after it (dx, the weight update) read its first 4K columns in place.
 int64_t da_width(const Shape& s);
 
+// Columns of a block of the saved gates, which are (T, ceil(K / block), N, 4 x block): per
+// step, K-blocks of this width (the backward's, the last one padded), each holding its rows'
+// four gate pieces side by side.
+int64_t gate_block(const Shape& s, const Dispatch& dp);
+
 // Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and
 // away from a 4 KiB row period).
 int64_t saved_width(const Shape& s, const Dispatch& dp);
 
-// Runs the sequence. gates (T*N*4K, dt), cs (T*N*K) and xh (T*N*saved_width, x's layout and
+// Runs the sequence. gates (gate_block's layout, dt), cs (T*N*K) and xh (T*N*saved_width, x's layout and
 // dtype) are saved when not null (all or none): xh holds every step's [x_t | h_{t-1} | 0],
 // the weight update's operand. force_blocking / variant override the heuristics (tests).
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,

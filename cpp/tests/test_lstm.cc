@@ -51,7 +51,7 @@ struct Problem {
 };
 
 struct Ref {
-  std::vector<double> y, cl, hl;                // y in (t, n, k) order
+  std::vector<double> y, cl, hl, gates;         // y in (t, n, k), the activated gates (t, n, 4k)
   std::vector<double> dx, dw, dr, db, dc0, dh0;  // dx in (t, n, c) order
 };
 
@@ -84,6 +84,7 @@ Ref reference(const Problem& p, const std::function<double(double)>& hround) {
       if (n == N - 1)
         for (int64_t q = 0; q < N * K; ++q) cprev[q] = cs[t * N * K + q];
     }
+  o.gates = gates;
   o.cl = T ? std::vector<double>(cs.end() - N * K, cs.end()) : p.c0;
   o.hl = std::vector<double>(hs.end() - N * K, hs.end());
   // Reverse mode.
@@ -198,7 +199,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
   // Inference forward (nothing saved) and training forward (gates and cell states saved).
   for (bool save : {false, true}) {
     Tensor y(o.dt, T * N * K), hl(o.dt, N * K), cl(DType::f32, N * K);
-    Tensor gates(o.dt, save ? T * N * G : 0);
+    // The saved gates: per step, K-blocks of B columns, each holding its rows' [i | f | g | o].
+    const int64_t B = lstm::gate_block(s, o.dp), KB = (K + B - 1) / B;
+    Tensor gates(o.dt, save ? T * KB * N * 4 * B : 0);
     std::vector<float> cs(save ? T * N * K : 0);
     const int64_t width = lstm::saved_width(s, o.dp);
     Tensor xh(o.dt, save ? T * N * width : 0);
@@ -213,6 +216,12 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     close(hl, ref.hl, tol, "h_T", ctx);
     close(cl, ref.cl, tol, "c_T", ctx);
     if (!save) continue;
+    Tensor saved(o.dt, T * N * G);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t q = 0; q < G; ++q)
+          saved.set((t * N + n) * G + q, gates.get(((t * KB + q % K / B) * N + n) * 4 * B + q / K * B + q % K % B));
+    close(saved, ref.gates, tol, "saved gates", ctx);
 
     const int64_t da_w = lstm::da_width(s);
     CHECK(da_w >= G) << ctx;

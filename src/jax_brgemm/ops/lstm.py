@@ -113,22 +113,23 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
 # mapped weights run one mapped element at a time (lax.map).
 
 
-def _fold(a, batched, size, time_major_axis):
-    """``a`` with its leading mapped axis (broadcast when unbatched) folded into N: the axis
-    after it (``time_major_axis`` False) or the one after the time axis (True)."""
+def _fold(a, batched, size, axis):
+    """``a`` with its leading mapped axis (broadcast when unbatched) folded into N, which is
+    axis ``axis`` of the unmapped array: (B, ..., N, ...) -> (..., B * N, ...)."""
     if not batched:
         a = jnp.broadcast_to(a, (size,) + a.shape)
-    if time_major_axis:  # (B, T, N, F) -> (T, B * N, F)
-        a = jnp.moveaxis(a, 0, 1)
-        return a.reshape((a.shape[0], size * a.shape[2]) + a.shape[3:])
-    return a.reshape((size * a.shape[1],) + a.shape[2:])
+    a = jnp.moveaxis(a, 0, axis)
+    return a.reshape(a.shape[:axis] + (size * a.shape[axis + 1],) + a.shape[axis + 2:])
 
 
-def _unfold(a, size, time_major_axis):
-    if time_major_axis:  # (T, B * N, F) -> (B, T, N, F)
-        a = a.reshape((a.shape[0], size, a.shape[1] // size) + a.shape[2:])
-        return jnp.moveaxis(a, 1, 0)
-    return a.reshape((size, a.shape[0] // size) + a.shape[1:])
+def _unfold(a, size, axis):
+    """The inverse of ``_fold``: (..., B * N, ...) -> (B, ..., N, ...)."""
+    a = a.reshape(a.shape[:axis] + (size, a.shape[axis] // size) + a.shape[axis + 1:])
+    return jnp.moveaxis(a, axis, 0)
+
+
+# N's axis in the saved gates (T, K-blocks, N, 4 x block) and cell states (T, N, K).
+_GATES_N, _CS_N = 2, 1
 
 
 def _sequential(fn, args, in_batched, size):
@@ -153,7 +154,9 @@ def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
-    gates = jax.ShapeDtypeStruct((t, n, 4 * k) if save else (0,), x.dtype)
+    # The saved gates in the backward's K-blocks, each block's rows of four gates contiguous.
+    block = _native._jax_brgemm.lstm_gate_block(k, x.dtype == jnp.bfloat16)
+    gates = jax.ShapeDtypeStruct((t, -(-k // block), n, 4 * block) if save else (0,), x.dtype)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
     width = _native._jax_brgemm.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
@@ -174,14 +177,14 @@ def _forward_vmappable(time_major, save):
         if any(in_batched[1:4]):
             outs = _sequential(fwd, (x, wi, wh, b, c0, h0), in_batched, size)
         else:
-            y, c_t, h_t, gates, cs, xh = call(_fold(x, in_batched[0], size, time_major), wi, wh, b,
-                                              _fold(c0, in_batched[4], size, False),
-                                              _fold(h0, in_batched[5], size, False))
-            outs = (_unfold(y, size, time_major), _unfold(c_t, size, False),
-                    _unfold(h_t, size, False),
-                    _unfold(gates, size, True) if save else jnp.zeros((size, 0), gates.dtype),
-                    _unfold(cs, size, True) if save else jnp.zeros((size, 0), cs.dtype),
-                    _unfold(xh, size, time_major) if save else jnp.zeros((size, 0), xh.dtype))
+            xn = int(time_major)
+            y, c_t, h_t, gates, cs, xh = call(_fold(x, in_batched[0], size, xn), wi, wh, b,
+                                              _fold(c0, in_batched[4], size, 0),
+                                              _fold(h0, in_batched[5], size, 0))
+            outs = (_unfold(y, size, xn), _unfold(c_t, size, 0), _unfold(h_t, size, 0),
+                    _unfold(gates, size, _GATES_N) if save else jnp.zeros((size, 0), gates.dtype),
+                    _unfold(cs, size, _CS_N) if save else jnp.zeros((size, 0), cs.dtype),
+                    _unfold(xh, size, xn) if save else jnp.zeros((size, 0), xh.dtype))
         return tuple(outs), (True,) * 6
 
     return fwd
@@ -220,15 +223,16 @@ def _bptt_vmappable(time_major):
         # the folded call cannot give each mapped element its own; it runs per element.
         # The gate gradients (the expensive part) come from one folded call, and db from
         # them (a sum over every step and row of each element).
-        da, _, dc0, dh0 = call(wh, _fold(gates, in_batched[1], size, True),
-                               _fold(cs, in_batched[2], size, True),
-                               _fold(c0, in_batched[3], size, False),
-                               _fold(dy, in_batched[4], size, time_major),
-                               _fold(dc_t, in_batched[5], size, False),
-                               _fold(dh_t, in_batched[6], size, False))
-        da = _unfold(da, size, time_major)
+        xn = int(time_major)
+        da, _, dc0, dh0 = call(wh, _fold(gates, in_batched[1], size, _GATES_N),
+                               _fold(cs, in_batched[2], size, _CS_N),
+                               _fold(c0, in_batched[3], size, 0),
+                               _fold(dy, in_batched[4], size, xn),
+                               _fold(dc_t, in_batched[5], size, 0),
+                               _fold(dh_t, in_batched[6], size, 0))
+        da = _unfold(da, size, xn)
         db = jnp.sum(da[..., :4 * wh.shape[0]].astype(jnp.float32), axis=(1, 2))
-        return (da, db, _unfold(dc0, size, False), _unfold(dh0, size, False)), (True,) * 4
+        return (da, db, _unfold(dc0, size, 0), _unfold(dh0, size, 0)), (True,) * 4
 
     return bptt
 
