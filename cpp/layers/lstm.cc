@@ -116,8 +116,8 @@ inline void stream_fence() {
 
 struct CellFwd {
   int64_t rows, cols;  // tile
-  const float* g;         // activated gates at (n0, k0) of gate 0, gate q at column q * gk
-  int64_t ldg, gk;        // of the step's gate buffer (ldg 4K, gk K) or an item's gate tile
+  const float* g;  // activated gates at (n0, k0) of gate 0, gate q at column q * gk
+  int64_t ldg, gk;  // of the step's gate buffer (ldg 4K, gk K) or an item's gate tile
   const float* cp;  // c_{t-1}, leading dim ldc
   float* cn;        // c_t (may equal cp: in place)
   int64_t ldc;
@@ -200,10 +200,9 @@ JB_INLINE void cell_bwd_loop(const CellBwd& a) {
   // When da and the next step's copy share a dtype, da is streamed from that copy after each
   // row (below) instead of stored element by element.
   constexpr bool S = std::is_same_v<Tx, Tk>;
-  const int64_t rows = a.rows, cols = a.cols, k = a.k;
+  const int64_t rows = a.rows, cols = a.cols, k = a.k, gk = a.gk;
   for (int64_t r = 0; r < rows; ++r) {
     const Tx* g = static_cast<const Tx*>(a.g) + r * a.ldg;
-    const int64_t gk = a.gk;
     const float* c = a.c + r * a.ldc;
     const float* cp = a.cp + r * a.ldc;
     const float* dhr = a.dhr + r * a.ldc;
