@@ -212,6 +212,21 @@ def test_lstm_gradients_through_padded_gate_gradient_rows(time_major):
           jax.vmap(_loss(ref, time_major), shared)(xs, *args[1:4], c0s, args[5]), 1e-4)
 
 
+def test_lstm_vmap_with_padded_saved_gate_blocks():
+    # K = 130 saves the gates in K-blocks whose last one is padded; under vmap the folded
+    # forward's blocks are split back per mapped element and folded again for the backward.
+    from jax_brgemm import _native
+    k = 130
+    block = _native._jax_brgemm.lstm_gate_block(k, False)
+    assert block < k and -(-k // block) * block > k
+    args = _args(jax.random.key(5), 3, 2, 7, k)
+    ours, ref = _ours(False), lambda *a: scan_lstm(*a)  # noqa: E731
+    shared = (0, None, None, None, 0, None)
+    xs, c0s = jnp.stack([args[0], -args[0]]), jnp.stack([args[4], 0.5 * args[4]])
+    close(jax.jit(jax.vmap(_loss(ours, False), shared))(xs, *args[1:4], c0s, args[5]),
+          jax.vmap(_loss(ref, False), shared)(xs, *args[1:4], c0s, args[5]), 1e-4)
+
+
 def test_lstm_bad_input():
     x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 2, 3, 4, 5)
     with pytest.raises(ValueError, match="rank 3"):

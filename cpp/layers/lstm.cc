@@ -585,7 +585,12 @@ Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant
 // alternating pairs): against the gates saved as (T, N, 4K) rows, bptt 1.01-1.04x at N = 168,
 // C = K = 1024 (32-column blocks) and 1.05x at N = 64; the forward and 256 / 512 (128-column
 // blocks) equal.
-int64_t gate_block(const Shape& s, const Dispatch& dp) { return bptt_blocking(s, 1, dp).cols; }
+// The backward's K-block, narrowed when K is not a multiple of it so that the padding stays
+// under 16 columns a block (K = 129 and 128-column K-blocks: two blocks of 80, not of 128).
+int64_t gate_block(const Shape& s, const Dispatch& dp) {
+  const int64_t cols = bptt_blocking(s, 1, dp).cols, blocks = ceil_div(s.k, cols);
+  return blocks == 1 ? s.k : std::min(cols, round_up(ceil_div(s.k, blocks), 16));
+}
 
 int64_t da_width(const Shape& s) { return padded_ld(kGates * s.k, dtype_size(s.dt)); }
 

@@ -64,8 +64,8 @@ Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
 int64_t da_width(const Shape& s);
 
 // Columns of a block of the saved gates, which are (T, ceil(K / block), N, 4 x block): per
-// step, K-blocks of this width (the backward's, the last one padded), each holding its rows'
-// four gate pieces side by side.
+// step, K-blocks of about the backward's width (padded by fewer than 16 columns a block),
+// each holding its rows' four gate pieces side by side.
 int64_t gate_block(const Shape& s, const Dispatch& dp);
 
 // Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and

@@ -396,6 +396,19 @@ TEST(lstm_bptt_without_final_carry_gradients) {
   }
 }
 
+TEST(lstm_saved_gate_blocks_pad_little) {
+  // The saved gates' K-blocks: at most the widest K-block, one block (no padding) for small
+  // K, and under 16 columns of padding per block.
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t k = 1; k <= 700; ++k) {
+      const int64_t b = lstm::gate_block({2, 5, 3, k, dt, false}, jb::dispatch());
+      const int64_t padded = (k + b - 1) / b * b;
+      CHECK(b >= 1 && b <= 128) << "k " << k << " block " << b;
+      CHECK(padded - k < 16 * ((k + b - 1) / b)) << "k " << k << " block " << b;
+      if (k <= 32) CHECK(b == k) << "k " << k << " block " << b;
+    }
+}
+
 TEST(lstm_empty_sequence_passes_the_carry) {
   TestPool pool;
   const jb::Executor ex = pool.executor(2);
