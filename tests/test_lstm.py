@@ -217,8 +217,8 @@ def test_lstm_vmap_with_padded_saved_gate_blocks():
     # forward's blocks are split back per mapped element and folded again for the backward.
     from jax_brgemm import _native
     k = 130
-    block = _native._jax_brgemm.lstm_gate_block(k, False)
-    assert block < k and -(-k // block) * block > k
+    _, blocks, _, width = _native._jax_brgemm.lstm_saved_gates_shape(2, 3, k, False)
+    assert blocks > 1 and blocks * width // 4 > k
     args = _args(jax.random.key(5), 3, 2, 7, k)
     ours, ref = _ours(False), lambda *a: scan_lstm(*a)  # noqa: E731
     shared = (0, None, None, None, 0, None)

@@ -35,10 +35,10 @@ bool dims_are(ffi::AnyBuffer::Dimensions d, const std::vector<int64_t>& want) {
   return true;
 }
 
-// The saved gates' dimensions (lstm.h: gate_block).
+// The saved gates' dimensions (lstm.h).
 std::vector<int64_t> gate_dims(const lstm::Shape& s) {
-  const int64_t b = lstm::gate_block(s, dispatch());
-  return {s.t, (s.k + b - 1) / b, s.n, 4 * b};
+  const auto d = lstm::saved_gate_dims(s, dispatch());
+  return {d.begin(), d.end()};
 }
 
 std::string shape_str(const std::vector<int64_t>& v) {

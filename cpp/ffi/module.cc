@@ -38,9 +38,11 @@ NB_MODULE(_jax_brgemm, m) {
     return jb::lstm::saved_width({t, n, c, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major},
                                  jb::dispatch());
   }, "Columns of jb_lstm_fwd's saved xh for a shape and compute dtype (float32 or bfloat16).");
-  m.def("lstm_gate_block", [](int64_t k, bool bf16) {
-    return jb::lstm::gate_block({0, 0, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, false}, jb::dispatch());
-  }, "Columns of a K-block of jb_lstm_fwd's saved gates (T, ceil(K / block), N, 4 x block).");
+  m.def("lstm_saved_gates_shape", [](int64_t t, int64_t n, int64_t k, bool bf16) {
+    const auto d = jb::lstm::saved_gate_dims({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, false},
+                                             jb::dispatch());
+    return nb::make_tuple(d[0], d[1], d[2], d[3]);
+  }, "Shape of jb_lstm_fwd's saved gates: (T, K-blocks, N, 4 x block).");
   m.def("lstm_da_width", [](int64_t t, int64_t n, int64_t k, bool bf16, bool time_major) {
     return jb::lstm::da_width({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major});
   }, "Columns of jb_lstm_bptt's da (4K, padded) for a shape and compute dtype.");

@@ -351,8 +351,8 @@ void pack_stacked(const void* w, const void* r, DType w_dt, int64_t hoff, int64_
 }
 
 GateLayout gate_layout(const Shape& s, const Dispatch& dp) {
-  const int64_t bc = gate_block(s, dp);
-  return {s.n, bc, ceil_div(s.k, bc)};
+  const auto d = saved_gate_dims(s, dp);
+  return {s.n, d[3] / kGates, d[1]};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -590,6 +590,11 @@ Variant forward_variant(const Shape&, int64_t, const Dispatch&) { return Variant
 int64_t gate_block(const Shape& s, const Dispatch& dp) {
   const int64_t cols = bptt_blocking(s, 1, dp).cols, blocks = ceil_div(s.k, cols);
   return blocks == 1 ? s.k : std::min(cols, round_up(ceil_div(s.k, blocks), 16));
+}
+
+std::array<int64_t, 4> saved_gate_dims(const Shape& s, const Dispatch& dp) {
+  const int64_t b = gate_block(s, dp);
+  return {s.t, ceil_div(s.k, b), s.n, kGates * b};
 }
 
 int64_t da_width(const Shape& s) { return padded_ld(kGates * s.k, dtype_size(s.dt)); }

@@ -35,6 +35,7 @@
 // the cell state and all element-wise math in fp32.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "brgemm/brgemm.h"
@@ -67,6 +68,8 @@ int64_t da_width(const Shape& s);
 // step, K-blocks of about the backward's width (padded by fewer than 16 columns a block),
 // each holding its rows' four gate pieces side by side.
 int64_t gate_block(const Shape& s, const Dispatch& dp);
+// The saved gates' dimensions: {T, ceil(K / block), N, 4 x block}.
+std::array<int64_t, 4> saved_gate_dims(const Shape& s, const Dispatch& dp);
 
 // Columns of the saved xh: C + K padded to whole reduction blocks of the forward (and
 // away from a 4 KiB row period).

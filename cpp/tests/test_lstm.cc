@@ -200,7 +200,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
   for (bool save : {false, true}) {
     Tensor y(o.dt, T * N * K), hl(o.dt, N * K), cl(DType::f32, N * K);
     // The saved gates: per step, K-blocks of B columns, each holding its rows' [i | f | g | o].
-    const int64_t B = lstm::gate_block(s, o.dp), KB = (K + B - 1) / B;
+    const auto gd = lstm::saved_gate_dims(s, o.dp);
+    const int64_t KB = gd[1], B = gd[3] / 4;
+    CHECK(gd[0] == T && gd[2] == N && KB == (K + B - 1) / B) << ctx;
     Tensor gates(o.dt, save ? T * KB * N * 4 * B : 0);
     std::vector<float> cs(save ? T * N * K : 0);
     const int64_t width = lstm::saved_width(s, o.dp);

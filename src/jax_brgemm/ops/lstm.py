@@ -155,8 +155,8 @@ def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
     # The saved gates in the backward's K-blocks, each block's rows of four gates contiguous.
-    block = _native._jax_brgemm.lstm_gate_block(k, x.dtype == jnp.bfloat16)
-    gates = jax.ShapeDtypeStruct((t, -(-k // block), n, 4 * block) if save else (0,), x.dtype)
+    shape = _native._jax_brgemm.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16)
+    gates = jax.ShapeDtypeStruct(tuple(shape) if save else (0,), x.dtype)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
     width = _native._jax_brgemm.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
