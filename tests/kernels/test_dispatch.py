@@ -76,7 +76,7 @@ def test_bad_bf16_override_is_one_clear_error():
 
 def test_no_getenv_or_timing_outside_module_load():
     """The ISA and every override are read in one place (jb::dispatch), once."""
-    root = os.path.join(os.path.dirname(__file__), "..", "cpp")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "cpp")
     hits = []
     for folder, _, files in os.walk(root):
         if os.path.basename(folder) == "tests":

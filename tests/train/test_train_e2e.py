@@ -294,6 +294,6 @@ def test_reference_result_prefers_sibling_xla_runs():
     # Another dtype: the sibling's runs do not apply, the recorded reference runs do.
     reference = cli.reference_result(bench, "brgemm", "closed", "bfloat16", sibling,
                                      recorded_cpu)
-    assert reference["source"] == "recorded xla reference runs (train/reference/mlp.json)"
+    assert reference["source"] == "recorded xla reference runs (src/jax_brgemm/train/reference/mlp.json)"
     assert reference["result"] == bench.reference_summary()["result"].value
     assert reference["same_cpu"] is True

@@ -90,7 +90,7 @@ def reference_result(bench: Benchmark, impl, division, dtype, sibling: Optional[
     elif bench.reference_summary() is not None:
         reference = {"result": bench.reference_summary()["result"].value,
                      "cpu_model": bench.reference().get("cpu_model"),
-                     "source": f"recorded xla reference runs (train/reference/{bench.name}.json)"}
+                     "source": f"recorded xla reference runs (src/jax_brgemm/train/reference/{bench.name}.json)"}
     else:
         return {"result": None, "source": "none recorded", "cpu_model": None, "same_cpu": False}
     return {**reference, "same_cpu": reference["cpu_model"] == cpu}

@@ -71,7 +71,7 @@ def test_epochs_to_target():
     assert scoring.epochs_to_target([0.5, 0.95], 0.9, eval_every=2) == 4
 
 
-# Benchmarks with recorded reference runs (train/reference/<name>.json).
+# Benchmarks with recorded reference runs (src/jax_brgemm/train/reference/<name>.json).
 RECORDED = sorted(n for n in SUITE if SUITE[n].reference() is not None)
 
 
@@ -91,7 +91,7 @@ def test_recorded_reference_supports_the_target(name):
     """The target was chosen so that >= 4 of 5 reference runs reach it in max_epochs."""
     bench = SUITE[name]
     reference = bench.reference()
-    assert reference is not None, f"train/reference/{name}.json is missing"
+    assert reference is not None, f"src/jax_brgemm/train/reference/{name}.json is missing"
     assert reference["impl"] == "xla" and reference["dtype"] == "float32"
     assert len(reference["runs"]) >= bench.num_runs
     assert all(len(r["accuracies"]) == bench.max_epochs for r in reference["runs"])
