@@ -9,7 +9,7 @@ Dense), trained on batches of 28x28 images (N=256 for the MLP and the RNN, 128 o
 with optax SGD + momentum,
 fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock"
 is traced outside the context, "accelerate" inside it; timed round-robin in one process.
-Writes bench/results/accelerate.{json,png}.
+Writes bench/results/<cpu-kind>/accelerate.{json,png}.
 """
 
 from __future__ import annotations

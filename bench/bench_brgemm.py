@@ -5,7 +5,7 @@
 Each jitted function holds `calls` independent BRGEMMs on distinct operands, as a training
 step would, so Python dispatch is amortized. Contenders are timed round-robin in one
 process; the table reports medians (min-max) and the fraction of the machine's peak
-measured by the probe in the same run. Writes bench/results/brgemm.{json,png}.
+measured by the probe in the same run. Writes bench/results/<cpu-kind>/brgemm.{json,png}.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the stride on the bottleneck's 3x3, with each layer's multiplicity in the networ
 --resnet50-step instead times one whole ResNet-50 v1.5 training step (224x224 inputs, 1000
 classes, BatchNorm in train mode, forward + backward + SGD update, one jitted function) with
 impl="brgemm" vs impl="xla" on the same parameters, round-robin, and reports images/s
-(median, min-max); writes bench/results/resnet50_step.json.
+(median, min-max); writes bench/results/<cpu-kind>/resnet50_step.json.
 
 Passes (ResNet's convolutions have no bias; BatchNorm follows them):
 
@@ -25,7 +25,7 @@ GFLOP/s count 2 N P Q K C R S per pass. The weighted efficiency of a pass is the
 (sum_i n_i F_i) / (sum_i n_i t_i) over the layer set, as GFLOP/s and as a fraction of the
 machine's peak measured by the probe in the same run. Every contender is timed round-robin
 (common.interleaved); medians and min-max over `repeats` samples. bf16 runs bf16 activations
-and fp32 weights cast inside the call (Flax's dtype=bfloat16). Writes bench/results/conv.json
+and fp32 weights cast inside the call (Flax's dtype=bfloat16). Writes bench/results/<cpu-kind>/conv.json
 and conv.png (training steps per layer), conv_passes.png (weighted efficiency per pass).
 """
 

@@ -18,7 +18,7 @@ N=256 784-1024-1024-1024-10 and N=64 with the same 1024-wide layers.
 GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
 `repeats` samples; the machine's peak is measured by the probe in the same run.
-Writes bench/results/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png.
+Writes bench/results/<cpu-kind>/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png.
 """
 
 from __future__ import annotations

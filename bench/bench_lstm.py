@@ -20,7 +20,7 @@ one pass ((T N) x (C + K) x 4K, bias fused), the rest of the forward (element-wi
 re-blocking, the per-step barriers) is "other". Every round takes one sample of each
 contender, back to back; besides the ratio of the medians, each row has the median (and
 range) of the rounds' own ratios, which machine noise lasting seconds disturbs least.
-Writes bench/results/<name>.json and .png.
+Writes bench/results/<cpu-kind>/<name>.json and .png.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--passes", nargs="+", default=["fwd", "train"], choices=["fwd", "train"])
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--name", default="lstm", help="results file name (bench/results/NAME.json, .png)")
+    p.add_argument("--name", default="lstm", help="results file name (bench/results/<cpu-kind>/NAME.json, .png)")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.c, args.repeats = [168], [512], min(args.repeats, 3)

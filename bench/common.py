@@ -22,7 +22,40 @@ import jax_brgemm
 # pages instead of being mmapped and faulted in again on every call (jax_brgemm.memory).
 jax_brgemm.reuse_freed_memory()
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+def cpu_kind() -> str:
+    """This CPU's kind (zen4, xeon-amx, ...), from /proc/cpuinfo: its results folder's name."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block describes them all
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        return platform.machine().lower() or "unknown"
+    vendor, flags = info.get("vendor_id", ""), set(info.get("flags", "").split())
+    family, model = int(info.get("cpu family", 0)), int(info.get("model", 0))
+    if vendor == "AuthenticAMD":
+        # Family 23 is Zen 1 / Zen+ (models below 0x30) and Zen 2; 25 is Zen 3 and Zen 4,
+        # told apart by AVX-512; 26 is Zen 5.
+        if family == 23:
+            return "zen1" if model < 0x30 else "zen2"
+        if family == 25:
+            return "zen4" if "avx512f" in flags else "zen3"
+        return "zen5" if family == 26 else f"amd-{family}-{model}"
+    if vendor == "GenuineIntel":
+        name = "xeon" if "Xeon" in info.get("model name", "") else "intel"
+        if "amx_bf16" in flags:
+            return f"{name}-amx"
+        return f"{name}-noamx" if "avx512f" in flags else f"{name}-avx2"
+    return (vendor or platform.machine()).lower() or "unknown"
+
+
+RESULTS = RESULTS_ROOT / cpu_kind()
 
 
 def block(x):
@@ -83,7 +116,7 @@ def measure_peak(seconds: float = 0.3, repeats: int = 7) -> dict:
 
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "cpus": os.cpu_count()}
+            "jax": jax.__version__, "cpus": os.cpu_count(), "cpu_kind": cpu_kind()}
     try:
         import jax_brgemm
         info["jax_brgemm_isa"] = jax_brgemm.isa()

@@ -15,7 +15,7 @@ implementation of the step can reach from below in time. Timed with jax_brgemm (
 stock XLA (jnp.dot) and PyTorch (torch.mm), interleaved in rounds with the training steps
 of jb.nn.LSTM, stock Flax and torch.nn.LSTM. For each round: the GEMM bound's rate over
 Flax's step rate, i.e. the largest speed-up over Flax that the fastest of these GEMMs would
-allow. Prints medians and ranges of the rounds; writes bench/results/<name>.json.
+allow. Prints medians and ranges of the rounds; writes bench/results/<cpu-kind>/<name>.json.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--c", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-time", type=float, default=0.2)
-    p.add_argument("--name", default="lstm_bound", help="results file name (bench/results/NAME.json)")
+    p.add_argument("--name", default="lstm_bound", help="results file name (bench/results/<cpu-kind>/NAME.json)")
     args = p.parse_args(argv)
     torch = common.torch_or_none()
     peak = common.measure_peak()
