@@ -522,22 +522,6 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 }
 
 // ---------------------------------------------------------------------------------------
-
-void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
-              const void* saved, void* dz) {
-  validate(s);
-  const int64_t total = s.n * s.p() * s.q() * s.k;
-  if (total <= 0) return;
-  const int64_t chunk = std::max<int64_t>(4096, ceil_div(total, 8 * ex.num_threads));
-  const int64_t es = int64_t(dtype_size(s.dt));
-  parallel_for(ex, ceil_div(total, chunk), [&](int64_t i) {
-    const int64_t a = i * chunk, count = std::min(chunk, total - a);
-    eltwise::act_grad(s.act, s.dt, at(dy, s.dt, a), saved ? at(saved, s.dt, a) : nullptr,
-                      static_cast<char*>(dz) + a * es, count, dp.isa);
-  });
-}
-
-// ---------------------------------------------------------------------------------------
 // Backward by data: the dual convolution. dz is the A operand (consecutive dz pixels of
 // one stride phase: lda = K), the transposed weight block ([Cb][Kb][R][S][bk][bc], VNNI
 // pairs of k) the B operand, and the dx pixels of the phase (ldc = stride_w * C) the

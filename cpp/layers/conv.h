@@ -2,7 +2,7 @@
 // training passes as loops around the batch-reduce GEMM kernel, nothing else.
 //
 //   forward   y[n,p,q,k]  = act(sum_{r,s,c} x[n, p*sh + r - pt, q*sw + s - pl, c] w[r,s,c,k] + b[k])
-//   act_grad  dz = dy * act'(saved)            saved: y (relu, sigmoid, tanh) or z (gelu)
+//   act_grad  dz = dy * act'(saved), element-wise: fc::act_grad (the FFI's jb_fc_act_grad)
 //   backward  dx[n,h,w,c] = sum over (p, q, r, s) with p*sh + r - pt = h, q*sw + s - pl = w
 //                           of dz[n,p,q,k] w[r,s,c,k]
 //   update    dw[r,s,c,k] = sum_{n,p,q} x[n, p*sh + r - pt, q*sw + s - pl, c] dz[n,p,q,k]
@@ -54,10 +54,6 @@ Saved saved_for(Activation act);
 // y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
              DType w_dt, const float* bias, void* y, void* z, const Blocking* force = nullptr);
-
-// dz = dy * act'(saved), element-wise over the N x P x Q x K output (all in dt).
-void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
-              const void* saved, void* dz);
 
 // dx from dz and w: the dual convolution.
 void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,

@@ -285,7 +285,7 @@ struct LongUpdatePlan {
   LongUpdatePlan(const Dispatch& dp, const Shape& s, DType dw_dt, int64_t threads)
       : red(padded_block(s.n, multiply_dtype(s.dt, dp) == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256)),
         xt{s.c, round_up(s.n, red), s.k, multiply_dtype(s.dt, dp)},
-        ld(xt.c * int64_t(dtype_size(xt.dt)) % 4096 ? xt.c : xt.c + 64 / int64_t(dtype_size(xt.dt))),
+        ld(padded_ld(xt.c, dtype_size(xt.dt))),
         plan(dp, xt, blocking(dp, xt, red, threads), s.k, xt.c, ld, false, Activation::none, threads, dw_dt) {}
 
   const int64_t red;

@@ -49,15 +49,6 @@ inline int64_t row_of(const Shape& s, int64_t t, int64_t n) {
 // Rows between (t, n) and (t, n + 1).
 inline int64_t row_step(const Shape& s) { return s.time_major ? 1 : s.t; }
 
-// A leading dimension for a buffer we lay out ourselves whose consecutive rows of a tile are
-// `stride` rows of it apart: padded by cache lines while they would be a multiple of 4 KiB
-// apart (the rows of a register tile would share an L1 set).
-inline int64_t padded_ld(int64_t cols, size_t es, int64_t stride = 1) {
-  for (int64_t ld = cols; ld < cols + 4096; ld += int64_t(64 / es))
-    if ((stride * ld * int64_t(es)) % 4096) return ld;
-  return cols + 1;  // stride a multiple of 64 rows: an odd pad breaks the 4 KiB period
-}
-
 // The saved gates: each step's in K-blocks of bc columns (gate_block; the last one padded to
 // bc), [K-block][n][gate][bc], so that the backward cell reads its tile's gates as one
 // contiguous piece rather than as row pieces 4K apart.
@@ -88,8 +79,6 @@ inline const char* off(const void* p, int64_t elems, size_t es) {
 // The element-wise cell math of one (N-block, K-block) tile, fused after its gate blocks.
 // One templated loop per direction, instantiated for the baseline ISA, AVX2 and AVX-512
 // (layers/common/target.h), taken by the kernel ISA in use.
-
-#define JB_INLINE __attribute__((always_inline)) inline
 
 // Copies `bytes` from src to dst with non-temporal stores where dst is 16-byte aligned: for
 // rows written now and read back only by a later pass (from memory anyway), this skips the

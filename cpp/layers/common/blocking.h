@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "brgemm/brgemm.h"
@@ -68,6 +69,15 @@ int64_t reduction_block(int64_t size, bool even);
 // minimises the padded work, with a penalty for short blocks (the kernel's overhead per
 // batch element).
 int64_t padded_block(int64_t total, int64_t quantum, int64_t max);
+
+// A leading dimension of at least `cols` elements of es bytes for rows of which a register
+// tile reads every `stride`-th: padded by cache lines while those rows would be a multiple of
+// 4 KiB apart (they would all fall in one L1 set and evict each other).
+inline int64_t padded_ld(int64_t cols, size_t es, int64_t stride = 1) {
+  for (int64_t ld = cols; ld < cols + 4096; ld += int64_t(64 / es))
+    if ((stride * ld * int64_t(es)) % 4096) return ld;
+  return cols + 1;  // stride a multiple of 64 rows: an odd pad breaks the 4 KiB period
+}
 
 // b clamped to an output of rows x cols (at least one row and column).
 inline Blocking clamped(Blocking b, int64_t rows, int64_t cols) {

@@ -19,8 +19,6 @@ inline float gelu_grad(float z) {
   return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * c * (1.0f + 3.0f * a * z * z);
 }
 
-#define JB_INLINE __attribute__((always_inline)) inline
-
 template <class T>
 JB_INLINE void activate_loop(Activation act, const T* z, T* y, int64_t n) {
   switch (act) {
@@ -87,78 +85,45 @@ inline void sgd_variant(bool nesterov, bool decay, F&& f) {
   else decay ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
 }
 
+// The three operations as target::Variants loops (the sgd step's loop inlines as well).
 template <class T>
-void activate_base(Activation act, const void* z, void* y, int64_t n) {
-  activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);
-}
-template <class T>
-void grad_base(Activation act, const void* dy, const void* s, void* dz, int64_t n) {
-  grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n);
-}
-
-#if defined(JB_X86)
-// Each operation under each target attribute, from the one loop above.
-#define JB_ELTWISE_VARIANTS(target, isa)                                                         \
-  template <class T>                                                                           \
-  target void activate_##isa(Activation act, const void* z, void* y, int64_t n) {              \
-    activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);                       \
-  }                                                                                            \
-  template <class T>                                                                           \
-  target void grad_##isa(Activation act, const void* dy, const void* s, void* dz, int64_t n) { \
-    grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n); \
-  }                                                                                            \
-  template <bool kNesterov, bool kDecay>                                                       \
-  target void sgd_##isa(const float* g, float* w, float* m, int64_t n, float lr, float momentum, \
-                        float weight_decay) {                                                  \
-    sgd_loop<kNesterov, kDecay>(g, w, m, n, lr, momentum, weight_decay);                       \
+struct Activate {
+  static JB_INLINE void run(Activation act, const void* z, void* y, int64_t n) {
+    activate_loop(act, static_cast<const T*>(z), static_cast<T*>(y), n);
   }
-JB_ELTWISE_VARIANTS(JB_TARGET_AVX2, avx2)
-JB_ELTWISE_VARIANTS(JB_TARGET_AVX512, avx512)
-#undef JB_ELTWISE_VARIANTS
-#endif
+};
+template <class T>
+struct Grad {
+  static JB_INLINE void run(Activation act, const void* dy, const void* s, void* dz, int64_t n) {
+    grad_loop(act, static_cast<const T*>(dy), static_cast<const T*>(s), static_cast<T*>(dz), n);
+  }
+};
+template <bool kNesterov, bool kDecay>
+struct SgdStep {
+  static JB_INLINE void run(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
+                            float weight_decay) {
+    sgd_loop<kNesterov, kDecay>(g, w, m, n, lr, momentum, weight_decay);
+  }
+};
 
 }  // namespace
 
 void sgd(const float* g, float* w, float* m, int64_t n, float lr, float momentum,
          float weight_decay, bool nesterov, Isa isa) {
   sgd_variant(nesterov, weight_decay != 0.0f, [&](auto nest, auto decay) {
-#if defined(JB_X86)
-    if (isa >= Isa::avx512) return sgd_avx512<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
-    if (isa == Isa::avx2) return sgd_avx2<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
-#endif
-    sgd_loop<nest(), decay()>(g, w, m, n, lr, momentum, weight_decay);
+    target::variant<SgdStep<nest(), decay()>>(isa)(g, w, m, n, lr, momentum, weight_decay);
   });
 }
 
 void activate(Activation act, DType dt, const void* z, void* y, int64_t n, Isa isa) {
-#if defined(JB_X86)
-  if (isa >= Isa::avx512) {
-    dt == DType::f32 ? activate_avx512<float>(act, z, y, n) : activate_avx512<uint16_t>(act, z, y, n);
-    return;
-  }
-  if (isa == Isa::avx2) {
-    dt == DType::f32 ? activate_avx2<float>(act, z, y, n) : activate_avx2<uint16_t>(act, z, y, n);
-    return;
-  }
-#endif
-  dt == DType::f32 ? activate_base<float>(act, z, y, n) : activate_base<uint16_t>(act, z, y, n);
+  const auto run = dt == DType::f32 ? target::variant<Activate<float>>(isa) : target::variant<Activate<uint16_t>>(isa);
+  run(act, z, y, n);
 }
 
 void act_grad(Activation act, DType dt, const void* dy, const void* saved, void* dz, int64_t n,
               Isa isa) {
-#if defined(JB_X86)
-  if (isa >= Isa::avx512) {
-    dt == DType::f32 ? grad_avx512<float>(act, dy, saved, dz, n)
-                     : grad_avx512<uint16_t>(act, dy, saved, dz, n);
-    return;
-  }
-  if (isa == Isa::avx2) {
-    dt == DType::f32 ? grad_avx2<float>(act, dy, saved, dz, n) : grad_avx2<uint16_t>(act, dy, saved, dz, n);
-    return;
-  }
-#endif
-  dt == DType::f32 ? grad_base<float>(act, dy, saved, dz, n)
-                   : grad_base<uint16_t>(act, dy, saved, dz, n);
+  const auto run = dt == DType::f32 ? target::variant<Grad<float>>(isa) : target::variant<Grad<uint16_t>>(isa);
+  run(act, dy, saved, dz, n);
 }
 
 }  // namespace jb::eltwise

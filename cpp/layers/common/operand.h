@@ -34,8 +34,8 @@ class ActivationOperand {
   ActivationOperand(DType from, DType to, int64_t rows, int64_t cols, int64_t ld = 0)
       : from_(from), to_(to), rows_(rows), cols_(cols), src_ld_(ld ? ld : cols) {
     const int64_t es = int64_t(dtype_size(to));
-    copy_ = from != to || src_ld_ * es % 4096 == 0;
-    ld_ = !copy_ ? src_ld_ : cols * es % 4096 == 0 ? cols + 64 / es : cols;
+    copy_ = from != to || padded_ld(src_ld_, size_t(es)) != src_ld_;
+    ld_ = copy_ ? padded_ld(cols, size_t(es)) : src_ld_;
     chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
   }
   bool copied() const { return copy_; }
