@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402
-from jax_brgemm.ops import lstm as lstm_ops  # noqa: E402
-from jax_brgemm.ops.dense import _bwd_call, _upd_call  # noqa: E402
+from jax_brgemm.ops import fc_passes, lstm as lstm_ops  # noqa: E402
 
 T = 50
 
@@ -49,17 +48,18 @@ def passes(n, c, dtype):
     b = jnp.zeros((4 * k,), jnp.float32)
     c0, h0 = jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), dtype)
 
-    fwd = jax.jit(lambda *a: lstm_ops._forward(*a, False, save=False)[0])
-    fwd_save = jax.jit(lambda *a: lstm_ops._forward(*a, False, save=True))
+    fwd = jax.jit(lambda *a: lstm_ops.forward_call(*a, False, save=False)[0])
+    fwd_save = jax.jit(lambda *a: lstm_ops.forward_call(*a, False, save=True))
     y, c_t, h_t, gates, cs, xh = fwd_save(x, wi_k, wh_k, b, c0, h0)
     dy = jax.random.normal(keys[3], y.shape, jnp.float32).astype(dtype)
-    bptt = jax.jit(lambda *a: lstm_ops._bptt(*a, False))
+    bptt = jax.jit(lambda *a: lstm_ops.bptt_call(*a, False))
     bptt_args = (wh_k, gates, cs, c0, dy, c_t, h_t)  # the final carry stands in for its gradient
     da = bptt(*bptt_args)[0]
     da2 = da.reshape(n * T, da.shape[2])  # the gradient and its rows' padding
     xh2 = xh.reshape(n * T, xh.shape[2])
-    dx = jax.jit(_bwd_call)
-    upd = jax.jit(lambda a, d: _upd_call(a, d, (c + k, 4 * k), jnp.float32, False)[0])
+    dx = jax.jit(fc_passes.backward_data_call)
+    upd = jax.jit(lambda a, d: fc_passes.weight_update_call(a, d, (c + k, 4 * k), jnp.float32,
+                                                            False)[0])
 
     module = jb.nn.LSTM(k, dtype=dtype)
     params = fnn.RNN(fnn.OptimizedLSTMCell(k)).init(jax.random.key(2), x)

@@ -115,10 +115,10 @@ def profile(impl, n, dtype, steps):
 def alone_fns(n, dtype):
     """{label: (jitted single pass, operands)} for every BRGEMM pass of the step's MLP,
     with the step's shapes: 'Dense_1 jb_fc_upd', ..."""
-    from jax_brgemm._native import ACTIVATION_CODES
-    from jax_brgemm.ops import dense as d
+    from jax_brgemm.ops import fc_passes
+    from jax_brgemm.ops.dense import sgd_update
 
-    relu, none = ACTIVATION_CODES["relu"], ACTIVATION_CODES["none"]
+    relu, none = fc_passes.ACTIVATION_CODES["relu"], fc_passes.NONE
     rng = np.random.default_rng(0)
     dt = dtype or jnp.float32
     arr = lambda *shape, dtype=dt: jnp.asarray(rng.standard_normal(shape), dtype)
@@ -127,16 +127,18 @@ def alone_fns(n, dtype):
     for i, (c, k) in enumerate(zip(widths[:-1], widths[1:])):
         act = relu if i < len(widths) - 2 else none
         x, w, b, dz = arr(n, c), arr(c, k, dtype=jnp.float32) / 32, arr(k, dtype=jnp.float32), arr(n, k)
-        fns[f"Dense_{i} jb_fc_fwd"] = (jax.jit(lambda x, w, b, a=act: d._fc_call(x, w, b, a)), (x, w, b))
+        fns[f"Dense_{i} jb_fc_fwd"] = (
+            jax.jit(lambda x, w, b, a=act: fc_passes.forward_call(x, w, b, a)), (x, w, b))
         fns[f"Dense_{i} jb_fc_upd_sgd"] = (jax.jit(
-            lambda x, dz, w, m, b, mb: (x, dz, *d.sgd_update(
+            lambda x, dz, w, m, b, mb: (x, dz, *sgd_update(
                 x, dz, w, m, b, mb, 0.01, momentum=0.9, nesterov=True, weight_decay=0.0)),
             donate_argnums=(2, 3, 4, 5)), (x, dz, jnp.copy(w), jnp.zeros_like(w), jnp.copy(b), jnp.zeros_like(b)))
         if i > 0:  # the first layer's input needs no gradient
-            fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(lambda dz, w: d._bwd_call(dz, w)), (dz, w))
+            fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(fc_passes.backward_data_call), (dz, w))
         if act == relu:
             fns[f"Dense_{i} jb_fc_act_grad"] = (
-                jax.jit(lambda dy, y: d._act_grad_call(dy, y, relu)), (dz, jax.nn.relu(dz)))
+                jax.jit(lambda dy, y: fc_passes.activation_grad_call(dy, y, relu)),
+                (dz, jax.nn.relu(dz)))
     return fns
 
 

@@ -24,9 +24,6 @@ FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "tanh": jnp.tanh,
 }
 
-#: Activations whose backward reads the pre-activation z; the others read the output y.
-SAVES_PREACTIVATION = frozenset({"gelu"})
-
 NAMES: dict[int, str | None] = {code: name for name, code in ACTIVATIONS.items()}
 
 

@@ -43,6 +43,13 @@ TARGETS: tuple[str, ...] = tuple(_jax_brgemm.registrations())
 for _name, _capsule in _jax_brgemm.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
+# Sizes the C++ layers decide and the Python side allocates: read from the extension, never
+# computed twice.
+lstm_saved_gates_shape = _jax_brgemm.lstm_saved_gates_shape
+lstm_saved_width = _jax_brgemm.lstm_saved_width
+lstm_da_width = _jax_brgemm.lstm_da_width
+peak_flops_per_iter = _jax_brgemm.peak_flops_per_iter
+
 
 def isa() -> str:
     """The kernel ISA in use: "amx", "avx512", "avx2" or "generic" (JAX_BRGEMM_ISA lowers it)."""

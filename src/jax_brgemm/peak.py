@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm import _native
-from jax_brgemm._native import _jax_brgemm
 
 # name -> probe unit: fp32 FMA (zmm, or ymm on AVX2), AVX-512 bf16 pair dot products, AMX
 # bf16 tiles.
@@ -52,7 +51,7 @@ def peak_gflops(seconds: float = 0.3, repeats: int = 7) -> dict[str, float]:
         iters = max(1000, int(2000 * seconds / max(_seconds(short), 1e-6)))
         fn = probe(iters)
         fn().block_until_ready()
-        flops = items * iters * _jax_brgemm.peak_flops_per_iter(unit)
+        flops = items * iters * _native.peak_flops_per_iter(unit)
         peak[name] = statistics.median(flops / _seconds(fn) / 1e9 for _ in range(repeats))
     peak["bfloat16"] = max(peak.values())
     return peak

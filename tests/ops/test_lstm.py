@@ -31,7 +31,7 @@ def stock(features, **kw):
 
 
 def close(a, b, tol):
-    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         assert u.shape == v.shape and u.dtype == v.dtype, (u.shape, v.shape, u.dtype, v.dtype)
         np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32), rtol=tol, atol=tol)
 
@@ -111,7 +111,7 @@ def test_bf16_matches_stock_loosely():
         return jax.jit(jax.grad(lambda p, x: jnp.sum(m.apply(p, x)[1] ** 2), argnums=(0, 1)))
 
     g_ours, g_stock = loss(ours)(params, x), loss(theirs)(params, x)
-    for u, v in zip(jax.tree_util.tree_leaves(g_ours), jax.tree_util.tree_leaves(g_stock)):
+    for u, v in zip(jax.tree_util.tree_leaves(g_ours), jax.tree_util.tree_leaves(g_stock), strict=True):
         assert u.dtype == v.dtype
         scale = float(jnp.max(jnp.abs(v.astype(jnp.float32)))) + 1e-3
         assert float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32)))) < 0.1 * scale
@@ -202,7 +202,7 @@ def test_lstm_gradients_through_padded_gate_gradient_rows(time_major):
     # and the passes after it skip the padding; under vmap db sums the first 4K too.
     from jax_brgemm import _native
     k, t = 256, 2
-    assert _native._jax_brgemm.lstm_da_width(t, 5, k, False, time_major) > 4 * k
+    assert _native.lstm_da_width(t, 5, k, False, time_major) > 4 * k
     args = _args(jax.random.key(3), 5, t, 7, k, time_major)
     ours, ref = _ours(time_major), lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
     close(_loss(ours, time_major)(*args), _loss(ref, time_major)(*args), 1e-4)
@@ -217,7 +217,7 @@ def test_lstm_vmap_with_padded_saved_gate_blocks():
     # forward's blocks are split back per mapped element and folded again for the backward.
     from jax_brgemm import _native
     k = 130
-    _, blocks, _, width = _native._jax_brgemm.lstm_saved_gates_shape(2, 3, k, False)
+    _, blocks, _, width = _native.lstm_saved_gates_shape(2, 3, k, False)
     assert blocks > 1 and blocks * width // 4 > k
     args = _args(jax.random.key(5), 3, 2, 7, k)
     ours, ref = _ours(False), lambda *a: scan_lstm(*a)  # noqa: E731

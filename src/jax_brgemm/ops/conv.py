@@ -5,7 +5,8 @@ Forward, backward-by-data and weight update are each one XLA FFI call into
 
 * ``jb_conv_fwd``: ``y = act(conv(x, kernel) + bias)``, bias and activation fused into the
   kernel's epilogue; the kernel is re-blocked (and cast to the compute dtype) inside the call.
-* ``jb_fc_act_grad``: ``dz = dy * act'(saved)``, element-wise over the output's pixels.
+* ``jb_fc_act_grad``: ``dz = dy * act'(saved)``, element-wise over the output's pixels
+  (the fully-connected layer's pass, ``ops/fc_passes.py``).
 * ``jb_conv_bwd``: ``dx``, the dual convolution of ``dz`` with the transposed kernel.
 * ``jb_conv_upd``: ``dkernel`` and ``dbias``, reduced over the batch without races.
 
@@ -23,12 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
-from jax_brgemm._native import ACTIVATION_CODES
-from jax_brgemm.ops.dense import _act_grad
-
-_NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
+from jax_brgemm.ops import fc_passes
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
 
@@ -158,14 +155,9 @@ def _forward(x, kernel, bias, cfg):
     shape = _out_shape(x.shape, kernel.shape, cfg)
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     y = jax.ShapeDtypeStruct(shape, x.dtype)
-    z = jax.ShapeDtypeStruct(shape if act == _GELU else (0,), x.dtype)
+    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), x.dtype)
     return jax.ffi.ffi_call("jb_conv_fwd", (y, z), vmap_method="expand_dims")(
         x, kernel, b, act=np.int32(act), **_geometry(cfg))
-
-
-def _flat_act_grad(dy, saved, act):
-    k = dy.shape[-1]  # element-wise: the FC layer's differentiable call over the output's pixels
-    return _act_grad(dy.reshape(-1, k), saved.reshape(-1, k), act).reshape(dy.shape)
 
 
 def _backward(dz, kernel, x_shape, cfg):
@@ -180,9 +172,10 @@ def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
 
 
 # --- the differentiable passes -------------------------------------------------------------
-# As in ops/dense.py: each pass is a custom_vjp function whose bwd is made of the others and
-# whose fwd computes its outputs by calling itself, so an outer differentiation (grad of grad)
-# sees only differentiable functions. The geometry (activation, strides, pads) is static.
+# As in ops/fc_passes.py: each pass is a custom_vjp function whose bwd is made of the
+# others and whose fwd computes its outputs by calling itself, so an outer differentiation
+# (grad of grad) sees only differentiable functions. The geometry (activation, strides,
+# pads) is static.
 
 
 def _conv(x, kernel, bias, cfg):
@@ -197,22 +190,13 @@ def _conv_pass(x, kernel, bias, cfg):
 
 def _conv_pass_fwd(x, kernel, bias, cfg):
     y, z = _conv_pass(x, kernel, bias, cfg)
-    act = cfg[0]
-    saved = None if act == _NONE else z if act == _GELU else y
-    return (y, z), (x, kernel, bias, saved)
+    return (y, z), (x, kernel, bias, fc_passes.saved_for_backward(cfg[0], y, z))
 
 
 def _conv_pass_bwd(cfg, res, cotangents):
     x, kernel, bias, saved = res
     gy, gz = cotangents
-    act = cfg[0]
-    gy = gy.astype(x.dtype)
-    if act == _NONE:
-        dz = gy
-    else:
-        dz = _flat_act_grad(gy, saved, act)
-        if act == _GELU:  # z is an output too
-            dz = dz + gz.astype(dz.dtype)
+    dz = fc_passes.preactivation_grad(cfg[0], gy.astype(x.dtype), gz, saved)
     dx = _conv_bwd_pass(dz, kernel, x.shape, cfg)
     dw, db = _conv_upd(x, dz, kernel.shape, np.dtype(kernel.dtype), bias is not None, cfg)
     return dx, dw, None if bias is None else db.astype(bias.dtype)
@@ -223,7 +207,7 @@ _conv_pass.defvjp(_conv_pass_fwd, _conv_pass_bwd)
 
 def _linear(cfg):
     """The same geometry without the activation (the passes below are linear)."""
-    return (_NONE,) + tuple(cfg[1:])
+    return (fc_passes.NONE,) + tuple(cfg[1:])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -1,37 +1,18 @@
-"""jb.dense: a fully-connected layer as fused BRGEMM custom calls with a custom VJP.
+"""jb.dense: a fully-connected layer, ``y = activation(x @ kernel + bias)``, on the BRGEMM
+kernels, differentiable to any order in reverse mode.
 
-Forward, backward-by-data and weight update are each one XLA FFI call into
-``cpp/layers/fc`` (the paper's Algorithm 5 and its two dual passes):
+It runs as the fully-connected passes of ``ops/fc_passes.py``: one call for the forward
+(bias and activation fused), and for the backward the activation's gradient ``dz`` once,
+then backward by data and the weight update as separate calls, so that XLA drops the first
+where nobody needs ``dx`` (the first layer of a network) and with it a third of the
+backward's work.
 
-* ``jb_fc_fwd``: ``y = act(x @ kernel + bias)``, bias and activation fused into the kernel's
-  epilogue. The kernel is re-blocked (and cast to the compute dtype) inside the call.
-* ``jb_fc_act_grad``: ``dz = dy * act'(saved)``, element-wise, from what the forward saved:
-  the output ``y`` for relu, sigmoid and tanh (no extra memory: it is the result), the
-  pre-activation ``z`` for gelu.
-* ``jb_fc_bwd``: ``dx = dz @ kernel.T``.
-* ``jb_fc_upd``: ``dkernel = x.T @ dz`` and ``dbias = sum(dz)``, race-free.
-* ``jb_fc_upd_sgd``: the same gradients applied at once by SGD with momentum to the
-  parameters and their momenta, in place (``sgd_update`` below; the training harness's
-  fused optimizer step).
-
-``dz`` is computed once and read by both backward passes. (Applying ``act'`` inside each
-of them instead, while they read ``dz``, measured no faster inside a training step: equal in
-fp32, 4-8 % slower in bf16, since both passes then recompute it.)
-
-The backward is split in separate calls on purpose: when ``dx`` is not needed (the first
-layer of a network) XLA drops its call, and with it a third of the layer's backward work.
-
-Every one of the four calls is a ``custom_vjp`` function whose backward is made of the
-others (the backward of a linear pass is a linear pass: ``fwd``, ``bwd`` and ``upd`` are
-each other's transposes), and every fwd rule produces its residuals through those functions,
-never through a bare ``ffi_call``: ``jax.grad`` of ``jax.grad`` (and higher) runs on the
-kernels. Forward mode (``jax.jvp``, ``jacfwd``, ``hessian``) is not supported: JAX raises
-its "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
+Two pieces of that backward are public here for a caller that applies its optimizer
+itself: ``act_grad`` (``dz`` from the layer's output) and ``sgd_update`` (the weight update
+fused with an SGD-with-momentum step, the gradients never formed).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +20,9 @@ import numpy as np
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
-from jax_brgemm._native import ACTIVATION_CODES
-from jax_brgemm.ops import partitioning
+from jax_brgemm.ops import fc_passes
 
-_NONE, _GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
+__all__ = ["act_grad", "dense", "sgd_update"]
 
 
 def dense(x, kernel, bias=None, *, activation=None, dtype=None):
@@ -88,7 +68,7 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
     if x.size == 0 or kernel.size == 0:
         return _dense_xla(x, kernel, bias, activation, dtype)
     x2 = x.astype(dtype).reshape((-1, c))
-    y, _ = _fc(x2, kernel, bias, act)
+    y, _ = fc_passes.forward(x2, kernel, bias, act)
     return y.reshape(lead + (k,))
 
 
@@ -100,37 +80,13 @@ def _dense_xla(x, kernel, bias, activation, dtype):
     return _activations.apply(activation, y).astype(dtype)
 
 
-# --- the custom calls --------------------------------------------------------------------
-# All on 2-D operands. vmap_method="expand_dims": under vmap every operand arrives with the
-# batch dims in front (size 1 when unbatched); the handlers read unbatched operands in
-# place and fold the batch into the mini-batch when the weights are shared.
-# Each call is batch-partitionable (partitioning.rows): under jit with the rows of the
-# mini-batch sharded, it runs per shard; the weight update's partial sums are psum'ed.
-
-
-def _fc_ffi(x, kernel, b, *, act):
-    n, k = x.shape[0], kernel.shape[1]
-    y = jax.ShapeDtypeStruct((n, k), x.dtype)
-    z = jax.ShapeDtypeStruct((n, k) if act == _GELU else (0,), x.dtype)
-    return tuple(jax.ffi.ffi_call("jb_fc_fwd", (y, z), vmap_method="expand_dims")(
-        x, kernel, b, act=np.int32(act)))
-
-
-def _act_grad_ffi(dy, saved, *, act):
-    out = jax.ShapeDtypeStruct(dy.shape, dy.dtype)
-    return tuple(jax.ffi.ffi_call("jb_fc_act_grad", (out,), vmap_method="expand_dims")(
-        dy, saved, act=np.int32(act)))
-
-
-def _bwd_ffi(dz, kernel):
-    out = jax.ShapeDtypeStruct((dz.shape[0], kernel.shape[0]), dz.dtype)
-    return tuple(jax.ffi.ffi_call("jb_fc_bwd", (out,), vmap_method="expand_dims")(dz, kernel))
-
-
-def _upd_ffi(x, dz, *, w_shape, w_dtype, with_bias):
-    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
-    return tuple(jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(x, dz))
+def act_grad(dy, y, activation):
+    """``dy * activation'(.)`` from the layer's output ``y`` (the activations whose derivative
+    is a function of the output: None, relu, sigmoid, tanh)."""
+    act = fc_passes.ACTIVATION_CODES[activation or "none"]
+    if act == fc_passes.GELU:
+        raise ValueError("act_grad: gelu's derivative is not a function of its output")
+    return dy if act == fc_passes.NONE else fc_passes.activation_grad_call(dy, y, act)
 
 
 def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, nesterov,
@@ -145,7 +101,7 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
     ``TraceState.trace`` leaves) float32; ``lr`` the step's learning rate (a scalar).
     Returns the new ``(kernel, kernel_trace, bias, bias_trace)`` (bias ones None without a
     bias); the four buffers are updated in place when the caller donates them. Not
-    differentiable. Weight decay applies to the kernel only (``optim.kernel_mask``).
+    differentiable. Weight decay applies to the kernel only.
 
     ``after``: an array the update waits for and does not read. The kernel is rewritten in
     place, so XLA copies it first unless every other reader of it is known to come before;
@@ -172,154 +128,3 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
         empty if after is None else after, momentum=np.float32(momentum), weight_decay=np.float32(weight_decay),
         nesterov=bool(nesterov))
     return kernel, kernel_trace, (None if bias is None else b), (None if bias is None else mb)
-
-
-def act_grad(dy, y, activation):
-    """``dy * activation'(.)`` from the layer's output ``y`` (the activations whose derivative
-    is a function of the output: None, relu, sigmoid, tanh)."""
-    act = ACTIVATION_CODES[activation or "none"]
-    if act == _GELU:
-        raise ValueError("act_grad: gelu's derivative is not a function of its output")
-    return dy if act == _NONE else _act_grad_call(dy, y, act)
-
-
-_R, _SUM = partitioning.ROWS, partitioning.SUM
-
-
-@partitioning.cached
-def _fc_target(act):
-    return partitioning.rows(partial(_fc_ffi, act=act), (_R, None, None), (_R, _R))
-
-
-@partitioning.cached
-def _act_grad_target(act):
-    return partitioning.rows(partial(_act_grad_ffi, act=act), (_R, _R), (_R,))
-
-
-@partitioning.cached
-def _bwd_target():
-    return partitioning.rows(_bwd_ffi, (_R, None), (_R,))
-
-
-@partitioning.cached
-def _upd_target(w_shape, w_dtype, with_bias):
-    return partitioning.rows(partial(_upd_ffi, w_shape=w_shape, w_dtype=w_dtype,
-                                     with_bias=with_bias), (_R, _R), (_SUM, _SUM))
-
-
-def _fc_call(x, kernel, bias, act):
-    b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    return _fc_target(act)(x, kernel, b)
-
-
-def _act_grad_call(dy, saved, act):
-    return _act_grad_target(act)(dy, saved)[0]
-
-
-def _bwd_call(dz, kernel):
-    """dx = dz @ kernel.T; dz may have more columns than kernel (its first K are used)."""
-    return _bwd_target()(dz, kernel)[0]
-
-
-def _upd_call(x, dz, w_shape, w_dtype, with_bias):
-    """(x.T @ dz, the column sums of dz) over w_shape's C first columns of x and K of dz."""
-    return _upd_target(tuple(w_shape), np.dtype(w_dtype), with_bias)(x, dz)
-
-
-# --- the differentiable passes -------------------------------------------------------------
-# Each is a custom_vjp function whose bwd calls the others, and whose fwd computes its
-# outputs by calling itself, so that an outer differentiation (grad of grad) sees only
-# differentiable functions.
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fc(x, kernel, bias, act):
-    """(y, z) = (act(x @ kernel + bias), the pre-activation for gelu or an empty array)."""
-    return _fc_call(x, kernel, bias, act)
-
-
-def _fc_fwd(x, kernel, bias, act):
-    y, z = _fc(x, kernel, bias, act)
-    saved = None if act == _NONE else z if act == _GELU else y
-    return (y, z), (x, kernel, bias, saved)
-
-
-def _fc_bwd(act, res, cotangents):
-    x, kernel, bias, saved = res
-    gy, gz = cotangents
-    gy = gy.astype(x.dtype)
-    w_shape, w_dtype, with_bias = kernel.shape, np.dtype(kernel.dtype), bias is not None
-    # dz once, read by both passes (applying act' inside each pass measured no faster)
-    dz = gy if act == _NONE else _act_grad(gy, saved, act)
-    if act == _GELU:
-        dz = dz + gz.astype(gy.dtype)  # z is an output too
-    dx = _fc_bwd_pass(dz, kernel)
-    dw, db = _fc_upd(x, dz, w_shape, w_dtype, with_bias)
-    return dx, dw, None if bias is None else db.astype(bias.dtype)
-
-
-_fc.defvjp(_fc_fwd, _fc_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _act_grad(dy, saved, act):
-    """dz = dy * act'(saved)."""
-    return _act_grad_call(dy, saved, act)
-
-
-def _act_grad_fwd(dy, saved, act):
-    return _act_grad(dy, saved, act), (dy, saved)
-
-
-def _act_grad_bwd(act, res, g):
-    dy, saved = res
-    name = _activations.NAMES[act]
-    # d/d saved of dy * f'(saved), in jnp (f'' is cheap, element-wise, and differentiable)
-    _, vjp = jax.vjp(lambda s: dy.astype(jnp.float32) * _activations.derivative(name, s), saved)
-    (d_saved,) = vjp(g.astype(jnp.float32))
-    return _act_grad(g, saved, act), d_saved.astype(saved.dtype)
-
-
-_act_grad.defvjp(_act_grad_fwd, _act_grad_bwd)
-
-
-@jax.custom_vjp
-def _fc_bwd_pass(dz, kernel):
-    """dx = dz @ kernel.T."""
-    return _bwd_call(dz, kernel)
-
-
-def _fc_bwd_pass_fwd(dz, kernel):
-    return _fc_bwd_pass(dz, kernel), (dz, kernel)
-
-
-def _fc_bwd_pass_bwd(res, g):
-    dz, kernel = res
-    g = g.astype(dz.dtype)
-    d_dz, _ = _fc(g, kernel, None, _NONE)
-    d_kernel, _ = _fc_upd(g, dz, kernel.shape, np.dtype(kernel.dtype), False)
-    return d_dz, d_kernel
-
-
-_fc_bwd_pass.defvjp(_fc_bwd_pass_fwd, _fc_bwd_pass_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fc_upd(x, dz, w_shape, w_dtype, with_bias):
-    """(dkernel, dbias) = (x.T @ dz in w_dtype, the column sums of dz in float32 or empty)."""
-    return _upd_call(x, dz, w_shape, w_dtype, with_bias)
-
-
-def _fc_upd_fwd(x, dz, w_shape, w_dtype, with_bias):
-    return _fc_upd(x, dz, w_shape, w_dtype, with_bias), (x, dz)
-
-
-def _fc_upd_bwd(w_shape, w_dtype, with_bias, res, cotangents):
-    x, dz = res
-    g_w, g_b = cotangents
-    d_x = _fc_bwd_pass(dz, g_w)
-    d_dz, _ = _fc(x, g_w, g_b if with_bias else None, _NONE)
-    return d_x, d_dz.astype(dz.dtype)
-
-
-_fc_upd.defvjp(_fc_upd_fwd, _fc_upd_bwd)

@@ -13,7 +13,7 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
   gate gradient ``da`` (rows padded past 4K columns, away from a 4 KiB period, so that the
   passes after it read it in place), the bias gradient and the initial carry's gradients.
 * The remaining gradients are two big fully-connected passes over all steps at once
-  (``cpp/layers/fc``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
+  (``ops/fc_passes.py``): ``dx = da @ kernel_i.T`` and the weight update of both kernels in one
   pass over the saved ``xh``, ``[dkernel_i; dkernel_h] = xh.T @ da`` (reduction over every
   step and row, ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first
   layer).
@@ -32,7 +32,7 @@ import numpy as np
 
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
-from jax_brgemm.ops.dense import _bwd_call, _upd_call
+from jax_brgemm.ops import fc_passes
 
 # jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
 _AUTOMATIC = 0
@@ -145,20 +145,22 @@ def _sequential(fn, args, in_batched, size):
     return jax.lax.map(one, [args[i] for i in idx])
 
 
-def _forward(x, wi, wh, b, c0, h0, time_major, save):
+def forward_call(x, wi, wh, b, c0, h0, time_major, save):
+    """The forward over every step, one call (not differentiable): ``(y, c_T, h_T, gates,
+    cell states, xh)``, the last three empty unless ``save`` (what the backward reads)."""
     return _forward_vmappable(time_major, save)(x, wi, wh, b, c0, h0)
 
 
-def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
+def _forward_ffi(x, wi, wh, b, c0, h0, time_major, save):
     t, n = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
     # The saved gates in the backward's K-blocks, each block's rows of four gates contiguous.
-    shape = _native._jax_brgemm.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16)
+    shape = _native.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16)
     gates = jax.ShapeDtypeStruct(tuple(shape) if save else (0,), x.dtype)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
-    width = _native._jax_brgemm.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
+    width = _native.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
     return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs, xh), vmap_method="sequential")(
         x, wi, wh, b, c0, h0, time_major=time_major, variant=np.int32(_AUTOMATIC))
@@ -166,7 +168,7 @@ def _forward_call(x, wi, wh, b, c0, h0, time_major, save):
 
 @lru_cache(maxsize=None)
 def _forward_vmappable(time_major, save):
-    call = partial(_forward_call, time_major=time_major, save=save)
+    call = partial(_forward_ffi, time_major=time_major, save=save)
 
     @jax.custom_batching.custom_vmap
     def fwd(x, wi, wh, b, c0, h0):
@@ -190,16 +192,18 @@ def _forward_vmappable(time_major, save):
     return fwd
 
 
-def _bptt(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+    """Backward through time, one call (not differentiable): ``(da, db, dc0, dh0)``, ``da``
+    every step's gate gradient in rows padded past 4K columns."""
     return _bptt_vmappable(time_major)(wh, gates, cs, c0, dy, dc_t, dh_t)
 
 
-def _bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
     n, k = c0.shape
     t = dy.shape[0] if time_major else dy.shape[1]
     # da's rows are padded (the first 4K columns are the gradient) away from a 4 KiB
     # period, so that the fully-connected passes after bptt read them in place.
-    width = _native._jax_brgemm.lstm_da_width(t, n, k, dy.dtype == jnp.bfloat16, time_major)
+    width = _native.lstm_da_width(t, n, k, dy.dtype == jnp.bfloat16, time_major)
     da = jax.ShapeDtypeStruct(dy.shape[:2] + (width,), dy.dtype)
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), dy.dtype))
@@ -209,7 +213,7 @@ def _bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
 
 @lru_cache(maxsize=None)
 def _bptt_vmappable(time_major):
-    call = partial(_bptt_call, time_major=time_major)
+    call = partial(_bptt_ffi, time_major=time_major)
 
     @jax.custom_batching.custom_vmap
     def bptt(wh, gates, cs, c0, dy, dc_t, dh_t):
@@ -239,12 +243,12 @@ def _bptt_vmappable(time_major):
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _lstm(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, *_ = _forward(x, wi, wh, b, c0, h0, time_major, save=False)
+    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, save=False)
     return (c_t, h_t), y
 
 
 def _lstm_fwd(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, gates, cs, xh = _forward(x, wi, wh, b, c0, h0, time_major, save=True)
+    y, c_t, h_t, gates, cs, xh = forward_call(x, wi, wh, b, c0, h0, time_major, save=True)
     return ((c_t, h_t), y), (wi, wh, gates, cs, c0, xh)
 
 
@@ -252,15 +256,16 @@ def _lstm_bwd(time_major, res, g):
     wi, wh, gates, cs, c0, xh = res
     (dc_t, dh_t), dy = g
     dt = xh.dtype
-    da, db, dc0, dh0 = _bptt(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
+    da, db, dc0, dh0 = bptt_call(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
                              dh_t.astype(dt), time_major)
     c, k = wi.shape[0], wh.shape[0]
     rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
-    dx = _bwd_call(da2, wi).reshape(xh.shape[:2] + (c,))
+    dx = fc_passes.backward_data_call(da2, wi).reshape(xh.shape[:2] + (c,))
     # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
     # every step, one GEMM reducing over all rows into C + K output rows; da is read once.
-    dwr = _upd_call(xh.reshape(rows, xh.shape[2]), da2, (c + k, 4 * k), wi.dtype, False)[0]
+    dwr = fc_passes.weight_update_call(xh.reshape(rows, xh.shape[2]), da2, (c + k, 4 * k),
+                                       wi.dtype, False)[0]
     return dx, dwr[:c], dwr[c:], db, dc0, dh0
 
 
