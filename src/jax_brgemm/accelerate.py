@@ -1,8 +1,8 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
-Inside the context, every ``flax.linen.Dense`` and ``flax.linen.Conv`` call that the kernels
-support computes with ``jb.dense`` / ``jb.conv2d`` on exactly the parameters the stock module created; everything else runs the
-stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
+Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv`` and LSTM ``flax.linen.RNN``
+call that the kernels support computes with ``jax_brgemm.nn``'s layers on exactly the
+parameters the stock module created; everything else runs the stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
 parameter trees, and checkpoints, are the stock ones by construction::
 
     model = MyFlaxModel()                      # written against flax.linen only
@@ -24,10 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen.dtypes import canonicalize_dtype
 
 from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
+from jax_brgemm.nn import _adapt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +147,9 @@ _RNN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.RNN)
 
 
 def _rnn(module: nn.RNN, args, kwargs):
-    """RNN over OptimizedLSTMCell / LSTMCell: both cells create the same parameters (per gate
-    ``i*`` input kernels without bias, ``h*`` recurrent kernels with bias) and compute the
-    same gates (i, f, g, o = sigmoid, sigmoid, tanh, sigmoid; c' = f c + i g, h' = o tanh c');
-    the kernels take them concatenated in that order."""
+    """RNN over OptimizedLSTMCell / LSTMCell: both cells create the same parameters and
+    compute the same gates (i, f, g, o = sigmoid, sigmoid, tanh, sigmoid; c' = f c + i g,
+    h' = o tanh c'), which the fused layer takes concatenated (``_adapt.lstm_params``)."""
     cell = module.cell
     if type(cell) not in (nn.OptimizedLSTMCell, nn.LSTMCell):
         return None, f"cell {type(cell).__name__}"
@@ -176,14 +175,10 @@ def _rnn(module: nn.RNN, args, kwargs):
         params = cell.variables.get("params", {}) if cell.scope is not None else {}
     except Exception:  # an unbound cell  # noqa: BLE001
         params = {}
-    names = [f"{kind}{gate}" for kind in "ih" for gate in "ifgo"]
-    if any(n not in params or "kernel" not in params[n] for n in names) or any(
-            "bias" not in params[f"h{g}"] for g in "ifgo") or any("bias" in params[f"i{g}"]
-                                                                   for g in "ifgo"):
-        return None, "parameters not created yet"
-    kernel_i = jnp.concatenate([params[f"i{g}"]["kernel"] for g in "ifgo"], axis=-1)
-    kernel_h = jnp.concatenate([params[f"h{g}"]["kernel"] for g in "ifgo"], axis=-1)
-    bias = jnp.concatenate([params[f"h{g}"]["bias"] for g in "ifgo"], axis=-1)
+    fused, why = _adapt.lstm_params(params)
+    if fused is None:
+        return None, why
+    kernel_i, kernel_h, bias = fused
     k = cell.features
     if kernel_h.shape != (k, 4 * k) or kernel_i.shape != (inputs.shape[-1], 4 * k):
         return None, "parameter shapes do not match the inputs"
@@ -200,12 +195,9 @@ def _rnn(module: nn.RNN, args, kwargs):
         return None, "initial_carry is not a pair (c, h)"
     # The stock computation's dtype: the cell's promote_dtype of the inputs, the carry and
     # the parameters (dtype=None) or the cell's dtype.
-    try:
-        dtype = np.dtype(canonicalize_dtype(inputs, h0, kernel_i, kernel_h, bias, dtype=cell.dtype))
-    except ValueError as e:
-        return None, f"dtype ({e})"
-    if dtype not in check.KERNEL_DTYPES:
-        return None, f"{dtype} computation"
+    dtype, why = _adapt.computation_dtype(cell.dtype, inputs, h0, kernel_i, kernel_h, bias)
+    if dtype is None:
+        return None, why
     if any(np.dtype(a.dtype) not in check.KERNEL_DTYPES for a in (kernel_i, kernel_h, bias)):
         return None, "parameters neither float32 nor bfloat16"
     return jbnn.lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),

@@ -1,35 +1,26 @@
-"""Flax modules on jax_brgemm's kernels, drop-in replacements for their ``flax.linen`` twins.
-
-Each module has its stock twin's fields, in the stock order, followed by its own (such as
-``activation``); it creates exactly the stock module's parameters (names, shapes, dtypes,
-initializers), so a checkpoint of a stock Flax model loads unchanged. A configuration the
-kernels cannot run (a custom ``dot_general``, a dtype other than float32 / bfloat16, a
-``promote_dtype`` whose result they cannot take) computes exactly as the stock module does.
-"""
+"""``Dense`` and ``Conv``: ``flax.linen``'s linear layers on the fully-connected and
+convolution kernels, and the functions that run a stock layer's call on them (for
+``accelerate()``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.linen import initializers
-from flax.linen.dtypes import canonicalize_dtype, promote_dtype
-from flax.linen.linear import PromoteDtypeFn, default_kernel_init
+from flax.linen.dtypes import promote_dtype
+from flax.linen.linear import PromoteDtypeFn, canonicalize_padding, default_kernel_init
 from flax.linen.module import Module, compact
 from flax.typing import Array, DotGeneralT, Dtype, Initializer, PrecisionLike
 from jax import lax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
+from jax_brgemm.nn import _adapt
+from jax_brgemm.ops.conv import conv2d
 from jax_brgemm.ops.dense import dense
 
-__all__ = ["ACTIVATIONS", "Dense", "LSTM"]
-
-#: The activations the modules fuse, by name, and the stock function each one matches
-#: (what a stock layer followed by that function computes).
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(_activations.FUNCTIONS)
+__all__ = ["Conv", "Dense", "conv_on_kernels", "dense_on_kernels"]
 
 
 def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
@@ -40,24 +31,11 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
     """
     if layer.dot_general is not None or layer.dot_general_cls is not None:
         return None, "custom dot_general"
-    if layer.promote_dtype is promote_dtype:
-        # Flax's promotion, except that the kernel and bias go in as they are and are cast
-        # inside the custom call: their gradients stay in the parameter dtype without a
-        # rounding to the computation dtype in between.
-        try:
-            dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=layer.dtype))
-        except ValueError as e:  # the stock computation raises it again
-            return None, f"dtype ({e})"
-        if dtype not in check.KERNEL_DTYPES:
-            return None, f"{dtype} computation"
-        kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
-                        for a in (kernel, bias))
-        return dense(jnp.asarray(inputs, dtype), kernel, bias, activation=activation, dtype=dtype), ""
-    p_inputs, p_kernel, p_bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
-    dtypes = {np.dtype(a.dtype) for a in (p_inputs, p_kernel, p_bias) if a is not None}
-    if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
-        return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
-    return dense(p_inputs, p_kernel, p_bias, activation=activation), ""
+    operands, why = _adapt.kernel_operands(layer, inputs, kernel, bias)
+    if operands is None:
+        return None, why
+    inputs, kernel, bias, dtype = operands
+    return dense(inputs, kernel, bias, activation=activation, dtype=dtype), ""
 
 
 class Dense(Module):
@@ -159,162 +137,41 @@ class Dense(Module):
         return _activations.apply(self.activation, y)
 
 
-class _LSTMCellParams(Module):
-    """The parameters of ``flax.linen.OptimizedLSTMCell`` (same names, shapes, initializers),
-    concatenated into the fused layer's ``kernel_i (C, 4K)``, ``kernel_h (K, 4K)`` and
-    ``bias (4K,)``, gates in the order i, f, g, o."""
-
-    features: int
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    recurrent_kernel_init: Initializer = initializers.orthogonal()
-    bias_init: Initializer = initializers.zeros_init()
-
-    @compact
-    def __call__(self, in_features: int):
-        from flax.linen.recurrent import DenseParams
-
-        x_like = jax.ShapeDtypeStruct((1, in_features), self.param_dtype)
-        h_like = jax.ShapeDtypeStruct((1, self.features), self.param_dtype)
-        ki, kh, bh = [], [], []
-        for gate in "ifgo":
-            k, _ = DenseParams(features=self.features, use_bias=False, param_dtype=self.param_dtype,
-                               kernel_init=self.kernel_init, bias_init=self.bias_init,
-                               name=f"i{gate}")(x_like)
-            r, b = DenseParams(features=self.features, use_bias=True, param_dtype=self.param_dtype,
-                               kernel_init=self.recurrent_kernel_init, bias_init=self.bias_init,
-                               name=f"h{gate}")(h_like)
-            ki.append(k)
-            kh.append(r)
-            bh.append(b)
-        return jnp.concatenate(ki, -1), jnp.concatenate(kh, -1), jnp.concatenate(bh, -1)
+# --- Conv ----------------------------------------------------------------------------------
+# The geometry, shared by the module's stock path and conv_on_kernels.
 
 
-class LSTM(Module):
-    """An LSTM over a whole sequence, as one fused BRGEMM custom call per pass: a drop-in for
-    ``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))``.
-
-    Same parameters as the stock module (``{'cell': {'ii', 'if', 'ig', 'io': {'kernel'},
-    'hi', 'hf', 'hg', 'ho': {'kernel', 'bias'}}}``, same initializers), the same call
-    conventions (``initial_carry=``, carry ``(c, h)``, ``return_carry``, ``time_major``,
-    ``reverse`` / ``keep_order``, any number of batch dims) and the same output dtypes, so a
-    stock checkpoint loads unchanged::
-
-      >>> import jax, jax.numpy as jnp
-      >>> import jax_brgemm as jb
-      >>> layer = jb.nn.LSTM(features=4)
-      >>> params = layer.init(jax.random.key(0), jnp.ones((2, 5, 3)))
-      >>> sorted(params['params']['cell'])
-      ['hf', 'hg', 'hi', 'ho', 'if', 'ig', 'ii', 'io']
-
-    Attributes:
-      features: the hidden size K.
-      time_major: inputs are ``(time, *batch, features)`` instead of
-        ``(*batch, time, features)`` (default: False).
-      return_carry: return ``(carry, outputs)`` instead of the outputs (default: False).
-      reverse: process the sequence from last to first (default: False).
-      keep_order: with ``reverse``, return the outputs in the original order.
-      dtype: the computation dtype, float32 or bfloat16 (default: infer from inputs and
-        params). bfloat16 multiplies with float32 accumulation; the cell state and the
-        element-wise math are float32 either way.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      kernel_init, recurrent_kernel_init, bias_init, carry_init: as
-        ``flax.linen.OptimizedLSTMCell``'s.
-    """
-
-    features: int
-    time_major: bool = False
-    return_carry: bool = False
-    reverse: bool = False
-    keep_order: bool = False
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    recurrent_kernel_init: Initializer = initializers.orthogonal()
-    bias_init: Initializer = initializers.zeros_init()
-    carry_init: Initializer = initializers.zeros_init()
-
-    @compact
-    def __call__(self, inputs: Array, *, initial_carry=None, init_key=None, seq_lengths=None,
-                 return_carry: bool | None = None, time_major: bool | None = None,
-                 reverse: bool | None = None, keep_order: bool | None = None):
-        """Runs the LSTM over ``inputs``; arguments override the attributes as in
-        ``flax.linen.RNN.__call__``. ``seq_lengths`` is accepted where the stock module's
-        result does not depend on it beyond reversing (``return_carry=False``), and refused
-        with ``return_carry=True`` (the stock module then picks each sequence's own last
-        carry, which the fused kernel does not produce)."""
-        return_carry = self.return_carry if return_carry is None else return_carry
-        time_major = self.time_major if time_major is None else time_major
-        reverse = self.reverse if reverse is None else reverse
-        keep_order = self.keep_order if keep_order is None else keep_order
-        if seq_lengths is not None and return_carry:
-            raise NotImplementedError(
-                "jax_brgemm.nn.LSTM: seq_lengths with return_carry=True (each sequence's own last "
-                "carry) is not supported; use flax.linen.RNN for that, or pad and take the carry "
-                "from the outputs")
-        if inputs.ndim < 3:
-            raise ValueError(f"LSTM: inputs must be (*batch, time, features) or, time-major, "
-                             f"(time, *batch, features) with at least one batch dim; got shape "
-                             f"{inputs.shape}")
-        batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
-        kernel_i, kernel_h, bias = _LSTMCellParams(
-            self.features, self.param_dtype, self.kernel_init, self.recurrent_kernel_init,
-            self.bias_init, name="cell")(inputs.shape[-1])
-
-        if initial_carry is None:
-            key1, key2 = jax.random.split(jax.random.key(0) if init_key is None else init_key)
-            mem_shape = tuple(batch_dims) + (self.features,)
-            initial_carry = (self.carry_init(key1, mem_shape, self.param_dtype),
-                             self.carry_init(key2, mem_shape, self.param_dtype))
-        dtype = check.compute_dtype("jb.nn.LSTM", self.dtype, inputs, kernel_i, bias)
-        return lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, dtype=dtype,
-                               time_major=time_major, reverse=reverse, keep_order=keep_order,
-                               seq_lengths=seq_lengths, return_carry=return_carry)
+def _kernel_size(layer) -> tuple[int, ...]:
+    """The kernel's spatial size; an int is a 1-D kernel (as in Flax)."""
+    return (layer.kernel_size,) if isinstance(layer.kernel_size, int) else tuple(layer.kernel_size)
 
 
-def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, time_major=False,
-                    reverse=False, keep_order=False, seq_lengths=None, return_carry=False):
-    """What ``flax.linen.RNN(OptimizedLSTMCell)`` computes on ``inputs`` (any number of batch
-    dims), as one fused ``jb.lstm`` call: the stock cell's gate math, the stock module's
-    conventions for ``reverse`` / ``keep_order`` / ``seq_lengths`` (flips only) and its output
-    dtypes. ``kernel_i (C, 4K)``, ``kernel_h (K, 4K)``, ``bias (4K,)`` are the cell's
-    parameters concatenated in gate order i, f, g, o; ``initial_carry`` is ``(c0, h0)``
-    shaped ``(*batch, K)``; ``dtype`` the computation dtype (float32 or bfloat16)."""
-    from flax.linen.recurrent import flip_sequences
-
-    from jax_brgemm.ops.lstm import lstm
-
-    features = kernel_h.shape[0]
-    batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
-    n = int(np.prod(batch_dims))
-    c0, h0 = initial_carry
-    # The stock cell's outputs take the dtype of f * c + i * g: the computation dtype
-    # promoted with the carry's.
-    out_dtype = jnp.result_type(dtype, c0.dtype, h0.dtype)
-    if reverse:
-        inputs = flip_sequences(inputs, seq_lengths, num_batch_dims=len(batch_dims),
-                                time_major=time_major)
-    t = inputs.shape[0] if time_major else inputs.shape[-2]
-    x = inputs.reshape((t, n, -1) if time_major else (n, t, -1))
-    carry0 = (jnp.reshape(c0, (n, features)), jnp.reshape(h0, (n, features)))
-    (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
-                     dtype=dtype)
-    y = y.astype(out_dtype).reshape(inputs.shape[:-1] + (features,))
-    carry = (c.astype(out_dtype).reshape(c0.shape), h.astype(out_dtype).reshape(h0.shape))
-    if reverse and keep_order:
-        y = flip_sequences(y, seq_lengths, num_batch_dims=len(batch_dims), time_major=time_major)
-    return (carry, y) if return_carry else y
+def _per_dim(value, rank: int) -> tuple[int, ...]:
+    """A stride or dilation (None: 1; an int: every dim) as one int per spatial dim."""
+    value = 1 if value is None else value
+    return (value,) * rank if isinstance(value, int) else tuple(value)
 
 
-# --- Conv ---------------------------------------------------------------------------------
+def _pad_by_mode(inputs, padding, kernel_size, kernel_dilation):
+    """``(inputs, padding)`` with Flax's ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'`` (1-D)
+    paddings applied to the inputs, as Flax does, leaving ``'VALID'``; others unchanged."""
+    if padding in ('CIRCULAR', 'REFLECT'):
+        dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation, strict=True)]
+        pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+        mode = {'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding]
+        return jnp.pad(inputs, pads, mode=mode), 'VALID'
+    if padding == 'CAUSAL':
+        pad = kernel_dilation[0] * (kernel_size[0] - 1)
+        return jnp.pad(inputs, [(0, 0), (pad, 0), (0, 0)]), 'VALID'
+    return inputs, padding
 
-from typing import Sequence  # noqa: E402
 
-from flax.linen.linear import _conv_dimension_numbers, canonicalize_padding  # noqa: E402
-
-from jax_brgemm.ops.conv import conv2d  # noqa: E402
-
-__all__ += ["Conv", "conv_on_kernels"]
+def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
+    """Flax's convolution layout for inputs of rank ``ndim``: (N, spatial..., C) inputs and
+    outputs, (spatial..., C, K) kernels."""
+    lhs = (0, ndim - 1) + tuple(range(1, ndim - 1))
+    rhs = (ndim - 1, ndim - 2) + tuple(range(0, ndim - 2))
+    return lax.ConvDimensionNumbers(lhs, rhs, lhs)
 
 
 class Conv(Module):
@@ -395,14 +252,8 @@ class Conv(Module):
         """
         op = "jb.nn.Conv"
         check.activation(self.activation, op)
-        kernel_size = ((self.kernel_size,) if isinstance(self.kernel_size, int)
-                       else tuple(self.kernel_size))
+        kernel_size = _kernel_size(self)
         rank = len(kernel_size)
-
-        def broadcast(v):
-            v = 1 if v is None else v
-            return (v,) * rank if isinstance(v, int) else tuple(v)
-
         inputs = raw_inputs = jnp.asarray(inputs)
         batch_dims = inputs.ndim - (rank + 1)
         if batch_dims < 0:
@@ -411,20 +262,13 @@ class Conv(Module):
         batch_shape = inputs.shape[:batch_dims]
         if batch_dims != 1:
             inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
-        strides, input_dilation, kernel_dilation = map(
-            broadcast, (self.strides, self.input_dilation, self.kernel_dilation))
+        strides, input_dilation, kernel_dilation = (
+            _per_dim(v, rank) for v in (self.strides, self.input_dilation, self.kernel_dilation))
 
         padding = canonicalize_padding(self.padding, rank)
-        if padding in ('CIRCULAR', 'REFLECT'):
-            dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]
-            pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
-            inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
-            padding = 'VALID'
-        elif padding == 'CAUSAL':
-            if rank != 1:
-                raise ValueError('Causal padding is only implemented for 1D convolutions.')
-            inputs = jnp.pad(inputs, [(0, 0), (kernel_dilation[0] * (kernel_size[0] - 1), 0), (0, 0)])
-            padding = 'VALID'
+        if padding == 'CAUSAL' and rank != 1:
+            raise ValueError('Causal padding is only implemented for 1D convolutions.')
+        inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
 
         in_features = jnp.shape(inputs)[-1]
         if in_features % self.feature_group_count:
@@ -437,7 +281,8 @@ class Conv(Module):
         kernel = raw_kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:
             kernel *= self.mask
-        bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
 
         # the kernels take the unpadded, unflattened inputs and the unmasked kernel
         y, _ = conv_on_kernels(self, raw_inputs, raw_kernel, bias, self.activation)
@@ -450,7 +295,7 @@ class Conv(Module):
         else:
             conv = self.conv_general_dilated or lax.conv_general_dilated
         y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-                 rhs_dilation=kernel_dilation, dimension_numbers=_conv_dimension_numbers(inputs.shape),
+                 rhs_dilation=kernel_dilation, dimension_numbers=_channels_last(inputs.ndim),
                  feature_group_count=self.feature_group_count, precision=self.precision)
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
@@ -470,22 +315,16 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     yet masked); the result is what the layer returns (batch dims restored), with
     ``activation`` fused.
     """
-    kernel_size = ((layer.kernel_size,) if isinstance(layer.kernel_size, int)
-                   else tuple(layer.kernel_size))
+    kernel_size = _kernel_size(layer)
     rank = len(kernel_size)
-
-    def broadcast(v):
-        v = 1 if v is None else v
-        return (v,) * rank if isinstance(v, int) else tuple(v)
-
     if rank not in (1, 2):
         return None, f"{rank}-D convolution"
     if layer.feature_group_count != 1:
         return None, "feature groups"
     if layer.conv_general_dilated is not None or layer.conv_general_dilated_cls is not None:
         return None, "custom conv_general_dilated"
-    strides, input_dilation, kernel_dilation = map(
-        broadcast, (layer.strides, layer.input_dilation, layer.kernel_dilation))
+    strides, input_dilation, kernel_dilation = (
+        _per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
     if any(d != 1 for d in input_dilation):
         return None, "input dilation"
     if any(d != 1 for d in kernel_dilation):
@@ -501,25 +340,20 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         padding = canonicalize_padding(layer.padding, rank)
     except (TypeError, ValueError) as e:
         return None, f"padding ({e})"
-    if padding in ('CIRCULAR', 'REFLECT'):
-        pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in kernel_size] + [(0, 0)]
-        inputs = jnp.pad(inputs, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
-        padding = 'VALID'
-    elif padding == 'CAUSAL':
-        if rank != 1:
-            return None, "causal padding of a 2-D convolution"
-        inputs = jnp.pad(inputs, [(0, 0), (kernel_size[0] - 1, 0), (0, 0)])
-        padding = 'VALID'
+    if padding == 'CAUSAL' and rank != 1:
+        return None, "causal padding of a 2-D convolution"
+    inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
     if not isinstance(padding, str):
         padding = [tuple(p) for p in padding]
         if any(v < 0 for p in padding for v in p):
             # a negative pad crops: slice it off here, so the kernels see pads >= 0 (stock
             # XLA's own cropping convolution reads garbage now and then)
             spatial = inputs.shape[1:1 + rank]
-            if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in zip(spatial, padding)):
+            pairs = list(zip(spatial, padding, strict=True))
+            if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in pairs):
                 return None, "padding crops the whole input"
             inputs = inputs[(slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0))
-                                                   for n, (lo, hi) in zip(spatial, padding))]
+                                                   for n, (lo, hi) in pairs)]
             padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
     elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
         return None, f"padding {padding!r}"
@@ -527,23 +361,10 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         if jnp.shape(layer.mask) != jnp.shape(kernel):
             return None, "mask shape"
         kernel = kernel * layer.mask
-    if layer.promote_dtype is promote_dtype:
-        try:
-            dtype = np.dtype(canonicalize_dtype(inputs, kernel, bias, dtype=layer.dtype))
-        except ValueError as e:  # the stock computation raises it again
-            return None, f"dtype ({e})"
-        if dtype not in check.KERNEL_DTYPES:
-            return None, f"{dtype} computation"
-        # the kernel and bias go in as they are and are cast inside the custom call
-        kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
-                        for a in (kernel, bias))
-        inputs = jnp.asarray(inputs, dtype)
-    else:
-        inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
-        dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
-        if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
-            return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
-        dtype = dtypes.pop()
+    operands, why = _adapt.kernel_operands(layer, inputs, kernel, bias)
+    if operands is None:
+        return None, why
+    inputs, kernel, bias, dtype = operands
     if rank == 1:  # a 1-D convolution is a 2-D one over a single row
         if not isinstance(padding, str):
             padding = [(0, 0)] + padding
