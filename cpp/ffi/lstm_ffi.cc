@@ -7,7 +7,7 @@
 //                    gates (T, ceil(K / B), N, 4B, x's dtype; B = lstm::gate_block),
 //                    cs (T, N, K) f32 and xh (x's layout,
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
-//                 attrs time_major, variant (0 automatic, 1 fused, 2 precompute)
+//                 attrs time_major, variant (0 automatic or 1 fused: the same forward)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
 //                 -> da (x's layout, lstm::da_width features: the first 4K, then padding),
 //                    db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "ffi/ffi_common.h"
-#include "layers/lstm.h"
+#include "layers/lstm/lstm.h"
 
 namespace jb {
 namespace {
@@ -75,7 +75,8 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (!ffi_util::kernel_dtype(w.element_type(), &w_dt) || !ffi_util::kernel_dtype(r.element_type(), &r_dt) ||
       w_dt != r_dt)
     return invalid("jb_lstm_fwd: w and r must both be float32 or both bfloat16");
-  if (variant < 0 || variant > 2) return invalid("jb_lstm_fwd: unknown variant " + std::to_string(variant));
+  // 0 lets the layer choose, 1 asks for the fused forward: the same, the only one there is.
+  if (variant < 0 || variant > 1) return invalid("jb_lstm_fwd: unknown variant " + std::to_string(variant));
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 3 || wd.size() != 2) return invalid("jb_lstm_fwd: x needs rank 3 and w rank 2");
   const int64_t t = time_major ? xd[0] : xd[1], n = time_major ? xd[1] : xd[0], c = xd[2];
@@ -110,15 +111,18 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (c == 0 && t > 0) return invalid("jb_lstm_fwd: x has no features (C = 0)");
 
   const Executor ex = ffi_util::executor(pool);
-  return guarded(op, [&] {
-    lstm::forward(ex, dispatch(), s, x.untyped_data(), w.untyped_data(),
-                  r.untyped_data(), w_dt, static_cast<const float*>(bias.untyped_data()),
-                  static_cast<const float*>(c0.untyped_data()), h0.untyped_data(), y->untyped_data(),
-                  static_cast<float*>(c_last->untyped_data()), h_last->untyped_data(),
-                  save ? gates->untyped_data() : nullptr,
-                  save ? static_cast<float*>(cs->untyped_data()) : nullptr, save ? xh->untyped_data() : nullptr,
-                  lstm::Variant(variant));
-  });
+  lstm::ForwardArgs a;
+  a.x = {x.untyped_data(), dt};
+  a.w = {w.untyped_data(), w_dt};
+  a.r = {r.untyped_data(), w_dt};
+  a.bias = static_cast<const float*>(bias.untyped_data());
+  a.c0 = static_cast<const float*>(c0.untyped_data());
+  a.h0 = {h0.untyped_data(), dt};
+  a.y = {y->untyped_data(), dt};
+  a.c_last = static_cast<float*>(c_last->untyped_data());
+  a.h_last = {h_last->untyped_data(), dt};
+  if (save) a.saved = {{gates->untyped_data(), dt}, static_cast<float*>(cs->untyped_data()), {xh->untyped_data(), dt}};
+  return guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
 }
 
 ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, ffi::AnyBuffer cs,
@@ -159,14 +163,19 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_DTYPE(op, "dc0", *dc0, ffi::DataType::F32);
   JB_DTYPE(op, "dh0", *dh0, dy.element_type());
   const Executor ex = ffi_util::executor(pool);
-  return guarded(op, [&] {
-    lstm::bptt(ex, dispatch(), s, r.untyped_data(), w_dt,
-               gates.untyped_data(), static_cast<const float*>(cs.untyped_data()),
-               static_cast<const float*>(c0.untyped_data()), dy.untyped_data(),
-               static_cast<const float*>(dc_last.untyped_data()), dh_last.untyped_data(), da->untyped_data(),
-               static_cast<float*>(db->untyped_data()), static_cast<float*>(dc0->untyped_data()),
-               dh0->untyped_data());
-  });
+  lstm::BpttArgs a;
+  a.r = {r.untyped_data(), w_dt};
+  a.gates = {gates.untyped_data(), dt};
+  a.cs = static_cast<const float*>(cs.untyped_data());
+  a.c0 = static_cast<const float*>(c0.untyped_data());
+  a.dy = {dy.untyped_data(), dt};
+  a.dc_last = static_cast<const float*>(dc_last.untyped_data());
+  a.dh_last = {dh_last.untyped_data(), dt};
+  a.da = {da->untyped_data(), dt};
+  a.db = static_cast<float*>(db->untyped_data());
+  a.dc0 = static_cast<float*>(dc0->untyped_data());
+  a.dh0 = {dh0->untyped_data(), dt};
+  return guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 
 #include "brgemm/brgemm.h"
 #include "brgemm/peak.h"
-#include "layers/lstm.h"
+#include "layers/lstm/lstm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;

@@ -1,6 +1,5 @@
 // The LSTM layer against a naive double-precision LSTM: forward outputs, the final carry and
-// every gradient (x, both kernels, the bias, the initial carry) for both forward variants,
-// both layouts, fp32 and bf16 (both multiply paths), odd sizes and sizes of 1, forced small
+// every gradient (x, both kernels, the bias, the initial carry) for both layouts, fp32 and bf16 (both multiply paths), odd sizes and sizes of 1, forced small
 // blockings (edge tiles everywhere), one thread and several, every ISA this CPU runs. The
 // backward's dx, dW and dR come from the fully-connected passes over bptt's da, as in the
 // Python op. The reference's own gradients are checked by finite differences once.
@@ -9,13 +8,14 @@
 #include <functional>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "check.h"
 #include "fixtures.h"
 #include "layers/fc.h"
-#include "layers/lstm.h"
+#include "layers/lstm/lstm.h"
 
 namespace {
 
@@ -148,7 +148,6 @@ Problem make_problem(int64_t t, int64_t n, int64_t c, int64_t k, bool tm, unsign
 struct Opts {
   DType dt = DType::f32;
   DType w_dt = DType::f32;
-  lstm::Variant variant = lstm::Variant::automatic;
   int64_t threads = 2;
   const jb::Blocking* force = nullptr;
   jb::Dispatch dp = jb::dispatch();
@@ -157,8 +156,8 @@ struct Opts {
 
 void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o) {
   char ctx[160];
-  std::snprintf(ctx, sizeof ctx, "[T=%ld N=%ld C=%ld K=%ld tm=%d dt=%d w=%d var=%d thr=%ld isa=%s mul=%d]",
-                long(T), long(N), long(C), long(K), int(tm), int(o.dt), int(o.w_dt), int(o.variant),
+  std::snprintf(ctx, sizeof ctx, "[T=%ld N=%ld C=%ld K=%ld tm=%d dt=%d w=%d thr=%ld isa=%s mul=%d]",
+                long(T), long(N), long(C), long(K), int(tm), int(o.dt), int(o.w_dt),
                 long(o.threads), jb::isa_name(o.dp.isa), int(o.dp.bf16_multiply));
   Problem p = make_problem(T, N, C, K, tm, unsigned(T * 1000 + N * 100 + C * 10 + K));
   if (o.no_carry_grads) std::fill(p.dhl.begin(), p.dhl.end(), 0.0), std::fill(p.dcl.begin(), p.dcl.end(), 0.0);
@@ -207,9 +206,18 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     std::vector<float> cs(save ? T * N * K : 0);
     const int64_t width = lstm::saved_width(s, o.dp);
     Tensor xh(o.dt, save ? T * N * width : 0);
-    lstm::forward(ex, o.dp, s, x.data(), w.data(), r.data(), o.w_dt, b.data(), c0.data(), h0.data(),
-                  y.data(), cl.f.data(), hl.data(), save ? gates.data() : nullptr,
-                  save ? cs.data() : nullptr, save ? xh.data() : nullptr, o.variant, o.force);
+    lstm::ForwardArgs fa;
+    fa.x = {x.data(), o.dt};
+    fa.w = {w.data(), o.w_dt};
+    fa.r = {r.data(), o.w_dt};
+    fa.bias = b.data();
+    fa.c0 = c0.data();
+    fa.h0 = {h0.data(), o.dt};
+    fa.y = {y.data(), o.dt};
+    fa.c_last = cl.f.data();
+    fa.h_last = {hl.data(), o.dt};
+    if (save) fa.saved = {{gates.data(), o.dt}, cs.data(), {xh.data(), o.dt}};
+    lstm::forward(ex, o.dp, s, fa, o.force);
     std::vector<double> y_ref(T * N * K);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n)
@@ -228,9 +236,19 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     const int64_t da_w = lstm::da_width(s);
     CHECK(da_w >= G) << ctx;
     Tensor da(o.dt, T * N * da_w), dh0(o.dt, N * K), dc0(DType::f32, N * K), db(DType::f32, G);
-    lstm::bptt(ex, o.dp, s, r.data(), o.w_dt, gates.data(), cs.data(), c0.data(), dy.data(),
-               o.no_carry_grads ? nullptr : dcl.data(), o.no_carry_grads ? nullptr : dhl.data(), da.data(),
-               db.f.data(), dc0.f.data(), dh0.data(), o.force);
+    lstm::BpttArgs ba;
+    ba.r = {r.data(), o.w_dt};
+    ba.gates = {gates.data(), o.dt};
+    ba.cs = cs.data();
+    ba.c0 = c0.data();
+    ba.dy = {dy.data(), o.dt};
+    ba.dc_last = o.no_carry_grads ? nullptr : dcl.data();
+    ba.dh_last = {o.no_carry_grads ? nullptr : dhl.data(), o.dt};
+    ba.da = {da.data(), o.dt};
+    ba.db = db.f.data();
+    ba.dc0 = dc0.f.data();
+    ba.dh0 = {dh0.data(), o.dt};
+    lstm::bptt(ex, o.dp, s, ba, o.force);
     const double gtol = o.dt == DType::bf16 ? 5e-2 : 5e-4;
     close(db, ref.db, gtol, "db", ctx);
     close(dc0, ref.dc0, gtol, "dc0", ctx);
@@ -300,16 +318,11 @@ TEST(lstm_reference_gradients_match_finite_differences) {
   check(&Problem::h0, g.dh0, "dh0");
 }
 
-TEST(lstm_fp32_shapes_variants_layouts) {
+TEST(lstm_fp32_shapes_and_layouts) {
   const std::array<int64_t, 4> shapes[] = {{1, 1, 1, 1}, {3, 5, 7, 9}, {4, 13, 37, 33}, {2, 30, 64, 70},
                                            {5, 3, 20, 1}, {1, 25, 1, 40}, {3, 17, 100, 48}};
   for (const auto& sh : shapes)
-    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
-      for (bool tm : {false, true}) {
-        Opts o;
-        o.variant = v;
-        run_case(sh[0], sh[1], sh[2], sh[3], tm, o);
-      }
+    for (bool tm : {false, true}) run_case(sh[0], sh[1], sh[2], sh[3], tm, Opts{});
 }
 
 TEST(lstm_da_rows_padded_away_from_a_4k_period) {
@@ -329,32 +342,27 @@ TEST(lstm_da_rows_padded_away_from_a_4k_period) {
 }
 
 TEST(lstm_bf16_both_multiply_paths) {
-  for (const char* mode : {"dot", "fp32"})
-    for (auto v : {lstm::Variant::fused, lstm::Variant::precompute}) {
-      Opts o;
-      o.dt = DType::bf16;
-      o.dp = jb::make_dispatch(jb::best_isa(), mode);
-      o.variant = v;
-      run_case(4, 13, 37, 33, false, o);
-      run_case(2, 7, 64, 20, true, o);
-      o.w_dt = DType::bf16;
-      run_case(3, 12, 16, 32, false, o);
-    }
+  for (const char* mode : {"dot", "fp32"}) {
+    Opts o;
+    o.dt = DType::bf16;
+    o.dp = jb::make_dispatch(jb::best_isa(), mode);
+    run_case(4, 13, 37, 33, false, o);
+    run_case(2, 7, 64, 20, true, o);
+    o.w_dt = DType::bf16;
+    run_case(3, 12, 16, 32, false, o);
+  }
 }
 
-// A forced blocking over both forward variants, 1 and 3 threads, fp32 and bf16 (shape
-// {T, N, C, K} each).
+// A forced blocking over 1 and 3 threads, fp32 and bf16 (shape {T, N, C, K} each).
 void run_forced(const jb::Blocking& bl, std::array<int64_t, 4> f32, std::array<int64_t, 4> bf16) {
-  for (auto v : {lstm::Variant::fused, lstm::Variant::precompute})
-    for (int64_t threads : {1, 3}) {
-      Opts o;
-      o.force = &bl;
-      o.variant = v;
-      o.threads = threads;
-      run_case(f32[0], f32[1], f32[2], f32[3], threads == 1, o);
-      o.dt = DType::bf16;
-      run_case(bf16[0], bf16[1], bf16[2], bf16[3], threads != 1, o);
-    }
+  for (int64_t threads : {1, 3}) {
+    Opts o;
+    o.force = &bl;
+    o.threads = threads;
+    run_case(f32[0], f32[1], f32[2], f32[3], threads == 1, o);
+    o.dt = DType::bf16;
+    run_case(bf16[0], bf16[1], bf16[2], bf16[3], threads != 1, o);
+  }
 }
 
 TEST(lstm_forced_small_blocks_and_threads) {
@@ -416,7 +424,47 @@ TEST(lstm_empty_sequence_passes_the_carry) {
   const jb::Executor ex = pool.executor(2);
   const lstm::Shape s{0, 3, 4, 5, DType::f32, false};
   std::vector<float> w(4 * 20), r(5 * 20), b(20), c0(15, 0.5f), h0(15, -0.25f), cl(15), hl(15);
-  lstm::forward(ex, jb::dispatch(), s, nullptr, w.data(), r.data(), DType::f32, b.data(), c0.data(),
-                h0.data(), nullptr, cl.data(), hl.data(), nullptr, nullptr, nullptr);
+  lstm::ForwardArgs a;
+  a.w = {w.data(), DType::f32};
+  a.r = {r.data(), DType::f32};
+  a.bias = b.data();
+  a.c0 = c0.data();
+  a.h0 = {h0.data(), DType::f32};
+  a.c_last = cl.data();
+  a.h_last = {hl.data(), DType::f32};
+  lstm::forward(ex, jb::dispatch(), s, a);
   for (int i = 0; i < 15; ++i) CHECK(cl[i] == 0.5f && hl[i] == -0.25f) << i;
+}
+
+TEST(lstm_rejects_inconsistent_dtypes) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(1);
+  const lstm::Shape s{2, 3, 4, 5, DType::bf16, false};
+  std::vector<float> w(4 * 20), r(5 * 20), b(20), c0(15), cl(15), x(2 * 3 * 4), h(15), y(2 * 15);
+  lstm::ForwardArgs a;
+  a.x = {x.data(), DType::f32};  // not the compute dtype
+  a.w = {w.data(), DType::f32};
+  a.r = {r.data(), DType::f32};
+  a.bias = b.data();
+  a.c0 = c0.data();
+  a.h0 = {h.data(), DType::bf16};
+  a.y = {y.data(), DType::bf16};
+  a.c_last = cl.data();
+  a.h_last = {h.data(), DType::bf16};
+  bool threw = false;
+  try {
+    lstm::forward(ex, jb::dispatch(), s, a);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw) << "x in fp32 with a bf16 compute dtype";
+  a.x.dt = DType::bf16;
+  a.r.dt = DType::bf16;  // w and r differ
+  threw = false;
+  try {
+    lstm::forward(ex, jb::dispatch(), s, a);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw) << "w and r in different dtypes";
 }

@@ -2,12 +2,15 @@
 // that a blocked loop nest reads as loops: v(i, j, k, l) is an element, v.at(i, j) the
 // address of the sub-array that a prefix of the indices selects (e.g. one block of a
 // [Kb][Cb][bc][bk] weight tensor). View<char, N> with a last dim of a block's bytes views
-// blocks of a dtype chosen at run time.
+// blocks of a dtype chosen at run time; AnyView is a whole operand of such a dtype.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+
+#include "brgemm/brgemm.h"
 
 namespace jb {
 
@@ -43,5 +46,23 @@ class View {
   std::array<int64_t, N> dims_;
   std::array<int64_t, N> strides_;
 };
+
+// A dense operand whose dtype (fp32 or bf16) is chosen at run time: its base address and
+// dtype. V is void for an output, const void for an input; a null view is an absent operand.
+template <class V>
+struct AnyView {
+  using Byte = std::conditional_t<std::is_const_v<V>, const char, char>;
+  V* data = nullptr;
+  DType dt = DType::f32;
+  Byte* at(int64_t elem) const { return static_cast<Byte*>(data) + elem * int64_t(dtype_size(dt)); }
+  explicit operator bool() const { return data != nullptr; }
+  // An output read as an input.
+  template <class W = V, class = std::enable_if_t<!std::is_const_v<W>>>
+  operator AnyView<const void>() const {
+    return {data, dt};
+  }
+};
+using InView = AnyView<const void>;
+using OutView = AnyView<void>;
 
 }  // namespace jb
