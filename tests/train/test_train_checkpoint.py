@@ -1,9 +1,9 @@
-"""Issue 13 (3, 4): checkpoints, resume and clean interruption, on tiny generated data.
+"""Checkpoints, resume and clean interruption, on tiny generated data.
 
 A reference run trains the tiny benchmark for all its epochs (target 1.01: never
 reached); the other runs are killed (SIGKILL), interrupted (SIGINT / SIGTERM) or left
 with an unfinished checkpoint, then resumed, and must reproduce its evaluations bit for
-bit. Runs that get a signal run in a subprocess (tests/train_ckpt_driver.py), slowed
+bit. Runs that get a signal run in a subprocess (tests/train/harness_driver.py), slowed
 down per batch so that the signal lands in the middle of an epoch.
 """
 
@@ -18,57 +18,22 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_benchmark import newest_set, only_set, read_events, read_summary, write_rules
 
-from jax_brgemm.train import checkpoint, cli, compliance, data, rulegen, suite
-from test_train_e2e import _events, _tiny_benchmark, _write_tiny_data, only_set
+from jax_brgemm.train import checkpoint
 
-NAME = "tiny_ckpt"
+NAME = "tiny_never"
 SEED = ["--division", "open", "--seed", "7"]
-DRIVER = Path(__file__).resolve().parent / "train_ckpt_driver.py"
+DRIVER = Path(__file__).resolve().parent / "harness_driver.py"
 STEP_SLEEP = 0.06  # seconds per batch in killed runs: 8 batches, ~0.5 s per epoch
 
 
-def _slowed(train_batches, seconds):
-    import time as _time
-
-    def slow(*args, **kwargs):
-        for batch in train_batches(*args, **kwargs):
-            _time.sleep(seconds)
-            yield batch
-    return slow
-
-
-def register(root: Path, scratch: Path, step_sleep: float = 0.0):
-    """Registers the tiny benchmark (all 4 epochs, never converging) and its rules in
-    ROOT/rules; ``scratch`` receives a copy of the data only to get its checksums."""
-    bench = _tiny_benchmark(_write_tiny_data(scratch / "data"), name=NAME, target=1.01)
-    if step_sleep:
-        bench = dataclasses.replace(bench, pipeline=dataclasses.replace(
-            bench.pipeline, train_batches=_slowed(bench.pipeline.train_batches, step_sleep)))
-    suite.SUITE[NAME] = bench
-    compliance.RULES_DIR = root / "rules"
-    return bench
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    bench = _tiny_benchmark(_write_tiny_data(root / "data"), name=NAME, target=1.01)
-    (root / "rules").mkdir()
-    shutil.copy(compliance.RULES_DIR / "common.yaml", root / "rules")
-    # The rules check the final accuracy against the target: rendered for a target these
-    # runs reach, so that the checker judges the logs' structure (resumed or not).
-    (root / "rules" / f"{NAME}.yaml").write_text(rulegen.render(
-        dataclasses.replace(bench, target=0.5)))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(suite.SUITE, NAME, bench)
-        mp.setattr(compliance, "RULES_DIR", root / "rules")
-        mp.delenv(data.ENV_VAR, raising=False)
-        yield {"root": root, "data": str(root / "data")}
-
-
-def _summary(set_dir: Path) -> dict:
-    return json.loads((set_dir / "summary.json").read_text())
+def never(tiny):
+    """The tiny benchmark that trains all 4 epochs, its rules rendered for a target these
+    runs reach, so that the checker judges the logs' structure (resumed or not)."""
+    write_rules(tiny.suite.rules_dir, [dataclasses.replace(tiny.never, target=0.5)])
+    return tiny
 
 
 def _evals(summary):
@@ -76,11 +41,11 @@ def _evals(summary):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny):
+def reference(never):
     """The uninterrupted run: its evaluations (epoch, accuracy, train loss)."""
-    log_dir = tiny["root"] / "reference"
-    assert cli.main([NAME, *SEED, "--data-dir", tiny["data"], "--log-dir", str(log_dir)]) == 1
-    summary = _summary(only_set(log_dir))
+    log_dir = never.root / "logs" / "reference"
+    assert never.main(NAME, *SEED, "--data-dir", str(never.data), "--log-dir", str(log_dir)) == 1
+    summary = read_summary(only_set(log_dir))
     assert [e[0] for e in _evals(summary)] == [1, 2, 3, 4]
     return _evals(summary)
 
@@ -88,8 +53,8 @@ def reference(tiny):
 def _start(tiny, log_dir, *args):
     env = {**os.environ, "STEP_SLEEP": str(STEP_SLEEP)}
     return subprocess.Popen(
-        [sys.executable, str(DRIVER), str(tiny["root"]), NAME, *SEED, "--data-dir",
-         tiny["data"], "--log-dir", str(log_dir), *args],
+        [sys.executable, str(DRIVER), str(tiny.root), NAME, *SEED, "--data-dir",
+         str(tiny.data), "--log-dir", str(log_dir), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -100,10 +65,10 @@ STOPS = {"SIGKILL": (signal.SIGKILL, 3, ["--checkpoint-every", "1"]),
 
 
 @pytest.fixture(scope="module")
-def stopped(tiny):
+def stopped(never):
     """The STOPS runs, in subprocesses at once, each sent its signal three batches after
     the epoch_start of its epoch: name -> (exit code, stdout, stderr, set directory)."""
-    procs = {name: _start(tiny, tiny["root"] / name, *args)
+    procs = {name: _start(never, never.root / name, *args)
              for name, (_, _, args) in STOPS.items()}
     started, sent, deadline = {}, set(), time.monotonic() + 180
     while len(sent) < len(procs):
@@ -118,12 +83,12 @@ def stopped(tiny):
                     sent.add(name)
                 continue
             assert proc.poll() is None, proc.communicate()
-            logs = list((tiny["root"] / name).glob("*/result_0.txt"))
+            logs = list((never.root / name).glob("*/result_0.txt"))
             if logs and epoch in _epoch_starts(logs[0]):
                 started[name] = time.monotonic()
         time.sleep(0.02)
     outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
-    return {name: (proc.returncode, *outputs[name], only_set(tiny["root"] / name))
+    return {name: (proc.returncode, *outputs[name], only_set(never.root / name))
             for name, proc in procs.items()}
 
 
@@ -133,13 +98,15 @@ def _epoch_starts(log):
     return [e["metadata"]["epoch_num"] for e in events if e["key"] == "epoch_start"]
 
 
-def _resume(set_dir: Path) -> tuple[int, Path]:
+def _resume(tiny, set_dir: Path) -> tuple[int, Path]:
     """Resumes the set; (exit code, the new set directory)."""
-    code = cli.main(["--resume", str(set_dir)])
-    return code, max(p for p in set_dir.parent.iterdir() if p.is_dir())
+    code = tiny.main("--resume", str(set_dir))
+    return code, newest_set(set_dir.parent)
 
 
-def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(stopped, reference, capsys):
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(never, stopped, reference,
+                                                                  capsys):
     code, _, _, killed = stopped["SIGKILL"]  # in epoch 3; epochs 1 and 2 checkpointed
     assert code == -signal.SIGKILL
     killed_log = (killed / "result_0.txt").read_text()
@@ -147,11 +114,11 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(stopped, refer
     steps = checkpoint.complete_steps(killed / "checkpoints" / "run_0")
     assert steps == [8, 16]  # after epochs 1 and 2 (8 steps an epoch)
 
-    code, resumed = _resume(killed)
+    code, resumed = _resume(never, killed)
     out = capsys.readouterr().out
     assert code == 1  # the target 1.01 is never reached: a complete, unconverged run
     assert resumed != killed and "resumed from" in out and "resuming set" in out
-    summary = _summary(resumed)
+    summary = read_summary(resumed)
     assert _evals(summary) == reference  # bit for bit: accuracies and train losses
     # The interrupted set is kept untouched.
     assert (killed / "result_0.txt").read_text() == killed_log
@@ -159,7 +126,7 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(stopped, refer
 
     # The log: the interrupted log's lines up to the checkpoint, run_resumed, the rest.
     log = resumed / "result_0.txt"
-    events = _events(log)
+    events = read_events(log)
     keys = [e["key"] for e in events]
     assert keys.count("init_start") == 1 and keys.count("run_start") == 1
     assert keys.count("run_resumed") == 1 and keys[-1] == "run_stop"
@@ -182,8 +149,9 @@ def test_sigkill_mid_epoch_then_resume_reproduces_the_evaluations(stopped, refer
     assert json.loads((resumed / "config.json").read_text())["resumed_from"] == str(killed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_stops_cleanly(stopped, reference, sig, code):
+def test_signal_stops_cleanly(never, stopped, reference, sig, code):
     """SIGTERM with checkpointing (a final checkpoint mid-epoch, resumed bit for bit),
     SIGINT without (nothing saved). Both: one line, the exit code, run_stop aborted."""
     returncode, out, err, set_dir = stopped[sig.name]
@@ -192,7 +160,7 @@ def test_signal_stops_cleanly(stopped, reference, sig, code):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"interrupted by {sig.name}: run 0 stopped "
                                                    f"in epoch 2 after step"), err
-    events = _events(set_dir / "result_0.txt")
+    events = read_events(set_dir / "result_0.txt")
     assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
     assert events[-1]["metadata"]["interrupted_by"] == sig.name
     assert not (set_dir / "summary.json").exists()
@@ -207,22 +175,22 @@ def test_signal_stops_cleanly(stopped, reference, sig, code):
     assert found.loop["reason"] == "SIGTERM" and found.step == 8 + position["steps_done"]
     assert found.loop["data_order"]["seed"] == 7 and found.loop["config"]["seed"] == 7
 
-    code, resumed = _resume(set_dir)
-    summary = _summary(resumed)
+    code, resumed = _resume(never, set_dir)
+    summary = read_summary(resumed)
     assert _evals(summary) == reference  # resumed mid-epoch, still bit for bit
     assert _epoch_starts(resumed / "result_0.txt") == [1, 2, 3, 4]
     assert summary["runs"][0]["compliance"], (resumed / "compliance_0.log").read_text()
 
 
-def test_an_unfinished_checkpoint_is_never_loaded(tiny, reference, tmp_path, capsys):
+def test_an_unfinished_checkpoint_is_never_loaded(never, reference, tmp_path, capsys):
     """Two runs of 3 epochs with checkpoints; then run 0's are damaged as interrupted saves
     would leave them, and both runs are made unfinished: run 0 starts over, run 1
     continues from its checkpoint after epoch 2."""
     log_dir = tmp_path / "logs"
-    assert cli.main([NAME, *SEED, "--runs", "2", "--data-dir", tiny["data"], "--log-dir",
-                     str(log_dir), "--checkpoint-every", "1", "--max-epochs", "3"]) == 1
+    assert never.main(NAME, *SEED, "--runs", "2", "--data-dir", str(never.data), "--log-dir",
+                      str(log_dir), "--checkpoint-every", "1", "--max-epochs", "3") == 1
     set_dir = only_set(log_dir)
-    first = _summary(set_dir)
+    first = read_summary(set_dir)
     run_dir = set_dir / "checkpoints" / "run_0"
     assert checkpoint.complete_steps(run_dir) == [8, 16]
     # As if the save after epoch 2 was cut short: no commit marker, and a step still in
@@ -238,14 +206,14 @@ def test_an_unfinished_checkpoint_is_never_loaded(tiny, reference, tmp_path, cap
     # been interrupted after their last checkpoints.
     for i in (0, 1):
         (set_dir / "checkpoints" / f"run_{i}.json").unlink()
-    code = cli.main(["--resume", str(set_dir)])
+    code = never.main("--resume", str(set_dir))
     assert code == 1
-    new = max(p for p in log_dir.iterdir() if p.is_dir())
+    new = newest_set(log_dir)
     assert new != set_dir
-    keys = [e["key"] for e in _events(new / "result_0.txt")]
+    keys = [e["key"] for e in read_events(new / "result_0.txt")]
     assert "run_resumed" not in keys and keys[0] == "init_start"  # started over
-    assert "run_resumed" in [e["key"] for e in _events(new / "result_1.txt")]
-    summary = _summary(new)
+    assert "run_resumed" in [e["key"] for e in read_events(new / "result_1.txt")]
+    summary = read_summary(new)
     assert summary["resumed"]["runs"] == [1] and summary["runs"][0]["resumed"] is None
     assert summary["runs"][1]["resumed"][0]["checkpoint"] == str(
         set_dir / "checkpoints" / "run_1" / "16")
@@ -256,27 +224,26 @@ def test_an_unfinished_checkpoint_is_never_loaded(tiny, reference, tmp_path, cap
     assert curves(summary) == curves(first)  # both runs, started over or resumed
 
 
-def test_resume_errors(tiny, tmp_path, capsys):
+def test_resume_errors(never, tmp_path, capsys):
     log_dir = tmp_path / "logs"
-    assert cli.main([NAME, *SEED, "--data-dir", tiny["data"], "--log-dir", str(log_dir),
-                     "--max-epochs", "1"]) == 1
+    assert never.main(NAME, *SEED, "--data-dir", str(never.data), "--log-dir", str(log_dir),
+                      "--max-epochs", "1") == 1
     set_dir = only_set(log_dir)
     capsys.readouterr()
-    assert cli.main(["--resume", str(set_dir)]) == 2
+    assert never.main("--resume", str(set_dir)) == 2
     assert "without --checkpoint-every" in capsys.readouterr().err
-    assert cli.main(["--resume", str(tmp_path / "nope")]) == 2
+    assert never.main("--resume", str(tmp_path / "nope")) == 2
     assert "no such directory" in capsys.readouterr().err
-    assert cli.main([]) == 2
-    assert cli.main([NAME, "--processes", "2", "--checkpoint-every", "1"]) == 2
+    assert never.main() == 2
+    assert never.main(NAME, "--processes", "2", "--checkpoint-every", "1") == 2
     assert "single-process only" in capsys.readouterr().err
     # A set with checkpoints, resumed with an option of its own: refused.
-    assert cli.main([NAME, *SEED, "--data-dir", tiny["data"], "--log-dir", str(log_dir),
-                     "--max-epochs", "1", "--checkpoint-every", "1"]) == 1
+    assert never.main(NAME, *SEED, "--data-dir", str(never.data), "--log-dir", str(log_dir),
+                      "--max-epochs", "1", "--checkpoint-every", "1") == 1
     capsys.readouterr()
-    assert cli.main(["--resume", str(log_dir), "--impl", "xla"]) == 2
+    assert never.main("--resume", str(log_dir), "--impl", "xla") == 2
     assert "--resume takes --impl" in capsys.readouterr().err
     # Everything finished: resuming carries the run over, marks nothing as resumed.
-    assert cli.main(["--resume", str(log_dir)]) == 1
-    new = max(p for p in log_dir.iterdir() if p.is_dir())
-    summary = _summary(new)
-    assert summary["resumed"] is None and (new / "result_0.txt").is_file()
+    assert never.main("--resume", str(log_dir)) == 1
+    new = newest_set(log_dir)
+    assert read_summary(new)["resumed"] is None and (new / "result_0.txt").is_file()

@@ -1,8 +1,8 @@
-"""Issue 14: the harness against the MLPerf training rules, on tiny generated data.
+"""The harness against the MLPerf training rules, on tiny generated data.
 
 Seeds (1), the RCP check (2), cache clearing (4), kept result sets (5), normalization
 on the same CPU (6), what a reviewer needs in the log (7), the init time limit (8) and
-bad command lines (9). Optimizer equivalence (3) is tests/test_train_optim.py.
+bad command lines (9). Optimizer equivalence (3) is tests/train/test_train_optim.py.
 """
 
 import json
@@ -11,32 +11,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_benchmark import mutate, only_set, read_events
 
-from jax_brgemm.train import cli, compliance, data, rcp, report, rulegen, scoring, suite
-from test_train_e2e import _checker, _events, _mutate, _tiny_benchmark, _write_tiny_data, only_set
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny benchmark (5 runs per set) registered with its rules and its own
-    reference directory (empty until a test records reference runs)."""
-    root = tmp_path_factory.mktemp("compliance")
-    bench = _tiny_benchmark(_write_tiny_data(root / "data"))
-    rules, references = root / "rules", root / "reference"
-    rules.mkdir()
-    references.mkdir()
-    shutil.copy(compliance.RULES_DIR / "common.yaml", rules)
-    (rules / "tiny.yaml").write_text(rulegen.render(bench))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(suite.SUITE, "tiny", bench)
-        mp.setattr(compliance, "RULES_DIR", rules)
-        mp.setattr(suite, "REFERENCE_DIR", references)
-        mp.delenv(data.ENV_VAR, raising=False)
-        yield {"bench": bench, "root": root, "data": str(root / "data"), "reference": references}
+from jax_brgemm.train import data, rcp, report, scoring
+from jax_brgemm.train.summary import reference_result
 
 
 def _main(tiny, *args):
-    return cli.main(["tiny", "--impl", "xla", "--data-dir", tiny["data"], *args])
+    return tiny.main("tiny", "--impl", "xla", "--data-dir", str(tiny.data), *args)
 
 
 def _record_reference(tiny, epochs_to_target, batch_size=64, cpu="Some CPU"):
@@ -47,7 +29,7 @@ def _record_reference(tiny, epochs_to_target, batch_size=64, cpu="Some CPU"):
     reference = {"benchmark": "tiny", "impl": "xla", "dtype": "float32", "division": "closed",
                  "hparams": {"global_batch_size": batch_size}, "machine": cpu,
                  "cpu_model": cpu, "runs": runs}
-    (tiny["reference"] / "tiny.json").write_text(json.dumps(reference))
+    (tiny.reference / "tiny.json").write_text(json.dumps(reference))
 
 
 # --------------------------------------------------------------------------- 1 seeds
@@ -70,10 +52,10 @@ def test_open_division_seed_reproduces_and_logs_its_source(tiny, tmp_path):
     assert summaries[0]["runs"][0]["seed_source"] == "--seed 11 + run index 0"
     assert [e["accuracy"] for e in summaries[0]["runs"][0]["evals"]] == \
         [e["accuracy"] for e in summaries[1]["runs"][0]["evals"]]  # same seed, same run
-    seed = next(e for e in _events(sets[0] / "result_0.txt") if e["key"] == "seed")
+    seed = next(e for e in read_events(sets[0] / "result_0.txt") if e["key"] == "seed")
     assert seed["value"] == 11 and seed["metadata"]["source"] == "--seed 11 + run index 0"
     assert "jax.random.key(seed)" in seed["metadata"]["uses"]
-    assert _checker(sets[0] / "result_0.txt")  # a fixed seed is fine in the open division
+    assert tiny.passes_checker(sets[0] / "result_0.txt")  # a fixed seed is fine when open
 
 
 # --------------------------------------------------------------------------- 2 RCP
@@ -84,11 +66,11 @@ def full_set(tiny):
     """A full closed-division set (5 runs) against a reference that converges in 4
     epochs every time: the tiny runs (about 2 epochs) are faster than it allows."""
     _record_reference(tiny, [4, 4, 4, 4, 4])
-    log_dir = tiny["root"] / "logs" / "full"
+    log_dir = tiny.root / "logs" / "full"
     code = _main(tiny, "--runs", "5", "--log-dir", str(log_dir))
     set_dir = only_set(log_dir)
     yield code, set_dir, json.loads((set_dir / "summary.json").read_text())
-    (tiny["reference"] / "tiny.json").unlink(missing_ok=True)
+    (tiny.reference / "tiny.json").unlink(missing_ok=True)
 
 
 def test_rcp_failure_rejects_the_result(full_set):
@@ -107,7 +89,7 @@ def test_rcp_failure_rejects_the_result(full_set):
 def test_rcp_scaled_pass_writes_scaling_json_and_scales_the_score(tiny, full_set):
     _, set_dir, summary = full_set
     _record_reference(tiny, [1, 2, 3, 4, 4])  # mean 3, wide spread: faster but allowed
-    verdict = rcp.check(tiny["bench"], set_dir, 5, "closed")
+    verdict = rcp.check(tiny.bench, set_dir, 5, "closed")
     epochs = sorted(r["epochs"] for r in summary["runs"])
     mean = sum(epochs[1:-1]) / 3
     assert verdict["status"] == "pass" and verdict["scaling_factor"] == pytest.approx(3 / mean)
@@ -122,14 +104,14 @@ def test_rcp_scaled_pass_writes_scaling_json_and_scales_the_score(tiny, full_set
 def test_rcp_pass_without_scaling_and_missing_rcp(tiny, full_set):
     _, set_dir, _ = full_set
     _record_reference(tiny, [1, 1, 1, 1, 1])  # slower than the tiny runs: plain pass
-    verdict = rcp.check(tiny["bench"], set_dir, 5, "closed")
+    verdict = rcp.check(tiny.bench, set_dir, 5, "closed")
     assert verdict["status"] == "pass" and verdict["scaling_factor"] == 1.0
     assert "not scaled" in verdict["message"] and "rejected" not in verdict["message"]
     assert not (set_dir / "scaling.json").exists()
     _record_reference(tiny, [1, 1, 1, 1, 1], batch_size=32)  # an RCP for another batch size
-    assert rcp.check(tiny["bench"], set_dir, 5, "closed")["status"] == "missing"
-    (tiny["reference"] / "tiny.json").unlink()
-    verdict = rcp.check(tiny["bench"], set_dir, 5, "closed")
+    assert rcp.check(tiny.bench, set_dir, 5, "closed")["status"] == "missing"
+    (tiny.reference / "tiny.json").unlink()
+    verdict = rcp.check(tiny.bench, set_dir, 5, "closed")
     assert verdict["status"] == "missing" and "no reference convergence point" in \
         verdict["message"]
     assert not scoring.apply_rcp(scoring.olympic_mean([1.0, 2.0, 3.0]), verdict).valid
@@ -137,9 +119,9 @@ def test_rcp_pass_without_scaling_and_missing_rcp(tiny, full_set):
 
 def test_rcp_gives_no_verdict_for_a_single_run_or_the_open_division(tiny, full_set):
     _, set_dir, _ = full_set
-    single = rcp.check(tiny["bench"], set_dir, 1, "closed")
+    single = rcp.check(tiny.bench, set_dir, 1, "closed")
     assert single["status"] == "no verdict" and "pass" not in single["message"]
-    assert rcp.check(tiny["bench"], set_dir, 5, "open")["status"] == "n/a"
+    assert rcp.check(tiny.bench, set_dir, 5, "open")["status"] == "n/a"
 
 
 # --------------------------------------------------------------------------- 4 cache
@@ -147,7 +129,7 @@ def test_rcp_gives_no_verdict_for_a_single_run_or_the_open_division(tiny, full_s
 
 def test_log_says_the_cache_was_cleared_as_mincore_saw_it(full_set):
     _, set_dir, _ = full_set
-    event = next(e for e in _events(set_dir / "result_0.txt") if e["key"] == "cache_clear")
+    event = next(e for e in read_events(set_dir / "result_0.txt") if e["key"] == "cache_clear")
     assert event["value"] is True and event["metadata"]["cached_pages"] == 0
     assert event["metadata"]["pages"] > 0 and "mincore" in event["metadata"]["method"]
 
@@ -155,10 +137,10 @@ def test_log_says_the_cache_was_cleared_as_mincore_saw_it(full_set):
 @pytest.mark.skipif(data.in_memory_filesystem("/dev/shm") != "tmpfs", reason="no tmpfs /dev/shm")
 def test_data_on_tmpfs_is_refused(tiny, tmp_path, capsys):
     ram = Path("/dev/shm") / f"jax_brgemm_test_{os.getpid()}"
-    shutil.copytree(tiny["data"], ram)
+    shutil.copytree(tiny.data, ram)
     try:
-        code = cli.main(["tiny", "--impl", "xla", "--data-dir", str(ram),
-                         "--log-dir", str(tmp_path / "logs")])
+        code = tiny.main("tiny", "--impl", "xla", "--data-dir", str(ram),
+                         "--log-dir", str(tmp_path / "logs"))
     finally:
         shutil.rmtree(ram)
     err = capsys.readouterr().err
@@ -191,7 +173,7 @@ def test_each_invocation_writes_a_new_set_and_deletes_nothing(tiny, tmp_path):
 
 
 def test_normalization_only_against_the_same_cpu_model(tiny, tmp_path, capsys):
-    bench = tiny["bench"]
+    bench = tiny.bench
     _record_reference(tiny, [2, 2, 2, 2, 2], cpu="Another CPU")
     try:
         assert _main(tiny, "--impl", "brgemm", "--log-dir", str(tmp_path / "brgemm")) == 0
@@ -204,11 +186,11 @@ def test_normalization_only_against_the_same_cpu_model(tiny, tmp_path, capsys):
         sibling = {"benchmark": "tiny", "division": "closed", "dtype": "float32", "set": "s",
                    "cpu_model": summary["cpu_model"], "score": {"value": 5.0, "valid": True},
                    "runs": []}
-        reference = cli.reference_result(bench, "brgemm", "closed", "float32", sibling,
-                                         summary["cpu_model"])
+        reference = reference_result(bench, "brgemm", "closed", "float32", sibling,
+                                     summary["cpu_model"])
         assert reference["same_cpu"] and reference["result"] == 5.0
     finally:
-        (tiny["reference"] / "tiny.json").unlink()
+        (tiny.reference / "tiny.json").unlink()
 
 
 # --------------------------------------------------------------------------- 7 log contents
@@ -216,7 +198,7 @@ def test_normalization_only_against_the_same_cpu_model(tiny, tmp_path, capsys):
 
 def test_log_has_what_a_reviewer_needs(full_set, tiny):
     _, set_dir, summary = full_set
-    events = _events(set_dir / "result_0.txt")
+    events = read_events(set_dir / "result_0.txt")
     value = {e["key"]: e["value"] for e in events}
     assert {"jax", "jaxlib", "flax", "optax", "jax_brgemm"} <= set(value["framework_versions"])
     assert all(value["framework_versions"][k] for k in ("jax", "jaxlib", "flax", "optax"))
@@ -248,10 +230,10 @@ def test_polynomial_schedule_logs_its_power_and_passes_the_checker(tiny, tmp_pat
                              "opt_learning_rate_decay_poly_power": 1.5})
     assert _main(tiny, "--hparams", hp, "--log-dir", str(tmp_path / "logs")) == 0
     set_dir = only_set(tmp_path / "logs")
-    events = _events(set_dir / "result_0.txt")
+    events = read_events(set_dir / "result_0.txt")
     assert [e["value"] for e in events if e["key"] == "opt_learning_rate_decay_poly_power"] == [1.5]
     assert json.loads((set_dir / "config.json").read_text())["hparams_file"] == hp
-    assert _checker(set_dir / "result_0.txt")
+    assert tiny.passes_checker(set_dir / "result_0.txt")
 
 
 # --------------------------------------------------------------------------- 8 init time
@@ -276,11 +258,12 @@ def _init_lasting(minutes, division):
 @pytest.mark.parametrize("minutes, division, passes", [
     (29, "closed", True), (31, "closed", False), (31, "open", True), (239, "open", True),
     (241, "open", False)])
-def test_init_phase_over_the_limit_fails_the_check(full_set, tmp_path, minutes, division, passes):
+def test_init_phase_over_the_limit_fails_the_check(tiny, full_set, tmp_path, minutes, division,
+                                                  passes):
     _, set_dir, _ = full_set
-    log = _mutate(set_dir / "result_0.txt", tmp_path / "result_0.txt",
+    log = mutate(set_dir / "result_0.txt", tmp_path / "result_0.txt",
                   _init_lasting(minutes, division))
-    assert _checker(log) is passes
+    assert tiny.passes_checker(log) is passes
 
 
 # --------------------------------------------------------------------------- 9 bad input
@@ -316,9 +299,9 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_trained(tiny, tmp_path, c
     (sibling / "summary.json").write_text(json.dumps({"benchmark": "tiny", "score": {}}))
     (tmp_path / "result_0.txt").write_text("an earlier log\n")
     monkeypatch.chdir(tmp_path)  # --log-dir "" must not touch the current directory
-    argv = ["tiny", "--impl", "xla", "--data-dir", tiny["data"], *args(tmp_path)]
+    argv = ["tiny", "--impl", "xla", "--data-dir", str(tiny.data), *args(tmp_path)]
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    code = cli.main(argv)
+    code = tiny.main(*argv)
     err = capsys.readouterr().err
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err

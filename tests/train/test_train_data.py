@@ -143,7 +143,7 @@ def test_download_goes_to_cache_without_data_dir(tmp_path):
 
 
 def test_explicit_data_dir_must_hold_every_file(tmp_path, monkeypatch):
-    """Issue 14: --data-dir /nonexistent, or one lacking a file, never falls back."""
+    """--data-dir /nonexistent, or one lacking a file, never falls back."""
     dataset, src, _ = _make_dataset(tmp_path, system_dir=None)
     complete = tmp_path / "complete"
     complete.mkdir()

@@ -1,6 +1,7 @@
 """Scale-out: a 2-process run (python -m jax_brgemm.train ... --processes 2) equals a
 1-process run with the same global batch; a killed worker ends the job non-zero with a
-clear message within a bounded time. Tiny generated data (tests/dist_tiny.py)."""
+clear message within a bounded time. Tiny generated data, the multi-process runs started
+by tests/train/harness_driver.py."""
 
 import json
 import os
@@ -12,87 +13,60 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_benchmark import only_set, params_saver, saved_params
 
-sys.path.insert(0, str(Path(__file__).parent))
-import dist_tiny  # noqa: E402
+from jax_brgemm.train import cli, data, distributed
 
-from jax_brgemm.train import data, distributed  # noqa: E402
-
-DRIVER = str(Path(__file__).parent / "dist_tiny.py")
+DRIVER = str(Path(__file__).parent / "harness_driver.py")
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    dist_tiny.prepare(root)
-    return root
-
-
-def _cli(root, *args, env=None, **kw):
-    cmd = [sys.executable, DRIVER, str(root), *args, "--data-dir", str(root / "data")]
+def _cli(tiny, *args, env=None, **kw):
+    cmd = [sys.executable, DRIVER, str(tiny.root), *args, "--data-dir", str(tiny.data)]
     return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _params(prefix, index):
-    with np.load(f"{prefix}.{index}.npz") as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def test_two_processes_equal_one_process(root, monkeypatch, capsys):
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tiny, capsys):
     args = ["tiny", "--impl", "brgemm", "--division", "open", "--seed", "3", "--max-epochs",
-            "2", "--data-dir", str(root / "data"), "--check-replicas"]
+            "2", "--check-replicas"]
     runs = {}
     for n in (2, 1):
-        prefix = str(root / f"params{n}")
-        monkeypatch.setenv("JB_TEST_PARAMS", prefix)
+        prefix = str(tiny.root / f"params{n}")
+        log_dir = str(tiny.root / f"log{n}")
         if n == 2:  # the job: its own processes
-            proc = _cli(root, *args[:-3], "--check-replicas", "--log-dir", str(root / "log2"),
-                        "--processes", "2")
+            proc = _cli(tiny, *args, "--log-dir", log_dir, "--processes", "2",
+                        env={"JB_TEST_PARAMS": prefix})
             out, err = proc.communicate(timeout=240)
             assert proc.returncode == 0, out + err
         else:  # one process: here (saves a start-up)
-            from jax_brgemm.train import cli, compliance, loop, suite
-
-            with monkeypatch.context() as m:
-                for name in ("tiny", "tiny_never"):  # removed again afterwards
-                    m.setitem(suite.SUITE, name, None)
-                m.setattr(compliance, "RULES_DIR", compliance.RULES_DIR)
-                m.setattr(loop, "on_run_end", None)
-                dist_tiny.register(root)
-                assert cli.main([*args, "--log-dir", str(root / "log1")]) == 0
+            assert tiny.main(*args, "--data-dir", str(tiny.data), "--log-dir", log_dir,
+                             on_run_end=params_saver(prefix)) == 0
             out = capsys.readouterr().out
-        runs[n] = (json.loads((_set(root / f"log{n}") / "summary.json").read_text()), prefix,
-                   out)
+        runs[n] = (json.loads((only_set(log_dir) / "summary.json").read_text()), prefix, out)
     (one, p1, _), (two, p2, out2) = runs[1], runs[2]
     # parameters after the same 16 steps: equal within fp tolerance (another summation
     # order: the gradients of two halves of each batch are all-reduced)
-    for a, b in zip(_params(p1, 0), _params(p2, 0)):
+    for a, b in zip(saved_params(p1, 0), saved_params(p2, 0), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     # identical on both processes (also checked each epoch by --check-replicas)
-    for a, b in zip(_params(p2, 0), _params(p2, 1)):
+    for a, b in zip(saved_params(p2, 0), saved_params(p2, 1), strict=True):
         np.testing.assert_array_equal(a, b)
     e1, e2 = one["runs"][0]["evals"], two["runs"][0]["evals"]
     assert [e["epoch"] for e in e1] == [e["epoch"] for e in e2]
-    for a, b in zip(e1, e2):
+    for a, b in zip(e1, e2, strict=True):
         assert abs(a["accuracy"] - b["accuracy"]) <= 1 / 300  # at most one test example
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"]))
     # only process 0 logged: one progress display, one log passing the checker
     assert out2.count("run 1/1") == 1 and "PASSED" in out2
-    assert sorted(p.name for p in _set(root / "log2").iterdir()) == [
+    assert sorted(p.name for p in only_set(tiny.root / "log2").iterdir()) == [
         "accuracy.png", "compliance_0.log", "config.json", "result_0.txt", "summary.json"]
-    log = (_set(root / "log2") / "result_0.txt").read_text()
+    log = (only_set(tiny.root / "log2") / "result_0.txt").read_text()
     events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.splitlines()]
     value = {e["key"]: e["value"] for e in events}
     assert value["number_of_nodes"] == 1 and value["accelerators_per_node"] == 2
     assert value["global_batch_size"] == 64 and value["micro_batch_size"] == 32
     assert value["lowest_numerical_precision_in_comm"] == "fp32"
-
-
-def _set(log_dir):
-    """The one set directory an invocation wrote into LOG_DIR."""
-    (set_dir,) = [p for p in Path(log_dir).iterdir() if p.is_dir()]
-    return set_dir
 
 
 def _children(pid):
@@ -112,29 +86,38 @@ def _worker(pid, index):
     return None
 
 
-def _wait_for_training(root, log_dir, timeout=180):
+def _wait_for_training(log_dir, timeout=180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        logs = list((root / log_dir).glob("*/result_0.txt"))
+        logs = list(log_dir.glob("*/result_0.txt"))
         if logs and '"epoch_start"' in logs[0].read_text():
             return
         time.sleep(0.2)
     raise AssertionError("the job did not start training")
 
 
-def test_killed_worker_ends_the_job_with_a_clear_message(root):
-    proc = _cli(root, "tiny_never", "--impl", "xla", "--log-dir",
-                str(root / "killed"), "--processes", "2")
+def _stop_a_worker(tiny, name, sig, *args, timeout):
+    """A 2-process job of tiny_never (run until stopped) whose worker 1 gets ``sig`` once
+    it trains: (the launcher, its stderr, seconds from the signal to the job's end)."""
+    log_dir = tiny.root / name
+    proc = _cli(tiny, "tiny_never", "--impl", "xla", "--max-epochs", "200", "--log-dir",
+                str(log_dir), "--processes", "2", *args)
     try:
-        _wait_for_training(root, "killed")
+        _wait_for_training(log_dir)
         worker = _worker(proc.pid, 1)
         assert worker is not None
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker, sig)
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=timeout)
         elapsed = time.monotonic() - t0
     finally:
         proc.kill()
+    return proc, err, elapsed
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_the_job_with_a_clear_message(tiny):
+    proc, err, elapsed = _stop_a_worker(tiny, "killed", signal.SIGKILL, timeout=60)
     assert proc.returncode == distributed.EXIT_WORKER_FAILED
     assert "worker 1 of 2" in err and "killed by signal SIGKILL" in err, err[-2000:]
     assert elapsed < 30
@@ -155,21 +138,11 @@ def test_watchdog_ends_a_process_that_waits_too_long():
     assert time.monotonic() - t0 < 20
 
 
-# The whole job with a hung (SIGSTOPped) worker: ~40 s, so outside the default CI run.
-@pytest.mark.skipif(not os.environ.get("JAX_BRGEMM_SLOW_TESTS"),
-                    reason="set JAX_BRGEMM_SLOW_TESTS=1 (a 2-process job, ~40 s)")
-def test_hung_worker_ends_the_job_after_the_collective_timeout(root):
-    proc = _cli(root, "tiny_never", "--impl", "xla", "--log-dir",
-                str(root / "hung"), "--processes", "2", "--collective-timeout", "5")
-    try:
-        _wait_for_training(root, "hung")
-        worker = _worker(proc.pid, 1)
-        os.kill(worker, signal.SIGSTOP)  # alive, but never answers again
-        t0 = time.monotonic()
-        out, err = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - t0
-    finally:
-        proc.kill()
+@pytest.mark.slow  # a 2-process job waiting out the collective timeout, ~40 s
+def test_hung_worker_ends_the_job_after_the_collective_timeout(tiny):
+    # SIGSTOP: alive, but never answers again
+    proc, err, elapsed = _stop_a_worker(tiny, "hung", signal.SIGSTOP, "--collective-timeout",
+                                        "5", timeout=90)
     assert proc.returncode == distributed.EXIT_WORKER_FAILED
     assert "waited 5 s" in err and "another worker died or hung" in err, err[-2000:]
     assert elapsed < 45
@@ -180,7 +153,7 @@ def test_shards_of_a_global_batch_are_its_rows():
     whole = list(data.train_batches(inputs, labels, 4, seed=5, epoch=2))
     halves = [list(data.train_batches(inputs, labels, 4, seed=5, epoch=2, shard=(i, 2)))
               for i in range(2)]
-    for b, h0, h1 in zip(whole, *halves):
+    for b, h0, h1 in zip(whole, *halves, strict=True):
         for field in range(3):
             np.testing.assert_array_equal(b[field], np.concatenate([h0[field], h1[field]]))
     ev = [list(data.eval_batches(inputs, labels, 4, shard=(i, 2))) for i in range(2)]
@@ -193,8 +166,6 @@ def test_core_shares_and_worker_arguments():
     assert distributed.core_shares([0, 1], 2) == [[0], [1]]
     assert distributed.core_shares([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3, 4]]
     assert distributed.core_shares([0], 2) == [[0], [0]]
-    from jax_brgemm.train import cli
-
     assert cli._without_processes(["mlp", "--processes", "2", "--seed", "1"]) == [
         "mlp", "--seed", "1"]
     assert cli._without_processes(["mlp", "--processes=2"]) == ["mlp"]

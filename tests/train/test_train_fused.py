@@ -1,8 +1,8 @@
-"""The train step with SGD fused into the dense layers' weight updates (train/fused.py) is
-optax's step: the same parameters, momenta and step count after several steps, on the
-``mlp`` benchmark's model and on a small one with odd sizes, fp32 and bf16, Nesterov or
-not, with weight decay; where it does not apply, ``plan`` says so and the harness takes the
-generic step."""
+"""The train step with SGD fused into the dense layers' weight updates
+(src/jax_brgemm/train/fused.py) is optax's step: the same parameters, momenta and step
+count after several steps, on the ``mlp`` benchmark's model and on a small one with odd
+sizes, fp32 and bf16, Nesterov or not, with weight decay; where it does not apply,
+``plan`` says so and the harness takes the generic step."""
 
 import dataclasses
 import functools
@@ -70,7 +70,8 @@ def test_fused_step_is_optax_step(dtype, nesterov, weight_decay, features):
     assert int(b.step) == int(a.step) == 3
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     moved = 0
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
+                            strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert x.shape == y.shape and x.dtype == y.dtype, jax.tree_util.keystr(path)
         np.testing.assert_allclose(y, x, rtol=tol, atol=tol * (np.abs(x).max() + 1e-12),
@@ -78,7 +79,7 @@ def test_fused_step_is_optax_step(dtype, nesterov, weight_decay, features):
     # the parameters did move (lr > 0 from the first step): the comparison is not vacuous
     init = step.create_state(bench, model, optim.make(hp, STEPS_PER_EPOCH), jax.random.key(1),
                              bench.pipeline.preprocess(jnp.zeros((1, 28, 28), jnp.uint8)))
-    for x, y in zip(jax.tree.leaves(init.params), jax.tree.leaves(b.params)):
+    for x, y in zip(jax.tree.leaves(init.params), jax.tree.leaves(b.params), strict=True):
         moved += int(not np.array_equal(np.asarray(x), np.asarray(y)))
     assert moved == len(jax.tree.leaves(b.params))
     assert jax.tree.structure(a.opt_state) == jax.tree.structure(b.opt_state)
@@ -179,5 +180,5 @@ def test_fused_step_with_batched_rows_and_no_bias():
     hp = {**hparams.defaults(bench, "sgd"), "opt_learning_rate_warmup_epochs": 0.0,
           "opt_weight_decay": 1e-3}
     a, b = _states(bench, model, hp, _batches(bench, 9, 3, seed=2), 3)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)

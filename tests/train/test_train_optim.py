@@ -129,4 +129,5 @@ def test_optax_lars_and_lamb_differ_from_the_mlperf_rules():
         ours_update = ours.update(grads, ours.init(params), params)[0]
         theirs_update = theirs.update(grads, theirs.init(params), params)[0]
         assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(ours_update),
-                                                         jax.tree.leaves(theirs_update))), name
+                                                         jax.tree.leaves(theirs_update),
+                                                         strict=True)), name

@@ -4,8 +4,6 @@ official checker; the one train step carries model state and a data-parallel axi
 
 import dataclasses
 import functools
-import hashlib
-import shutil
 from typing import Any
 
 import flax.linen as nn
@@ -16,31 +14,12 @@ import optax
 import pytest
 from mlperf_logging.compliance_checker import mlp_compliance
 
+from tiny_benchmark import write_rules
+
 from jax_brgemm.models import MLP
-from jax_brgemm.train import compliance, data, rulegen, run_benchmark, step, suite, task
-
-FILES = {"train_images": ("train-images-idx3-ubyte", 512), "train_labels": ("train-labels", 512),
-         "test_images": ("test-images-idx3-ubyte", 256), "test_labels": ("test-labels", 256)}
-SPLITS = {"train": ("train_images", "train_labels"), "eval": ("test_images", "test_labels")}
-
-
-def write_tiny_dataset(directory) -> data.Dataset:
-    """Class c brightens rows 2c..2c+2 of a noisy 28x28 image; written with data.write_idx."""
-    rng = np.random.default_rng(0)
-    directory.mkdir(parents=True)
-    files = {}
-    for split in ("train", "test"):
-        n = FILES[f"{split}_images"][1]
-        labels = rng.integers(0, 10, n)
-        images = rng.integers(0, 200, (n, 28, 28))
-        for i, c in enumerate(labels):
-            images[i, 2 * c:2 * c + 3, :] += 50
-        for role, array in ((f"{split}_images", images), (f"{split}_labels", labels)):
-            name = FILES[role][0]
-            data.write_idx(directory / (name + ".gz"), array)
-            digest = hashlib.sha256(data.read_payload(directory / (name + ".gz"))).hexdigest()
-            files[role] = data.IdxFile(name, digest, array.shape)
-    return data.Dataset("tiny-images", files, mirrors=(), system_dir=None, system_package=None)
+from jax_brgemm.train import SUITE, Benchmark, compliance_config, data, run_benchmark, step, task
+from jax_brgemm.train.suite import FASHION_MNIST_SPLITS as SPLITS
+from jax_brgemm.train.suite import Suite
 
 
 class TinyCNN(nn.Module):
@@ -61,11 +40,11 @@ def _cnn(impl, dtype):
     return TinyCNN(dtype=dtype)
 
 
-def cnn_benchmark(dataset) -> suite.Benchmark:
-    mlp = suite.SUITE["mlp"]
+def cnn_benchmark(dataset) -> Benchmark:
+    mlp = SUITE["mlp"]
     common = {**mlp.hparams["common"], "global_batch_size": 64, "opt_base_learning_rate": 0.1,
               "opt_learning_rate_warmup_epochs": 0.5, "opt_learning_rate_decay_epochs": 4.0}
-    return suite.Benchmark(
+    return Benchmark(
         name="tiny_cnn", description="tiny CNN with BatchNorm (test only)", dataset=dataset,
         pipeline=task.Pipeline(SPLITS, task.normalized_images(0.45, 0.25, "nhwc")),
         model=_cnn, model_state=("batch_stats",), loss=task.softmax_cross_entropy,
@@ -74,29 +53,23 @@ def cnn_benchmark(dataset) -> suite.Benchmark:
 
 
 @pytest.fixture(scope="module")
-def cnn(tmp_path_factory):
-    """The CNN benchmark registered in the suite, with its ruleset generated here."""
-    root = tmp_path_factory.mktemp("cnn")
-    bench = cnn_benchmark(write_tiny_dataset(root / "data"))
-    rules = root / "rules"
-    rules.mkdir()
-    shutil.copy(compliance.RULES_DIR / "common.yaml", rules)
-    (rules / f"{bench.name}.yaml").write_text(rulegen.render(bench))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(suite.SUITE, bench.name, bench)
-        mp.setattr(compliance, "RULES_DIR", rules)
-        mp.delenv(data.ENV_VAR, raising=False)
-        yield bench, root
+def cnn(tiny):
+    """The CNN benchmark on the tiny benchmark's data, in a suite of its own whose ruleset
+    is generated here."""
+    bench = cnn_benchmark(tiny.bench.dataset)
+    suite = Suite([bench], rules_dir=tiny.root / "cnn_rules")
+    write_rules(suite.rules_dir, [bench])
+    return bench, suite, tiny
 
 
 def test_cnn_benchmark_end_to_end_passes_the_official_checker(cnn):
-    bench, root = cnn
-    summary = run_benchmark(bench, impl="xla", division="open", seed=3, data_dir=root / "data",
-                            log_dir=root / "logs", show_progress=False)
+    bench, suite, tiny = cnn
+    summary = run_benchmark(bench, impl="xla", division="open", seed=3, data_dir=tiny.data,
+                            log_dir=tiny.root / "cnn_logs", show_progress=False, suite=suite)
     run = summary["runs"][0]
     assert run["status"] == "success" and run["compliance"] is True
     checker = mlp_compliance.make_checker("training", "6.1.0", quiet=False, werror=False)
-    assert mlp_compliance.main(run["log_path"], compliance.compliance_config(bench.name),
+    assert mlp_compliance.main(run["log_path"], compliance_config(bench.name, suite),
                                checker)[0]
 
 
@@ -114,13 +87,14 @@ def _state_and_batch(bench, batch_size=16):
 
 
 def test_train_step_updates_batch_stats_and_eval_reads_them(cnn):
-    bench, _ = cnn
+    bench = cnn[0]
     state, batch = _state_and_batch(bench)
     assert set(state.model_state) == {"batch_stats"}
     new, loss = jax.jit(functools.partial(step.train_step, bench=bench))(state, batch)
     assert np.isfinite(loss)
     before, after = (jax.tree.leaves(s.model_state) for s in (state, new))
-    assert all(not np.allclose(a, b) for a, b in zip(before, after))  # mean and var moved
+    # mean and var moved
+    assert all(not np.allclose(a, b) for a, b in zip(before, after, strict=True))
     # Eval uses the running statistics: a row's score does not depend on the batch.
     evaluate = jax.jit(functools.partial(step.eval_step, bench=bench))
     one = data.Batch(batch.inputs[:1], batch.labels[:1], np.ones(1, np.float32))
@@ -135,16 +109,16 @@ def _sharded(batch, shards=2):
 
 
 def test_data_parallel_axis_gives_the_single_device_step():
-    bench = suite.SUITE["mlp"]
     bench = dataclasses.replace(
-        bench, model=lambda impl, dtype: MLP(features=(32,), num_classes=10, impl=impl))
+        SUITE["mlp"], model=lambda impl, dtype: MLP(features=(32,), num_classes=10, impl=impl))
     state, batch = _state_and_batch(bench)
     single, single_loss = step.train_step(state, batch, bench=bench)
     parallel = jax.vmap(functools.partial(step.train_step, bench=bench, axis_name="data"),
                         in_axes=(None, 0), axis_name="data")
     shards, shard_loss = parallel(state, _sharded(batch))
     np.testing.assert_allclose(shard_loss, [single_loss] * 2, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(shards.params)):
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(shards.params),
+                    strict=True):
         np.testing.assert_allclose(b, np.stack([a, a]), rtol=1e-5, atol=1e-7)
     evaluate = jax.vmap(functools.partial(step.eval_step, bench=bench, axis_name="data"),
                         in_axes=(None, 0), axis_name="data")
@@ -152,12 +126,13 @@ def test_data_parallel_axis_gives_the_single_device_step():
 
 
 def test_data_parallel_axis_averages_batch_stats(cnn):
-    bench, _ = cnn
+    bench = cnn[0]
     state, batch = _state_and_batch(bench)
     parallel = jax.vmap(functools.partial(step.train_step, bench=bench, axis_name="data"),
                         in_axes=(None, 0), axis_name="data")
     shards, _ = parallel(state, _sharded(batch))
     per_shard = [step.train_step(state, jax.tree.map(lambda x: x[i], _sharded(batch)),
                                  bench=bench)[0] for i in range(2)]
-    for got, *each in zip(*(jax.tree.leaves(s.model_state) for s in (shards, *per_shard))):
+    for got, *each in zip(*(jax.tree.leaves(s.model_state) for s in (shards, *per_shard)),
+                          strict=True):
         np.testing.assert_allclose(got, np.stack([np.mean(each, axis=0)] * 2), rtol=1e-5)

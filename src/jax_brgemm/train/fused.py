@@ -12,7 +12,7 @@ The step differentiates the loss with respect to every dense layer's *output* in
 its parameters (a zero "tap" added to each output, so ``jax.grad`` yields the true
 ``dL/dy``; the parameters are constants, so no weight gradient is formed), keeps each layer's
 input and output (returned as auxiliary values), and then runs one fused update per layer
-with ``dz = dy * act'(y)``. The result is optax's update (``tests/test_train_fused.py``
+with ``dz = dy * act'(y)``. The result is optax's update (``tests/train/test_train_fused.py``
 compares parameters and optimizer state after several steps), in optax's own state
 structure: checkpoints, evaluation and the logs do not change.
 

@@ -22,7 +22,7 @@ import platform
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ class RunConfig:
     config_filename: str
     target: Optional[float] = None
     check_replicas: bool = False  # debug: parameters identical on every process, each epoch
+    on_run_end: Optional[Callable[[Any], None]] = None  # gets the final TrainState (tests, tools)
 
 
 @dataclasses.dataclass
@@ -198,9 +199,6 @@ def log_config(mll, cfg: RunConfig, seed: int, seed_source: str, topo=None):
 
 # --------------------------------------------------------------------------- run
 
-#: For tests and tools: called on every process with the final TrainState of each run.
-on_run_end = None
-
 
 def _now_ms() -> int:
     return int(time.time() * 1e3)
@@ -237,7 +235,7 @@ def _interrupted(mll, ckpt, save, where: str):
 
 def train_step_for(cfg: RunConfig, state, example, steps_per_epoch: int, processes: int = 1):
     """The run's train step: with impl="brgemm" and SGD the optimizer step rides on the
-    weight updates where the model allows it (train/fused.py), else ``step.train_step``."""
+    weight updates where the model allows it (fused.py), else ``step.train_step``."""
     plan = (fused.plan(cfg.bench, state, example, cfg.hparams, steps_per_epoch, processes=processes)
             if cfg.impl == "brgemm" else None)
     if plan:
@@ -406,8 +404,8 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=Non
 
     t_stop = _now_ms()
     mll.end(C.RUN_STOP, time_ms=t_stop, metadata={"status": status})
-    if on_run_end is not None:
-        on_run_end(state)
+    if cfg.on_run_end is not None:
+        cfg.on_run_end(state)
     if progress:
         progress.end_run(status, (t_stop - t_start) / 1e3)
     return RunResult(index=index, seed=seed, seed_source=seed_source, status=status, epochs=epoch,

@@ -2,7 +2,8 @@
 
 Runs the reference implementation (impl="xla", float32, closed-division default
 hyperparameters) for the full ``max_epochs`` without stopping at the target, and
-stores every run's accuracy curve in reference/<name>.json. Everything the
+stores every run's accuracy curve in reference/<name>.json (the benchmark's
+``reference_dir``). Everything the
 harness needs is derived from those curves for the suite's current target:
 epochs to target per run (the reference convergence points), the reference
 result (olympic mean time to target) and whether at least 4 of 5 runs reach the
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import jax_brgemm
 
-from . import cli, data, scoring
+from . import data, scoring
+from .config import UsageError, seeds
 from .hparams import resolve
-from .suite import REFERENCE_DIR, SUITE
+from .runner import new_set_dir
+from .suite import SUITE, Suite
 
 
 def summarize(bench, reference: dict) -> dict:
@@ -49,11 +52,11 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
     paths = data.locate(bench.dataset, data_dir)
     # Closed-division hyperparameters; a fixed seed makes the logs say open (seed rule).
     division = "closed" if seed is None else "open"
-    run_seeds = cli.seeds(seed, runs, division)
+    run_seeds = seeds(seed, runs, division)
     cfg = loop.RunConfig(bench=bench, impl="xla", division=division, dtype="float32",
                          hparams=hp, max_epochs=bench.max_epochs, config_filename="config.json",
                          target=None)
-    log_dir = cli.new_set_dir(log_dir)
+    log_dir = new_set_dir(log_dir)
     (log_dir / "config.json").write_text(json.dumps(
         {"benchmark": bench.name, "impl": "xla", "division": division, "dtype": "float32",
          "max_epochs": bench.max_epochs, "hparams": hp, "reference_runs": runs}, indent=2) + "\n")
@@ -77,11 +80,11 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def main(argv=None, suite: Suite = SUITE) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_brgemm.train.reference",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=sorted(SUITE))
+    parser.add_argument("benchmark", choices=sorted(suite))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the first run (default: system randomness); the logs "
@@ -92,8 +95,8 @@ def main(argv=None) -> int:
                         help="do not run: print the summary of the stored runs for the "
                              "suite's current target")
     args = parser.parse_args(argv)
-    bench = SUITE[args.benchmark]
-    path = REFERENCE_DIR / f"{bench.name}.json"
+    bench = suite[args.benchmark]
+    path = Path(bench.reference_dir) / f"{bench.name}.json"
     if args.summarize:
         reference = bench.reference()
         if reference is None:
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
         jax_brgemm.reuse_freed_memory()  # the heap the harness trains on (cli.main)
         try:
             reference = record(bench, args.runs, args.seed, args.data_dir, log_dir)
-        except (cli.UsageError, data.DataError) as e:
+        except (UsageError, data.DataError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     reference["summary"] = summarize(bench, reference)

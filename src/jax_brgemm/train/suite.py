@@ -1,4 +1,4 @@
-"""The benchmark suite. Each benchmark is one ``Benchmark`` value in ``SUITE``.
+"""The benchmark suite: each benchmark is one ``Benchmark`` value, ``SUITE`` holds them.
 
 A benchmark is data: dataset, input pipeline (decode, preprocessing, batching),
 model and model state, loss, metric, target and hyperparameter table; the harness
@@ -7,11 +7,13 @@ runs any of them with the same train step (step.py). Adding a benchmark (e.g.
 below (and a pipeline layout, loss or metric in task.py if it needs a new one), then
 ``python -m jax_brgemm.train.rulegen --write`` to generate its checker ruleset and
 ``python -m jax_brgemm.train.reference NAME`` to record its reference runs; nothing
-else in the harness knows benchmark names.
+else in the harness knows benchmark names. The harness takes the suite as a parameter
+(``SUITE`` by default), so a test passes a suite of its own benchmarks.
 """
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -19,6 +21,7 @@ from . import data, scoring, task
 from .hparams import OneOf, Range
 
 REFERENCE_DIR = Path(__file__).parent / "reference"
+RULES_DIR = Path(__file__).resolve().parent / "rules"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Benchmark:
         ``opt_name``) plus per-optimizer overrides of optim.OPTIMIZERS defaults.
       tunable: the closed division table: ``"common"`` plus one entry per allowed
         optimizer, each mapping a tunable key to its constraint.
+      reference_dir: where the recorded reference runs are (``<name>.json``).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Benchmark:
     hparams: Mapping[str, Mapping[str, Any]]
     tunable: Mapping[str, Mapping[str, Any]]
     model_state: Sequence[str] = ()
+    reference_dir: Path = REFERENCE_DIR
 
     @property
     def train_size(self) -> int:
@@ -75,7 +80,7 @@ class Benchmark:
 
     def reference(self) -> Optional[dict]:
         """The recorded reference runs (reference/<name>.json), if any."""
-        path = REFERENCE_DIR / f"{self.name}.json"
+        path = Path(self.reference_dir) / f"{self.name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
     def reference_summary(self) -> Optional[dict]:
@@ -88,13 +93,28 @@ class Benchmark:
                                          self.num_runs)
 
 
-def _mlp_model(impl, dtype):
-    from jax_brgemm.models import MLP
+class Suite(Mapping[str, Benchmark]):
+    """Benchmarks by name, and the directory of their compliance checker rules
+    (``common.yaml`` and one ``<name>.yaml`` per benchmark, see rulegen.py)."""
 
-    return MLP(features=(1024, 1024, 1024), num_classes=10, activation="relu", impl=impl,
-               dtype=dtype)
+    def __init__(self, benchmarks: Iterable[Benchmark], rules_dir: Path = RULES_DIR):
+        self._benchmarks = {b.name: b for b in benchmarks}
+        self.rules_dir = Path(rules_dir)
+
+    def __getitem__(self, name: str) -> Benchmark:
+        return self._benchmarks[name]
+
+    def __iter__(self):
+        return iter(self._benchmarks)
+
+    def __len__(self) -> int:
+        return len(self._benchmarks)
+
+    def __repr__(self) -> str:
+        return f"Suite({sorted(self)}, rules_dir={str(self.rules_dir)!r})"
 
 
+# The closed division's constraints on the schedule, the same for every optimizer.
 _SCHEDULE_TABLE = {
     "global_batch_size": Range(32, 4096, integer=True),
     "opt_learning_rate_warmup_epochs": Range(0, 5),
@@ -103,15 +123,8 @@ _SCHEDULE_TABLE = {
     "opt_learning_rate_decay_poly_power": Range(1, 2),  # polynomial schedule only
 }
 
-# Fashion-MNIST's four IDX files as train and eval splits.
-FASHION_MNIST_SPLITS = {"train": ("train_images", "train_labels"),
-                        "eval": ("test_images", "test_labels")}
-# Pixel statistics of the scaled [0, 1] Fashion-MNIST training images.
-FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
-
-# The closed division's table of the image-classification benchmarks (mlp, resnet).
-_IMAGE_TUNABLE = {
-    "common": _SCHEDULE_TABLE,
+# Each approved optimizer's tunable keys and their constraints in the closed division.
+_OPTIMIZER_TABLES = {
     "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
             "sgd_opt_momentum": Range(0.8, 0.99),
             "sgd_opt_nesterov": OneOf([True, False]),
@@ -126,39 +139,58 @@ _IMAGE_TUNABLE = {
              "opt_lamb_weight_decay_rate": Range(0, 0.1)},
 }
 
-MLP = Benchmark(
-    name="mlp",
-    description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
-    dataset=data.FASHION_MNIST,
-    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
-        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "flat")),
-    model=_mlp_model,
-    loss=task.softmax_cross_entropy,
-    metric=task.TOP1,
-    target=0.90,
-    max_epochs=16,
-    eval_every_epochs=1,
-    eval_batch_size=2000,
-    num_runs=5,
-    hparams={
-        "common": {
-            "global_batch_size": 256,
-            "opt_name": "sgd",
-            "opt_base_learning_rate": 0.05,
-            "opt_end_learning_rate": 0.0,
-            "opt_learning_rate_warmup_epochs": 1.0,
-            "opt_learning_rate_decay_schedule": "cosine",
-            "opt_learning_rate_decay_epochs": 16.0,
-        },
-        "sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True, "opt_weight_decay": 0.0},
-        "lars": {"opt_base_learning_rate": 2.0},
-        "adam": {"opt_base_learning_rate": 1e-3},
-        "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
-        "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
-    },
-    tunable=_IMAGE_TUNABLE,
-)
 
+def _tunable(*optimizers: str) -> dict:
+    """The closed division's table approving ``optimizers``, in the order the rules and
+    the error messages list them."""
+    return {"common": _SCHEDULE_TABLE, **{opt: _OPTIMIZER_TABLES[opt] for opt in optimizers}}
+
+
+def _hparams(batch_size: int, opt_name: str, learning_rate: float, warmup_epochs: float,
+             decay_epochs: float, **per_optimizer: Mapping[str, Any]) -> dict:
+    """Reference hyperparameters: a cosine schedule down to 0 with ``opt_name``, plus
+    per-optimizer overrides of optim.OPTIMIZERS's defaults."""
+    common = {"global_batch_size": batch_size, "opt_name": opt_name,
+              "opt_base_learning_rate": learning_rate, "opt_end_learning_rate": 0.0,
+              "opt_learning_rate_warmup_epochs": warmup_epochs,
+              "opt_learning_rate_decay_schedule": "cosine",
+              "opt_learning_rate_decay_epochs": decay_epochs}
+    return {"common": common, **per_optimizer}
+
+
+def _image_optimizers(sgd_weight_decay: float) -> dict:
+    """The image-classification benchmarks' (mlp, resnet) per-optimizer references."""
+    return {"sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True,
+                    "opt_weight_decay": sgd_weight_decay},
+            "lars": {"opt_base_learning_rate": 2.0},
+            "adam": {"opt_base_learning_rate": 1e-3},
+            "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
+            "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2}}
+
+
+# Fashion-MNIST's four IDX files as train and eval splits.
+FASHION_MNIST_SPLITS = {"train": ("train_images", "train_labels"),
+                        "eval": ("test_images", "test_labels")}
+# Pixel statistics of the scaled [0, 1] Fashion-MNIST training images.
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
+
+
+def _fashion_mnist(layout: str, **fields) -> Benchmark:
+    """A classifier of Fashion-MNIST's images laid out as ``layout`` (task.py), trained
+    on softmax cross-entropy, scored by top-1 accuracy on the whole test split after
+    every epoch; 5 runs a result."""
+    return Benchmark(dataset=data.FASHION_MNIST,
+                     pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
+                         FASHION_MNIST_MEAN, FASHION_MNIST_STD, layout)),
+                     loss=task.softmax_cross_entropy, metric=task.TOP1, eval_every_epochs=1,
+                     eval_batch_size=2000, num_runs=5, **fields)
+
+
+def _mlp_model(impl, dtype):
+    from jax_brgemm.models import MLP
+
+    return MLP(features=(1024, 1024, 1024), num_classes=10, activation="relu", impl=impl,
+               dtype=dtype)
 
 
 def _resnet_model(impl, dtype):
@@ -170,88 +202,48 @@ def _resnet_model(impl, dtype):
                   small_images=True, impl=impl, dtype=dtype)
 
 
-RESNET = Benchmark(
-    name="resnet",
-    description="ResNet-8 (small images, width 16-64, BatchNorm) on Fashion-MNIST",
-    dataset=data.FASHION_MNIST,
-    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
-        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "nhwc")),
-    model=_resnet_model,
-    model_state=("batch_stats",),
-    loss=task.softmax_cross_entropy,
-    metric=task.TOP1,
-    target=0.90,
-    max_epochs=8,
-    eval_every_epochs=1,
-    eval_batch_size=2000,
-    num_runs=5,
-    hparams={
-        "common": {
-            "global_batch_size": 128,
-            "opt_name": "sgd",
-            "opt_base_learning_rate": 0.1,
-            "opt_end_learning_rate": 0.0,
-            "opt_learning_rate_warmup_epochs": 0.5,
-            "opt_learning_rate_decay_schedule": "cosine",
-            "opt_learning_rate_decay_epochs": 8.0,
-        },
-        "sgd": {"sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True, "opt_weight_decay": 5e-4},
-        "lars": {"opt_base_learning_rate": 2.0},
-        "adam": {"opt_base_learning_rate": 1e-3},
-        "adamw": {"opt_base_learning_rate": 1e-3, "opt_adamw_weight_decay": 1e-2},
-        "lamb": {"opt_base_learning_rate": 2e-3, "opt_lamb_weight_decay_rate": 1e-2},
-    },
-    tunable=_IMAGE_TUNABLE,
-)
-
-
 def _lstm_model(impl, dtype):
     from jax_brgemm.models import LSTMClassifier
 
     return LSTMClassifier(features=(128, 128), num_classes=10, impl=impl, dtype=dtype)
 
 
-LSTM = Benchmark(
-    name="lstm",
-    description="2 stacked LSTM-128 + Dense on row-sequential Fashion-MNIST (28 steps of 28 pixels)",
-    dataset=data.FASHION_MNIST,
-    pipeline=task.Pipeline(FASHION_MNIST_SPLITS, task.normalized_images(
-        FASHION_MNIST_MEAN, FASHION_MNIST_STD, "rows")),
-    model=_lstm_model,
-    loss=task.softmax_cross_entropy,
-    metric=task.TOP1,
-    target=0.89,
-    max_epochs=10,
-    eval_every_epochs=1,
-    eval_batch_size=2000,
-    num_runs=5,
-    hparams={
-        "common": {
-            "global_batch_size": 256,
-            "opt_name": "adam",
-            "opt_base_learning_rate": 2e-3,
-            "opt_end_learning_rate": 0.0,
-            "opt_learning_rate_warmup_epochs": 0.0,
-            "opt_learning_rate_decay_schedule": "cosine",
-            "opt_learning_rate_decay_epochs": 10.0,
-        },
-        "sgd": {"opt_base_learning_rate": 0.1, "sgd_opt_momentum": 0.9, "sgd_opt_nesterov": True,
-                "opt_weight_decay": 0.0},
-        "adamw": {"opt_adamw_weight_decay": 1e-4},
-        "lamb": {"opt_base_learning_rate": 5e-3, "opt_lamb_weight_decay_rate": 0.0},
-    },
-    tunable={
-        "common": _SCHEDULE_TABLE,
-        "adam": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True)},
-        "sgd": {"opt_base_learning_rate": Range(0, 1, lo_open=True),
-                "sgd_opt_momentum": Range(0.8, 0.99),
-                "sgd_opt_nesterov": OneOf([True, False]),
-                "opt_weight_decay": Range(0, 1e-3)},
-        "adamw": {"opt_base_learning_rate": Range(0, 0.01, lo_open=True),
-                  "opt_adamw_weight_decay": Range(0, 0.1)},
-        "lamb": {"opt_base_learning_rate": Range(0, 0.05, lo_open=True),
-                 "opt_lamb_weight_decay_rate": Range(0, 0.1)},
-    },
+MLP = _fashion_mnist(
+    "flat",
+    name="mlp",
+    description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
+    model=_mlp_model,
+    target=0.90,
+    max_epochs=16,
+    hparams=_hparams(256, "sgd", 0.05, 1.0, 16.0, **_image_optimizers(sgd_weight_decay=0.0)),
+    tunable=_tunable("sgd", "lars", "adam", "adamw", "lamb"),
 )
 
-SUITE: dict[str, Benchmark] = {b.name: b for b in [MLP, RESNET, LSTM]}
+RESNET = _fashion_mnist(
+    "nhwc",
+    name="resnet",
+    description="ResNet-8 (small images, width 16-64, BatchNorm) on Fashion-MNIST",
+    model=_resnet_model,
+    model_state=("batch_stats",),
+    target=0.90,
+    max_epochs=8,
+    hparams=_hparams(128, "sgd", 0.1, 0.5, 8.0, **_image_optimizers(sgd_weight_decay=5e-4)),
+    tunable=_tunable("sgd", "lars", "adam", "adamw", "lamb"),
+)
+
+LSTM = _fashion_mnist(
+    "rows",
+    name="lstm",
+    description="2 stacked LSTM-128 + Dense on row-sequential Fashion-MNIST (28 steps of 28 pixels)",
+    model=_lstm_model,
+    target=0.89,
+    max_epochs=10,
+    hparams=_hparams(256, "adam", 2e-3, 0.0, 10.0,
+                     sgd={"opt_base_learning_rate": 0.1, "sgd_opt_momentum": 0.9,
+                          "sgd_opt_nesterov": True, "opt_weight_decay": 0.0},
+                     adamw={"opt_adamw_weight_decay": 1e-4},
+                     lamb={"opt_base_learning_rate": 5e-3, "opt_lamb_weight_decay_rate": 0.0}),
+    tunable=_tunable("adam", "sgd", "adamw", "lamb"),
+)
+
+SUITE = Suite([MLP, RESNET, LSTM])
