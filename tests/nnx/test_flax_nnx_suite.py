@@ -32,6 +32,7 @@ def flax_tree():
     return flax_source_tree()
 
 
+@pytest.mark.slow  # a pytest subprocess per file, ~15-50 s each
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_flax_nnx_layer_tests_pass_with_jb_nnx(name, flax_tree, tmp_path, record_property):
     test_file = flax_tree / "tests" / "nnx" / "nn" / name
