@@ -263,6 +263,18 @@ def test_lstm_seq_lengths():
     assert kernel_calls(ours, x, seq_lengths=lengths, return_carry=True) == 0
 
 
+def test_rnn_takes_rngs_as_stock():
+    ours, stock = lstm_pair(3, 4, state_axes={...: nnx.Carry})
+    x = normal(1, (2, 5, 3))
+    r_ours, r_stock = nnx.Rngs(carry=3), nnx.Rngs(carry=3)
+    close(ours(x, rngs=r_ours), stock(x, rngs=r_stock))
+    carry = stock.cell.initialize_carry((2, 3), nnx.Rngs(0))
+    close(ours(x, rngs=r_ours, initial_carry=carry), stock(x, rngs=r_stock, initial_carry=carry))
+    same_state(r_ours, r_stock)
+    same_state(ours, stock)
+    assert kernel_calls(ours, x, initial_carry=carry) >= 1
+
+
 @pytest.mark.parametrize("cell_cls", [nnx.LSTMCell, nnx.OptimizedLSTMCell])
 def test_rnn_over_stock_cells(cell_cls):
     ours = jbnnx.RNN(cell_cls(4, 6, rngs=nnx.Rngs(0)))

@@ -69,9 +69,11 @@ def lstm_params(cell) -> tuple[tp.Any, tp.Any, tp.Any] | str:
 
 def _scan_reproducible(rnn) -> str:
     """Why the fused call would not compute what ``rnn``'s scan does ("" when it would)."""
-    axes = rnn.state_axes.axes if isinstance(rnn.state_axes, iteration.StateAxes) else None
+    state_axes = rnn.state_axes
+    axes = state_axes.axes if isinstance(state_axes, iteration.StateAxes) else tuple(
+        state_axes.values())
     # parameters carried or broadcast over time are the same parameters at every step
-    if axes is None or any(a is not None and a is not iteration.Carry for a in axes):
+    if any(a is not None and a is not iteration.Carry for a in axes):
         return "state_axes scanning the cell's state over time"
     if rnn.broadcast_rngs is not None:
         return "broadcast_rngs"
@@ -116,11 +118,12 @@ class RNN(stock_recurrent.RNN):
                              f"{self.cell.in_features}, got shape {inputs.shape}")
         time_axis = 0 if opts["time_major"] else inputs.ndim - 2
         carry_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
-        if initial_carry is None:  # the stock module's carry, from the same rng stream
-            if rngs is None:
-                rngs = self.rngs
-            if isinstance(rngs, rnglib.Rngs):
-                rngs = rngs.carry.fork()
+        # the stock module's rng stream and carry, taken as it takes them
+        if rngs is None:
+            rngs = self.rngs
+        if isinstance(rngs, rnglib.Rngs):
+            rngs = rngs.carry.fork()
+        if initial_carry is None:
             initial_carry = self.cell.initialize_carry(carry_shape, rngs)
         hidden_shape = carry_shape[:-1] + (self.cell.hidden_features,)
         if (not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2
