@@ -99,49 +99,77 @@ class RNN(stock_recurrent.RNN):
                  return_carry: bool | None = None, time_major: bool | None = None,
                  reverse: bool | None = None, keep_order: bool | None = None,
                  rngs: rnglib.Rngs | rnglib.RngStream | None = None):
-        opts = dict(return_carry=self.return_carry if return_carry is None else return_carry,
-                    time_major=self.time_major if time_major is None else time_major,
-                    reverse=self.reverse if reverse is None else reverse,
-                    keep_order=self.keep_order if keep_order is None else keep_order)
-        stock = dict(seq_lengths=seq_lengths, **opts)
-        params = lstm_params(self.cell)
-        why = params if isinstance(params, str) else _scan_reproducible(self)
-        if seq_lengths is not None and opts["return_carry"]:
-            why = why or "seq_lengths with return_carry (each sequence's own last carry)"
-        if why:
-            return super().__call__(inputs, initial_carry=initial_carry, rngs=rngs, **stock)
-        op = f"jb.nnx.{type(self).__name__}"
-        inputs = jnp.asarray(inputs)
-        layout = "(time, *batch, features)" if opts["time_major"] else "(*batch, time, features)"
-        if inputs.ndim < 2 or inputs.shape[-1] != self.cell.in_features:
-            raise ValueError(f"{op}: inputs must be {layout} with features = in_features = "
-                             f"{self.cell.in_features}, got shape {inputs.shape}")
-        time_axis = 0 if opts["time_major"] else inputs.ndim - 2
-        carry_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
-        # the stock module's rng stream and carry, taken as it takes them
-        if rngs is None:
-            rngs = self.rngs
-        if isinstance(rngs, rnglib.Rngs):
-            rngs = rngs.carry.fork()
-        if initial_carry is None:
-            initial_carry = self.cell.initialize_carry(carry_shape, rngs)
-        hidden_shape = carry_shape[:-1] + (self.cell.hidden_features,)
-        if (not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2
-                or any(jnp.shape(a) != hidden_shape for a in initial_carry)):
-            raise ValueError(f"{op}: initial_carry must be a pair (c, h) of arrays shaped "
-                             f"(*batch, hidden_features) = {hidden_shape}, got "
-                             f"{jax.tree.map(jnp.shape, initial_carry)}")
-        c0, h0 = (jnp.asarray(a) for a in initial_carry)
-        kernel_i, kernel_h, bias = params
-        try:  # the stock cell's computation dtype over the whole sequence
-            dtype = np.dtype(nnx_dtypes.canonicalize_dtype(
-                inputs, h0, kernel_i, kernel_h, bias, dtype=self.cell.dtype))
-        except ValueError:
-            dtype = None
-        if dtype is None or dtype not in check.KERNEL_DTYPES:
-            return super().__call__(inputs, initial_carry=initial_carry, rngs=rngs, **stock)
-        return fused_lstm(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0), dtype=dtype,
-                          seq_lengths=seq_lengths, **opts)
+        y, _ = rnn_call(self, super().__call__, inputs, initial_carry=initial_carry,
+                        seq_lengths=seq_lengths, return_carry=return_carry,
+                        time_major=time_major, reverse=reverse, keep_order=keep_order,
+                        rngs=rngs, op=f"jb.nnx.{type(self).__name__}")
+        return y
+
+
+def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
+             return_carry=None, time_major=None, reverse=None, keep_order=None, rngs=None,
+             op: str | None = None):
+    """``(what flax.nnx.RNN rnn computes, "")`` on the fused kernels, or ``(the same from
+    stock_call, why not)``.
+
+    ``rnn`` has ``flax.nnx.RNN``'s fields; ``stock_call`` is its stock ``__call__`` (bound),
+    called with the same arguments when the kernels cannot run them; the rng stream is taken
+    once either way, as the stock module takes it. Inputs or an initial carry of the wrong
+    shape raise a ValueError from ``op`` (a jax_brgemm module's name) or, when ``op`` is
+    None, go to ``stock_call`` as they are.
+    """
+    opts = dict(return_carry=rnn.return_carry if return_carry is None else return_carry,
+                time_major=rnn.time_major if time_major is None else time_major,
+                reverse=rnn.reverse if reverse is None else reverse,
+                keep_order=rnn.keep_order if keep_order is None else keep_order)
+    stock = dict(seq_lengths=seq_lengths, **opts)
+
+    def fallback(why):
+        return stock_call(inputs, initial_carry=initial_carry, rngs=rngs, **stock), why
+
+    params = lstm_params(rnn.cell)
+    why = params if isinstance(params, str) else _scan_reproducible(rnn)
+    if seq_lengths is not None and opts["return_carry"]:
+        why = why or "seq_lengths with return_carry (each sequence's own last carry)"
+    if why:
+        return fallback(why)
+    cell = rnn.cell
+    layout = "(time, *batch, features)" if opts["time_major"] else "(*batch, time, features)"
+    if (not hasattr(inputs, "shape") or len(inputs.shape) < 2
+            or inputs.shape[-1] != cell.in_features):
+        if op is None:
+            return fallback("inputs do not match the cell")
+        raise ValueError(f"{op}: inputs must be {layout} with features = in_features = "
+                         f"{cell.in_features}, got shape {jnp.shape(inputs)}")
+    inputs = jnp.asarray(inputs)
+    time_axis = 0 if opts["time_major"] else inputs.ndim - 2
+    carry_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
+    # the stock module's rng stream and carry, taken as it takes them
+    if rngs is None:
+        rngs = rnn.rngs
+    if isinstance(rngs, rnglib.Rngs):
+        rngs = rngs.carry.fork()
+    if initial_carry is None:
+        initial_carry = cell.initialize_carry(carry_shape, rngs)
+    hidden_shape = carry_shape[:-1] + (cell.hidden_features,)
+    if (not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2
+            or any(jnp.shape(a) != hidden_shape for a in initial_carry)):
+        if op is None:
+            return fallback("initial_carry is not a pair (c, h) of the expected shape")
+        raise ValueError(f"{op}: initial_carry must be a pair (c, h) of arrays shaped "
+                         f"(*batch, hidden_features) = {hidden_shape}, got "
+                         f"{jax.tree.map(jnp.shape, initial_carry)}")
+    c0, h0 = (jnp.asarray(a) for a in initial_carry)
+    kernel_i, kernel_h, bias = params
+    try:  # the stock cell's computation dtype over the whole sequence
+        dtype = np.dtype(nnx_dtypes.canonicalize_dtype(
+            inputs, h0, kernel_i, kernel_h, bias, dtype=cell.dtype))
+    except ValueError as e:  # the stock computation raises it again
+        return fallback(f"dtype ({e})")
+    if dtype not in check.KERNEL_DTYPES:
+        return fallback(f"{dtype} computation")
+    return fused_lstm(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0), dtype=dtype,
+                      seq_lengths=seq_lengths, **opts), ""
 
 
 def fused_lstm(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, time_major=False,
