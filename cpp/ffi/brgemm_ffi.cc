@@ -19,12 +19,8 @@ using ffi_util::invalid;
 ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                        const ffi::AnyBuffer* c, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "brgemm";
-  DType ab, ab2, cdt;
-  if (!ffi_util::kernel_dtype(a.element_type(), &ab) ||
-      !ffi_util::kernel_dtype(b.element_type(), &ab2) || ab != ab2)
-    return invalid("brgemm: a and b must both be float32 or both bfloat16");
-  if (!ffi_util::kernel_dtype(out->element_type(), &cdt))
-    return invalid("brgemm: the output must be float32 or bfloat16");
+  JB_TRY(ab, ffi_util::kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
+  JB_TRY(cdt, ffi_util::kernel_dtype(op, {{"the output", out->element_type()}}));
   if (c && c->element_type() != out->element_type())
     return invalid("brgemm: c must have the output's dtype");
 

@@ -27,8 +27,12 @@ using ffi_util::guarded;
 using ffi_util::invalid;
 using ffi_util::Items;
 using ffi_util::items_of;
+using ffi_util::kernel_dtype;
 using ffi_util::operand;
+using ffi_util::per_item;
 using ffi_util::ptr;
+using F32 = ffi::Buffer<ffi::F32>;
+using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
@@ -52,21 +56,12 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
   return s;
 }
 
-bool same_dims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
-}
-
-ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
   const char* op = "jb_conv_fwd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || y->element_type() != x.element_type() ||
-      z->element_type() != x.element_type())
-    return invalid("jb_conv_fwd: x, y and z must all be float32 or all bfloat16");
-  if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
-    return invalid("jb_conv_fwd: w must be float32 or bfloat16");
-  if (bias.element_type() != ffi::DataType::F32) return invalid("jb_conv_fwd: bias must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, ffi_util::activation(op, act_code));
   JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
   conv::Shape s = s0;
@@ -82,38 +77,29 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   (void)ly;
   const bool has_bias = bias.element_count() != 0;
   JB_TRY(lb, operand(op, "bias", bias.dimensions(), {has_bias ? s.k : 0}, items));
-  const bool gelu = s.act == Activation::gelu;
-  if (gelu ? !same_dims(yd, z->dimensions()) : z->element_count() != 0)
-    return invalid("jb_conv_fwd: z must have y's shape " + dims_str(yd) + " for gelu, else be empty");
+  JB_CHECK(ffi_util::expect_z(op, act, yd, z->dimensions()));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
 
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
-  const auto* bias_f = static_cast<const float*>(bias.untyped_data());
+  const bool gelu = act == Activation::gelu;
   const int64_t ysize = s.n * s.p() * s.q() * s.k;
   return guarded(op, [&] {
-    if (lw.shared && lb.shared && lx.dense) {  // one layer call over all items
-      conv::Shape all = s;
-      all.n = items.count * s.n;
-      conv::forward(ex, dp, all, x.untyped_data(), w.untyped_data(), w_dt, has_bias ? bias_f : nullptr,
-                    y->untyped_data(), gelu ? z->untyped_data() : nullptr);
-      return;
-    }
-    for (int64_t i = 0; i < items.count; ++i)
-      conv::forward(ex, dp, s, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)), w_dt,
-                    has_bias ? bias_f + items.offset(lb, i) : nullptr, ptr(y, i * ysize),
+    // Weights shared by every item: the items fold into the mini-batch.
+    per_item(items, lw.shared && lb.shared && lx.dense, [&](int64_t count, int64_t i) {
+      conv::Shape batch = s;
+      batch.n = count * s.n;
+      conv::forward(ex, dispatch(), batch, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)), w_dt,
+                    has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr, ptr(y, i * ysize),
                     gelu ? ptr(z, i * ysize) : nullptr);
+    });
   });
 }
 
 ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
   const char* op = "jb_conv_bwd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(dz.element_type(), &dt) || dx->element_type() != dz.element_type())
-    return invalid("jb_conv_bwd: dz and dx must both be float32 or both bfloat16");
-  if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
-    return invalid("jb_conv_bwd: w must be float32 or bfloat16");
+  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
   conv::Shape s = s0;
   s.dt = dt;
@@ -122,31 +108,22 @@ ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, f
   JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.c, s.k}, items));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
   const int64_t xsize = s.n * s.h * s.w * s.c;
   return guarded(op, [&] {
-    if (lw.shared && lz.dense) {
-      conv::Shape all = s;
-      all.n = items.count * s.n;
-      conv::backward(ex, dp, all, dz.untyped_data(), w.untyped_data(), w_dt, dx->untyped_data());
-      return;
-    }
-    for (int64_t i = 0; i < items.count; ++i)
-      conv::backward(ex, dp, s, ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)), w_dt,
+    per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
+      conv::Shape batch = s;
+      batch.n = count * s.n;
+      conv::backward(ex, dispatch(), batch, ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)), w_dt,
                      ptr(dx, i * xsize));
+    });
   });
 }
 
 ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
-                    ffi::Result<ffi::AnyBuffer> db, int64_t sh, int64_t sw, int64_t pt, int64_t pb,
-                    int64_t pl, int64_t pr) {
+                    F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
   const char* op = "jb_conv_upd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dz.element_type() != x.element_type())
-    return invalid("jb_conv_upd: x and dz must both be float32 or both bfloat16");
-  if (!ffi_util::kernel_dtype(dw->element_type(), &w_dt))
-    return invalid("jb_conv_upd: dw must be float32 or bfloat16");
-  if (db->element_type() != ffi::DataType::F32) return invalid("jb_conv_upd: db must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
   JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr));
   conv::Shape s = s0;
   s.dt = dt;
@@ -154,20 +131,15 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
   const Items items = items_of(wd, 4);
   JB_TRY(lx, operand(op, "x", x.dimensions(), {s.n, s.h, s.w, s.c}, items));
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
-  const bool has_db = db->element_count() != 0;
-  const auto bd = db->dimensions();
-  if (has_db && (bd.size() != wd.size() - 3 || bd[bd.size() - 1] != s.k ||
-                 !std::equal(wd.begin(), wd.end() - 4, bd.begin())))
-    return invalid("jb_conv_upd: db " + dims_str(bd) + " must be dw's leading dims + (K,), or empty");
+  JB_CHECK(ffi_util::expect_db(op, db->dimensions(), wd, 4, s.k));
   if (items.count == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
-  auto* db_f = static_cast<float*>(db->untyped_data());
+  const bool has_db = db->element_count() != 0;
   const int64_t wsize = s.r * s.s * s.c * s.k;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      conv::update(ex, dp, s, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * wsize),
-                   w_dt, has_db ? db_f + i * s.k : nullptr);
+      conv::update(ex, dispatch(), s, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * wsize),
+                   w_dt, has_db ? db->typed_data() + i * s.k : nullptr);
   });
 }
 
@@ -182,7 +154,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<F32>()             // bias
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Ret<ffi::AnyBuffer>()  // z
                                   .Attr<int32_t>("act") JB_CONV_GEOMETRY);
@@ -201,7 +173,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_upd, conv_upd,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // dz
                                   .Ret<ffi::AnyBuffer>()  // dw
-                                  .Ret<ffi::AnyBuffer>()  // db
+                                  .Ret<F32>()             // db
                                       JB_CONV_GEOMETRY);
 
 #undef JB_CONV_GEOMETRY

@@ -31,27 +31,24 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::dims_str;
 using ffi_util::activation;
-using ffi_util::invalid;
+using ffi_util::dims_str;
 using ffi_util::guarded;
+using ffi_util::invalid;
 using ffi_util::Items;
 using ffi_util::items_of;
+using ffi_util::kernel_dtype;
 using ffi_util::operand;
+using ffi_util::per_item;
 using ffi_util::ptr;
+using F32 = ffi::Buffer<ffi::F32>;
+using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
 
-// ----------------------------------------------------------------------------------------
-
-ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
-                  ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
+ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
+                  ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
   const char* op = "jb_fc_fwd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || y->element_type() != x.element_type() ||
-      z->element_type() != x.element_type())
-    return invalid("jb_fc_fwd: x, y and z must all be float32 or all bfloat16");
-  if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
-    return invalid("jb_fc_fwd: w must be float32 or bfloat16");
-  if (bias.element_type() != ffi::DataType::F32) return invalid("jb_fc_fwd: bias must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() < 2 || wd.size() < 2 || yd.size() < 2 || bias.dimensions().size() < 1)
@@ -64,40 +61,26 @@ ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   (void)ly;
   const bool has_bias = bias.element_count() != 0;
   JB_TRY(lb, operand(op, "bias", bias.dimensions(), {has_bias ? k : 0}, items));
-  const bool gelu = act == Activation::gelu;
-  if (gelu) {
-    if (z->dimensions().size() != yd.size() ||
-        !std::equal(yd.begin(), yd.end(), z->dimensions().begin()))
-      return invalid("jb_fc_fwd: z (the saved pre-activation) must have y's shape " + dims_str(yd));
-  } else if (z->element_count() != 0) {
-    return invalid("jb_fc_fwd: z must be empty unless the activation is gelu");
-  }
+  JB_CHECK(ffi_util::expect_z(op, act, yd, z->dimensions()));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
   if (c == 0) return invalid("jb_fc_fwd: x has no features (C = 0)");
 
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
-  const auto* bias_f = static_cast<const float*>(bias.untyped_data());
+  const bool gelu = act == Activation::gelu;
   return guarded(op, [&] {
-    if (lw.shared && lb.shared && lx.dense) {  // one layer over all items
-      fc::forward(ex, dp, {items.count * n, c, k, dt, act}, x.untyped_data(), w.untyped_data(), w_dt,
-                  has_bias ? bias_f : nullptr, y->untyped_data(), gelu ? z->untyped_data() : nullptr);
-      return;
-    }
-    for (int64_t i = 0; i < items.count; ++i)
-      fc::forward(ex, dp, {n, c, k, dt, act}, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)),
-                  w_dt, has_bias ? bias_f + items.offset(lb, i) : nullptr, ptr(y, i * n * k),
-                  gelu ? ptr(z, i * n * k) : nullptr);
+    // Weights shared by every item: the items fold into the mini-batch.
+    per_item(items, lw.shared && lb.shared && lx.dense, [&](int64_t count, int64_t i) {
+      fc::forward(ex, dispatch(), {count * n, c, k, dt, act}, ptr(x, items.offset(lx, i)),
+                  ptr(w, items.offset(lw, i)), w_dt, has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr,
+                  ptr(y, i * n * k), gelu ? ptr(z, i * n * k) : nullptr);
+    });
   });
 }
 
 ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
                        ffi::Result<ffi::AnyBuffer> dz, int32_t act_code) {
   const char* op = "jb_fc_act_grad";
-  DType dt;
-  if (!ffi_util::kernel_dtype(dy.element_type(), &dt) ||
-      saved.element_type() != dy.element_type() || dz->element_type() != dy.element_type())
-    return invalid("jb_fc_act_grad: dy, saved and dz must all be float32 or all bfloat16");
+  JB_TRY(dt, kernel_dtype(op, {{"dy", dy.element_type()}, {"saved", saved.element_type()}, {"dz", dz->element_type()}}));
   JB_TRY(act, activation(op, act_code));
   if (act == Activation::none) return invalid("jb_fc_act_grad: needs an activation");
   const auto dd = dz->dimensions();
@@ -108,16 +91,11 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   JB_TRY(ls, operand(op, "saved", saved.dimensions(), {n, k}, items));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
   return guarded(op, [&] {
-    if (ldy.dense && ls.dense) {
-      fc::act_grad(ex, dp, {items.count * n, 0, k, dt, act}, dy.untyped_data(), saved.untyped_data(),
-                   dz->untyped_data());
-      return;
-    }
-    for (int64_t i = 0; i < items.count; ++i)
-      fc::act_grad(ex, dp, {n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
+    per_item(items, ldy.dense && ls.dense, [&](int64_t count, int64_t i) {
+      fc::act_grad(ex, dispatch(), {count * n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
                    ptr(saved, items.offset(ls, i)), ptr(dz, i * n * k));
+    });
   });
 }
 
@@ -130,14 +108,10 @@ ffi::ErrorOr<int64_t> dz_columns(const char* op, ffi::AnyBuffer::Dimensions dz, 
   return dz[dz.size() - 1];
 }
 
-ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
-                  ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = "jb_fc_bwd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(dz.element_type(), &dt) || dx->element_type() != dz.element_type())
-    return invalid("jb_fc_bwd: dz and dx must both be float32 or both bfloat16");
-  if (!ffi_util::kernel_dtype(w.element_type(), &w_dt))
-    return invalid("jb_fc_bwd: w must be float32 or bfloat16");
+  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   const auto xd = dx->dimensions(), wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2) return invalid("jb_fc_bwd: dx and w need rank >= 2");
   const int64_t n = xd[xd.size() - 2], c = xd[xd.size() - 1], k = wd[wd.size() - 1];
@@ -148,28 +122,19 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w,
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
   return guarded(op, [&] {
-    if (lw.shared && lz.dense) {
-      fc::backward(ex, dp, {items.count * n, c, k, dt, Activation::none, 0, ldz}, dz.untyped_data(),
-                   w.untyped_data(), w_dt, dx->untyped_data());
-      return;
-    }
-    for (int64_t i = 0; i < items.count; ++i)
-      fc::backward(ex, dp, {n, c, k, dt, Activation::none, 0, ldz}, ptr(dz, items.offset(lz, i)),
+    per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
+      fc::backward(ex, dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz}, ptr(dz, items.offset(lz, i)),
                    ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c));
+    });
   });
 }
 
-ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
-                  ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db) {
+ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
+                  F32Out db) {
   const char* op = "jb_fc_upd";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dz.element_type() != x.element_type())
-    return invalid("jb_fc_upd: x and dz must both be float32 or both bfloat16");
-  if (!ffi_util::kernel_dtype(dw->element_type(), &w_dt))
-    return invalid("jb_fc_upd: dw must be float32 or bfloat16");
-  if (db->element_type() != ffi::DataType::F32) return invalid("jb_fc_upd: db must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
   const auto xd = x.dimensions(), wd = dw->dimensions();
   if (xd.size() < 2 || wd.size() < 2 || db->dimensions().size() < 1)
     return invalid("jb_fc_upd: x and dw need rank >= 2, db rank >= 1");
@@ -182,34 +147,22 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   JB_TRY(lx, operand(op, "x", xd, {n, ldx}, items));
   JB_TRY(ldz, dz_columns(op, dz.dimensions(), k));
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, ldz}, items));
-  const bool has_db = db->element_count() != 0;
-  const auto bd = db->dimensions();
-  if (has_db && (bd.size() != wd.size() - 1 || bd[bd.size() - 1] != k ||
-                 !std::equal(wd.begin(), wd.end() - 2, bd.begin())))
-    return invalid("jb_fc_upd: db " + dims_str(bd) + " must be dw's shape without C, or empty");
+  JB_CHECK(ffi_util::expect_db(op, db->dimensions(), wd, 2, k));
   if (items.count == 0 || c == 0 || k == 0) return ffi::Error::Success();
   const Executor ex = ffi_util::executor(pool);
-  const Dispatch& dp = dispatch();
-  auto* db_f = static_cast<float*>(db->untyped_data());
+  const bool has_db = db->element_count() != 0;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, dp, {n, c, k, dt, Activation::none, ldx, ldz}, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)),
-                 ptr(dw, i * c * k), w_dt, has_db ? db_f + i * k : nullptr);
+      fc::update(ex, dispatch(), {n, c, k, dt, Activation::none, ldx, ldz}, ptr(x, items.offset(lx, i)),
+                 ptr(dz, items.offset(lz, i)), ptr(dw, i * c * k), w_dt, has_db ? db->typed_data() + i * k : nullptr);
   });
 }
 
-ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::AnyBuffer w,
-                      ffi::AnyBuffer mw, ffi::AnyBuffer b, ffi::AnyBuffer mb, ffi::AnyBuffer lr,
-                      ffi::AnyBuffer /*after*/, ffi::Result<ffi::AnyBuffer> w_out, ffi::Result<ffi::AnyBuffer> mw_out,
-                      ffi::Result<ffi::AnyBuffer> b_out, ffi::Result<ffi::AnyBuffer> mb_out,
+ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b, F32 mb,
+                      F32 lr, ffi::AnyBuffer /*after*/, F32Out w_out, F32Out mw_out, F32Out b_out, F32Out mb_out,
                       float momentum, float weight_decay, bool nesterov) {
   const char* op = "jb_fc_upd_sgd";
-  DType dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt) || dz.element_type() != x.element_type())
-    return invalid("jb_fc_upd_sgd: x and dz must both be float32 or both bfloat16");
-  for (const ffi::AnyBuffer* a : {&w, &mw, &b, &mb, &lr})
-    if (a->element_type() != ffi::DataType::F32)
-      return invalid("jb_fc_upd_sgd: the parameters, their momenta and lr must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
   const auto xd = x.dimensions(), zd = dz.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || zd.size() != 2 || wd.size() != 2)
     return invalid("jb_fc_upd_sgd: x, dz and w must be matrices");
@@ -217,23 +170,23 @@ ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
   if (zd[0] != n || wd[0] != c || wd[1] != k)
     return invalid("jb_fc_upd_sgd: x " + dims_str(xd) + ", dz " + dims_str(zd) + " and w " +
                    dims_str(wd) + " do not match (N, C), (N, K), (C, K)");
-  if (mw.element_count() != c * k) return invalid("jb_fc_upd_sgd: mw must have w's shape");
+  if (int64_t(mw.element_count()) != c * k) return invalid("jb_fc_upd_sgd: mw must have w's shape");
   const bool has_b = b.element_count() != 0;
-  if ((has_b && b.element_count() != k) || mb.element_count() != b.element_count())
+  if ((has_b && int64_t(b.element_count()) != k) || mb.element_count() != b.element_count())
     return invalid("jb_fc_upd_sgd: b and mb must both have K elements or both be empty");
   if (lr.element_count() != 1) return invalid("jb_fc_upd_sgd: lr must be a scalar");
   // Aliased: the outputs are the inputs' buffers. Copied first if XLA gave others.
-  const ffi::AnyBuffer* ins[] = {&w, &mw, &b, &mb};
-  ffi::Result<ffi::AnyBuffer>* outs[] = {&w_out, &mw_out, &b_out, &mb_out};
+  const F32* ins[] = {&w, &mw, &b, &mb};
+  F32Out* outs[] = {&w_out, &mw_out, &b_out, &mb_out};
   for (int i = 0; i < 4; ++i)
     if ((*outs[i])->untyped_data() != ins[i]->untyped_data() && ins[i]->size_bytes())
       std::memcpy((*outs[i])->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
-  const fc::Sgd o{*static_cast<const float*>(lr.untyped_data()), momentum, weight_decay, nesterov};
-  auto f32 = [](ffi::Result<ffi::AnyBuffer>& r) { return static_cast<float*>(r->untyped_data()); };
+  const fc::Sgd o{*lr.typed_data(), momentum, weight_decay, nesterov};
   const Executor ex = ffi_util::executor(pool);
   return guarded(op, [&] {
-    fc::update_sgd(ex, dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o, f32(w_out),
-                   f32(mw_out), has_b ? f32(b_out) : nullptr, has_b ? f32(mb_out) : nullptr);
+    fc::update_sgd(ex, dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o, w_out->typed_data(),
+                   mw_out->typed_data(), has_b ? b_out->typed_data() : nullptr,
+                   has_b ? mb_out->typed_data() : nullptr);
   });
 }
 
@@ -244,7 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<F32>()             // bias
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Ret<ffi::AnyBuffer>()  // z
                                   .Attr<int32_t>("act"));
@@ -270,23 +223,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // dz
                                   .Ret<ffi::AnyBuffer>()  // dw
-                                  .Ret<ffi::AnyBuffer>());  // db
+                                  .Ret<F32>());           // db
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // dz
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<ffi::AnyBuffer>()  // mw
-                                  .Arg<ffi::AnyBuffer>()  // b
-                                  .Arg<ffi::AnyBuffer>()  // mb
-                                  .Arg<ffi::AnyBuffer>()  // lr
+                                  .Arg<F32>()             // w
+                                  .Arg<F32>()             // mw
+                                  .Arg<F32>()             // b
+                                  .Arg<F32>()             // mb
+                                  .Arg<F32>()             // lr
                                   .Arg<ffi::AnyBuffer>()  // after: ordering only, not read
-                                  .Ret<ffi::AnyBuffer>()  // w
-                                  .Ret<ffi::AnyBuffer>()  // mw
-                                  .Ret<ffi::AnyBuffer>()  // b
-                                  .Ret<ffi::AnyBuffer>()  // mb
+                                  .Ret<F32>()             // w
+                                  .Ret<F32>()             // mw
+                                  .Ret<F32>()             // b
+                                  .Ret<F32>()             // mb
                                   .Attr<float>("momentum")
                                   .Attr<float>("weight_decay")
                                   .Attr<bool>("nesterov"));

@@ -1,14 +1,18 @@
-// Helpers shared by the thin FFI handlers: the pool adapter, dtype mapping, shape checks,
-// numpy-style broadcasting of leading dims, and turning C++ exceptions into ffi::Error.
+// Helpers shared by the thin FFI handlers, the one set every handler's prologue uses: the
+// pool adapter, dtype and shape checks that name the operand, numpy-style broadcasting of
+// leading dims, calls per item or folded into the mini-batch, and C++ exceptions turned into
+// ffi::Error. Operands that are always fp32 are typed ffi::Buffer<ffi::F32> (XLA checks them).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "brgemm/brgemm.h"
+#include "layers/common/view.h"
 #include "parallel/parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,20 +28,71 @@ inline Executor executor(ffi::ThreadPool& pool) {
   return ex;
 }
 
-// fp32 or bf16, the two dtypes every kernel supports.
-inline bool kernel_dtype(ffi::DataType t, DType* out) {
-  if (t == ffi::DataType::F32) return *out = DType::f32, true;
-  if (t == ffi::DataType::BF16) return *out = DType::bf16, true;
-  return false;
-}
+inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
 
-inline std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
+// `var` = the value of an ffi::ErrorOr expression, or return its error.
+#define JB_TRY(var, expr)                              \
+  auto var##_or = (expr);                              \
+  if (!var##_or.has_value()) return var##_or.error(); \
+  const auto& var = var##_or.value()
+
+// Return the ffi::Error of `expr` unless it is a success.
+#define JB_CHECK(expr)                 \
+  do {                                 \
+    ffi::Error error_ = (expr);        \
+    if (error_.failure()) return error_; \
+  } while (0)
+
+// Dims (a buffer's, or a list of sizes) as a Python tuple.
+template <class Dims>
+std::string dims_str(const Dims& dims) {
   std::string s = "(";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
+// ---------------------------------------------------------------------------------------
+// Dtypes. Operands of the compute dtype are fp32 or bf16, the two dtypes every kernel takes.
+
+struct Named {
+  const char* name;
+  ffi::DataType type;
+};
+
+inline std::string names_str(std::initializer_list<Named> operands) {
+  std::string s;
+  size_t i = 0;
+  for (const Named& o : operands) s += (i++ == 0 ? "" : i == operands.size() ? " and " : ", ") + std::string(o.name);
+  return s;
+}
+
+// The kernel dtype the operands share ("x must be float32 or bfloat16", "a and b must both
+// be ...", "x, y and z must all be ..." otherwise).
+inline ffi::ErrorOr<DType> kernel_dtype(const char* op, std::initializer_list<Named> operands) {
+  const ffi::DataType t = operands.begin()->type;
+  bool same = t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+  for (const Named& o : operands) same = same && o.type == t;
+  if (same) return t == ffi::DataType::F32 ? DType::f32 : DType::bf16;
+  const char* each = operands.size() == 1 ? "" : operands.size() == 2 ? "both " : "all ";
+  return ffi::Unexpected(invalid(std::string(op) + ": " + names_str(operands) + " must " +
+                                 (operands.size() == 1 ? "be" : operands.size() == 2 ? "both be" : "all be") +
+                                 " float32 or " + each + "bfloat16"));
+}
+
+// An error naming the first operand whose dtype is not `want` (the compute dtype's, or x's).
+inline ffi::Error expect_dtype(const char* op, ffi::DataType want, std::initializer_list<Named> operands) {
+  for (const Named& o : operands)
+    if (o.type != want) return invalid(std::string(op) + ": " + o.name + " has the wrong dtype");
+  return ffi::Error::Success();
+}
+
+// An error naming the operand unless its dims are exactly `want`.
+inline ffi::Error expect_dims(const char* op, const char* name, ffi::AnyBuffer::Dimensions dims,
+                              const std::vector<int64_t>& want) {
+  if (dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin()))
+    return ffi::Error::Success();
+  return invalid(std::string(op) + ": " + name + " has shape " + dims_str(dims) + ", expected " + dims_str(want));
+}
 
 // ---------------------------------------------------------------------------------------
 // Leading dims. An op's output is (lead.., inner...): its items are the lead dims (vmap's
@@ -109,11 +164,45 @@ inline ffi::ErrorOr<Lead> operand(const char* op, const char* name, ffi::AnyBuff
   return l;
 }
 
+// Where the output's leading dims (vmap's batch dims) go: with `fold`, every item in one
+// layer call whose mini-batch is items x N (call(items.count, 0)); else one call per item,
+// call(1, i). Operand offsets of item 0 are 0, so the one call reads every item in place.
+template <class Call>
+void per_item(const Items& items, bool fold, Call&& call) {
+  if (fold) return call(items.count, int64_t(0));
+  for (int64_t i = 0; i < items.count; ++i) call(int64_t(1), i);
+}
+
 // The activation an `act` attribute names, or an error naming the op.
 inline ffi::ErrorOr<Activation> activation(const char* op, int32_t code) {
   if (code < 0 || code > int32_t(Activation::tanh))
     return ffi::Unexpected(invalid(std::string(op) + ": unknown activation code " + std::to_string(code)));
   return Activation(code);
+}
+
+inline int64_t elements(ffi::AnyBuffer::Dimensions dims) {
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  return count;
+}
+
+// A forward's z output: the saved pre-activation, y's shape, for gelu; empty otherwise.
+inline ffi::Error expect_z(const char* op, Activation act, ffi::AnyBuffer::Dimensions y,
+                           ffi::AnyBuffer::Dimensions z) {
+  if (act != Activation::gelu)
+    return elements(z) == 0 ? ffi::Error::Success()
+                            : invalid(std::string(op) + ": z must be empty unless the activation is gelu");
+  if (z.size() == y.size() && std::equal(y.begin(), y.end(), z.begin())) return ffi::Error::Success();
+  return invalid(std::string(op) + ": z (the saved pre-activation) must have y's shape " + dims_str(y));
+}
+
+// An update's db: dw's leading dims (all but its last `w_inner`) and K, or empty.
+inline ffi::Error expect_db(const char* op, ffi::AnyBuffer::Dimensions db, ffi::AnyBuffer::Dimensions dw,
+                            size_t w_inner, int64_t k) {
+  if (elements(db) == 0 || (db.size() == dw.size() - w_inner + 1 && db[db.size() - 1] == k &&
+                            std::equal(dw.begin(), dw.end() - w_inner, db.begin())))
+    return ffi::Error::Success();
+  return invalid(std::string(op) + ": db " + dims_str(db) + " must be dw's leading dims + (K,), or empty");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -138,10 +227,8 @@ inline char* ptr(ffi::Result<ffi::AnyBuffer>& b, int64_t elems) {
   return static_cast<char*>(b->untyped_data()) + elems * int64_t(ffi::ByteWidth(b->element_type()));
 }
 
-// `var` = the value of an ffi::ErrorOr expression, or return its error.
-#define JB_TRY(var, expr)                              \
-  auto var##_or = (expr);                              \
-  if (!var##_or.has_value()) return var##_or.error(); \
-  const auto& var = var##_or.value()
+// A buffer of the compute dtype as the layers' view of it.
+inline InView view(const ffi::AnyBuffer& b, DType dt) { return {b.untyped_data(), dt}; }
+inline OutView view(ffi::Result<ffi::AnyBuffer>& b, DType dt) { return {b->untyped_data(), dt}; }
 
 }  // namespace jb::ffi_util

@@ -24,15 +24,17 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::dims_str;
-using ffi_util::guarded;
+using ffi_util::expect_dims;
+using ffi_util::expect_dtype;
 using ffi_util::invalid;
+using ffi_util::kernel_dtype;
+using ffi_util::view;
+using F32 = ffi::Buffer<ffi::F32>;
+using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
 
-bool dims_are(ffi::AnyBuffer::Dimensions d, const std::vector<int64_t>& want) {
-  if (d.size() != want.size()) return false;
-  for (size_t i = 0; i < want.size(); ++i)
-    if (d[i] != want[i]) return false;
-  return true;
+// x-like dims: (N, T, features) or time-major (T, N, features).
+std::vector<int64_t> seq_dims(bool time_major, int64_t t, int64_t n, int64_t features) {
+  return time_major ? std::vector<int64_t>{t, n, features} : std::vector<int64_t>{n, t, features};
 }
 
 // The saved gates' dimensions (lstm.h).
@@ -41,141 +43,96 @@ std::vector<int64_t> gate_dims(const lstm::Shape& s) {
   return {d.begin(), d.end()};
 }
 
-std::string shape_str(const std::vector<int64_t>& v) {
-  std::string s = "(";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + (v.size() == 1 ? ",)" : ")");
-}
-
-// An error naming the operand when its shape is not `want`.
-#define JB_SHAPE(op, name, buf_dims, ...)                                                       \
-  do {                                                                                          \
-    const std::vector<int64_t> want_ = __VA_ARGS__;                                             \
-    if (!dims_are(buf_dims, want_))                                                             \
-      return invalid(std::string(op) + ": " + name + " has shape " + dims_str(buf_dims) +       \
-                     ", expected " + shape_str(want_));                                         \
-  } while (0)
-
-#define JB_DTYPE(op, name, buf, want)                                                     \
-  do {                                                                                    \
-    if ((buf).element_type() != (want))                                                   \
-      return invalid(std::string(op) + ": " + name + " has the wrong dtype");             \
-  } while (0)
-
-ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer r,
-                    ffi::AnyBuffer bias, ffi::AnyBuffer c0, ffi::AnyBuffer h0,
-                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> c_last,
-                    ffi::Result<ffi::AnyBuffer> h_last, ffi::Result<ffi::AnyBuffer> gates,
-                    ffi::Result<ffi::AnyBuffer> cs, ffi::Result<ffi::AnyBuffer> xh, bool time_major,
-                    int32_t variant) {
+ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer r, F32 bias, F32 c0,
+                    ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> y, F32Out c_last,
+                    ffi::Result<ffi::AnyBuffer> h_last, ffi::Result<ffi::AnyBuffer> gates, F32Out cs,
+                    ffi::Result<ffi::AnyBuffer> xh, bool time_major, int32_t variant) {
   const char* op = "jb_lstm_fwd";
-  DType dt, w_dt, r_dt;
-  if (!ffi_util::kernel_dtype(x.element_type(), &dt))
-    return invalid("jb_lstm_fwd: x must be float32 or bfloat16");
-  if (!ffi_util::kernel_dtype(w.element_type(), &w_dt) || !ffi_util::kernel_dtype(r.element_type(), &r_dt) ||
-      w_dt != r_dt)
-    return invalid("jb_lstm_fwd: w and r must both be float32 or both bfloat16");
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}, {"r", r.element_type()}}));
   // 0 lets the layer choose, 1 asks for the fused forward: the same, the only one there is.
   if (variant < 0 || variant > 1) return invalid("jb_lstm_fwd: unknown variant " + std::to_string(variant));
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 3 || wd.size() != 2) return invalid("jb_lstm_fwd: x needs rank 3 and w rank 2");
   const int64_t t = time_major ? xd[0] : xd[1], n = time_major ? xd[1] : xd[0], c = xd[2];
-  if (wd[1] % 4) return invalid("jb_lstm_fwd: w " + dims_str(wd) + " must have 4K columns");
+  if (wd[1] % 4) return invalid("jb_lstm_fwd: w " + ffi_util::dims_str(wd) + " must have 4K columns");
   const int64_t k = wd[1] / 4, g = 4 * k;
-  JB_SHAPE(op, "w", wd, {c, g});
-  JB_SHAPE(op, "r", r.dimensions(), {k, g});
-  JB_SHAPE(op, "bias", bias.dimensions(), {g});
-  JB_SHAPE(op, "c0", c0.dimensions(), {n, k});
-  JB_SHAPE(op, "h0", h0.dimensions(), {n, k});
-  JB_SHAPE(op, "y", y->dimensions(), time_major ? std::vector<int64_t>{t, n, k} : std::vector<int64_t>{n, t, k});
-  JB_SHAPE(op, "c_last", c_last->dimensions(), {n, k});
-  JB_SHAPE(op, "h_last", h_last->dimensions(), {n, k});
+  JB_CHECK(expect_dims(op, "w", wd, {c, g}));
+  JB_CHECK(expect_dims(op, "r", r.dimensions(), {k, g}));
+  JB_CHECK(expect_dims(op, "bias", bias.dimensions(), {g}));
+  JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "h0", h0.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "y", y->dimensions(), seq_dims(time_major, t, n, k)));
+  JB_CHECK(expect_dims(op, "c_last", c_last->dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "h_last", h_last->dimensions(), {n, k}));
   const bool save = gates->element_count() != 0 || cs->element_count() != 0 || xh->element_count() != 0;
   const lstm::Shape s{t, n, c, k, dt, time_major};
   if (save) {
-    JB_SHAPE(op, "gates", gates->dimensions(), gate_dims(s));
-    JB_SHAPE(op, "cs", cs->dimensions(), {t, n, k});
-    const int64_t width = lstm::saved_width(s, dispatch());
-    JB_SHAPE(op, "xh", xh->dimensions(), time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
+    JB_CHECK(expect_dims(op, "gates", gates->dimensions(), gate_dims(s)));
+    JB_CHECK(expect_dims(op, "cs", cs->dimensions(), {t, n, k}));
+    JB_CHECK(expect_dims(op, "xh", xh->dimensions(), seq_dims(time_major, t, n, lstm::saved_width(s, dispatch()))));
   }
-  JB_DTYPE(op, "bias", bias, ffi::DataType::F32);
-  JB_DTYPE(op, "c0", c0, ffi::DataType::F32);
-  JB_DTYPE(op, "h0", h0, x.element_type());
-  JB_DTYPE(op, "y", *y, x.element_type());
-  JB_DTYPE(op, "c_last", *c_last, ffi::DataType::F32);
-  JB_DTYPE(op, "h_last", *h_last, x.element_type());
-  JB_DTYPE(op, "gates", *gates, x.element_type());
-  JB_DTYPE(op, "cs", *cs, ffi::DataType::F32);
-  JB_DTYPE(op, "xh", *xh, x.element_type());
+  JB_CHECK(expect_dtype(op, x.element_type(),
+                        {{"h0", h0.element_type()}, {"y", y->element_type()}, {"h_last", h_last->element_type()},
+                         {"gates", gates->element_type()}, {"xh", xh->element_type()}}));
   if (n == 0 || k == 0) return ffi::Error::Success();
   if (c == 0 && t > 0) return invalid("jb_lstm_fwd: x has no features (C = 0)");
 
-  const Executor ex = ffi_util::executor(pool);
   lstm::ForwardArgs a;
-  a.x = {x.untyped_data(), dt};
-  a.w = {w.untyped_data(), w_dt};
-  a.r = {r.untyped_data(), w_dt};
-  a.bias = static_cast<const float*>(bias.untyped_data());
-  a.c0 = static_cast<const float*>(c0.untyped_data());
-  a.h0 = {h0.untyped_data(), dt};
-  a.y = {y->untyped_data(), dt};
-  a.c_last = static_cast<float*>(c_last->untyped_data());
-  a.h_last = {h_last->untyped_data(), dt};
-  if (save) a.saved = {{gates->untyped_data(), dt}, static_cast<float*>(cs->untyped_data()), {xh->untyped_data(), dt}};
-  return guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
+  a.x = view(x, dt);
+  a.w = view(w, w_dt);
+  a.r = view(r, w_dt);
+  a.bias = bias.typed_data();
+  a.c0 = c0.typed_data();
+  a.h0 = view(h0, dt);
+  a.y = view(y, dt);
+  a.c_last = c_last->typed_data();
+  a.h_last = view(h_last, dt);
+  if (save) a.saved = {view(gates, dt), cs->typed_data(), view(xh, dt)};
+  const Executor ex = ffi_util::executor(pool);
+  return ffi_util::guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
 }
 
-ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, ffi::AnyBuffer cs,
-                     ffi::AnyBuffer c0, ffi::AnyBuffer dy, ffi::AnyBuffer dc_last, ffi::AnyBuffer dh_last,
-                     ffi::Result<ffi::AnyBuffer> da, ffi::Result<ffi::AnyBuffer> db,
-                     ffi::Result<ffi::AnyBuffer> dc0, ffi::Result<ffi::AnyBuffer> dh0, bool time_major) {
+ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, F32 cs, F32 c0,
+                     ffi::AnyBuffer dy, F32 dc_last, ffi::AnyBuffer dh_last, ffi::Result<ffi::AnyBuffer> da,
+                     F32Out db, F32Out dc0, ffi::Result<ffi::AnyBuffer> dh0, bool time_major) {
   const char* op = "jb_lstm_bptt";
-  DType dt, w_dt;
-  if (!ffi_util::kernel_dtype(dy.element_type(), &dt))
-    return invalid("jb_lstm_bptt: dy must be float32 or bfloat16");
-  if (!ffi_util::kernel_dtype(r.element_type(), &w_dt))
-    return invalid("jb_lstm_bptt: r must be float32 or bfloat16");
+  JB_TRY(dt, kernel_dtype(op, {{"dy", dy.element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"r", r.element_type()}}));
   const auto rd = r.dimensions(), yd = dy.dimensions();
   if (rd.size() != 2 || yd.size() != 3) return invalid("jb_lstm_bptt: r needs rank 2 and dy rank 3");
   const int64_t k = rd[0], g = 4 * k;
   const int64_t t = time_major ? yd[0] : yd[1], n = time_major ? yd[1] : yd[0];
-  JB_SHAPE(op, "r", rd, {k, g});
-  JB_SHAPE(op, "dy", yd, time_major ? std::vector<int64_t>{t, n, k} : std::vector<int64_t>{n, t, k});
+  JB_CHECK(expect_dims(op, "r", rd, {k, g}));
+  JB_CHECK(expect_dims(op, "dy", yd, seq_dims(time_major, t, n, k)));
   const lstm::Shape s{t, n, 0, k, dt, time_major};
-  JB_SHAPE(op, "gates", gates.dimensions(), gate_dims(s));
-  JB_SHAPE(op, "cs", cs.dimensions(), {t, n, k});
-  JB_SHAPE(op, "c0", c0.dimensions(), {n, k});
-  JB_SHAPE(op, "dc_last", dc_last.dimensions(), {n, k});
-  JB_SHAPE(op, "dh_last", dh_last.dimensions(), {n, k});
-  const int64_t width = lstm::da_width(s);
-  JB_SHAPE(op, "da", da->dimensions(),
-           time_major ? std::vector<int64_t>{t, n, width} : std::vector<int64_t>{n, t, width});
-  JB_SHAPE(op, "db", db->dimensions(), {g});
-  JB_SHAPE(op, "dc0", dc0->dimensions(), {n, k});
-  JB_SHAPE(op, "dh0", dh0->dimensions(), {n, k});
-  JB_DTYPE(op, "gates", gates, dy.element_type());
-  JB_DTYPE(op, "cs", cs, ffi::DataType::F32);
-  JB_DTYPE(op, "c0", c0, ffi::DataType::F32);
-  JB_DTYPE(op, "dc_last", dc_last, ffi::DataType::F32);
-  JB_DTYPE(op, "dh_last", dh_last, dy.element_type());
-  JB_DTYPE(op, "da", *da, dy.element_type());
-  JB_DTYPE(op, "db", *db, ffi::DataType::F32);
-  JB_DTYPE(op, "dc0", *dc0, ffi::DataType::F32);
-  JB_DTYPE(op, "dh0", *dh0, dy.element_type());
-  const Executor ex = ffi_util::executor(pool);
+  JB_CHECK(expect_dims(op, "gates", gates.dimensions(), gate_dims(s)));
+  JB_CHECK(expect_dims(op, "cs", cs.dimensions(), {t, n, k}));
+  JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "dc_last", dc_last.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "dh_last", dh_last.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "da", da->dimensions(), seq_dims(time_major, t, n, lstm::da_width(s))));
+  JB_CHECK(expect_dims(op, "db", db->dimensions(), {g}));
+  JB_CHECK(expect_dims(op, "dc0", dc0->dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "dh0", dh0->dimensions(), {n, k}));
+  JB_CHECK(expect_dtype(op, dy.element_type(),
+                        {{"gates", gates.element_type()}, {"dh_last", dh_last.element_type()},
+                         {"da", da->element_type()}, {"dh0", dh0->element_type()}}));
+
   lstm::BpttArgs a;
-  a.r = {r.untyped_data(), w_dt};
-  a.gates = {gates.untyped_data(), dt};
-  a.cs = static_cast<const float*>(cs.untyped_data());
-  a.c0 = static_cast<const float*>(c0.untyped_data());
-  a.dy = {dy.untyped_data(), dt};
-  a.dc_last = static_cast<const float*>(dc_last.untyped_data());
-  a.dh_last = {dh_last.untyped_data(), dt};
-  a.da = {da->untyped_data(), dt};
-  a.db = static_cast<float*>(db->untyped_data());
-  a.dc0 = static_cast<float*>(dc0->untyped_data());
-  a.dh0 = {dh0->untyped_data(), dt};
-  return guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
+  a.r = view(r, w_dt);
+  a.gates = view(gates, dt);
+  a.cs = cs.typed_data();
+  a.c0 = c0.typed_data();
+  a.dy = view(dy, dt);
+  a.dc_last = dc_last.typed_data();
+  a.dh_last = view(dh_last, dt);
+  a.da = view(da, dt);
+  a.db = db->typed_data();
+  a.dc0 = dc0->typed_data();
+  a.dh0 = view(dh0, dt);
+  const Executor ex = ffi_util::executor(pool);
+  return ffi_util::guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
 }
 
 }  // namespace
@@ -186,14 +143,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // r
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Arg<ffi::AnyBuffer>()  // c0
+                                  .Arg<F32>()             // bias
+                                  .Arg<F32>()             // c0
                                   .Arg<ffi::AnyBuffer>()  // h0
                                   .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // c_last
+                                  .Ret<F32>()             // c_last
                                   .Ret<ffi::AnyBuffer>()  // h_last
                                   .Ret<ffi::AnyBuffer>()  // gates
-                                  .Ret<ffi::AnyBuffer>()  // cs
+                                  .Ret<F32>()             // cs
                                   .Ret<ffi::AnyBuffer>()  // xh
                                   .Attr<bool>("time_major")
                                   .Attr<int32_t>("variant"));
@@ -203,14 +160,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // r
                                   .Arg<ffi::AnyBuffer>()  // gates
-                                  .Arg<ffi::AnyBuffer>()  // cs
-                                  .Arg<ffi::AnyBuffer>()  // c0
+                                  .Arg<F32>()             // cs
+                                  .Arg<F32>()             // c0
                                   .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // dc_last
+                                  .Arg<F32>()             // dc_last
                                   .Arg<ffi::AnyBuffer>()  // dh_last
                                   .Ret<ffi::AnyBuffer>()  // da
-                                  .Ret<ffi::AnyBuffer>()  // db
-                                  .Ret<ffi::AnyBuffer>()  // dc0
+                                  .Ret<F32>()             // db
+                                  .Ret<F32>()             // dc0
                                   .Ret<ffi::AnyBuffer>()  // dh0
                                   .Attr<bool>("time_major"));
 
