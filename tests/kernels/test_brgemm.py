@@ -91,7 +91,7 @@ def test_grads_match_jax_grad_of_einsum(dtype, with_c):
     argnums = (0, 1, 2) if with_c else (0, 1)
     got = jax.jit(jax.grad(lambda *x: loss(jb.brgemm, *x), argnums))(a, b, c)
     want = jax.grad(lambda *x: loss(reference, *x), argnums)(a, b, c)
-    for g, r, x in zip(got, want, (a, b, c)):
+    for g, r, x in zip(got, want, (a, b, c)[:len(argnums)], strict=True):
         assert g.shape == x.shape and g.dtype == x.dtype
         np.testing.assert_allclose(g.astype(F32), r.astype(F32), **tol(dtype, 3 * 17))
 
@@ -130,7 +130,7 @@ def test_grad_under_vmap_with_shared_c():
     r = lambda a, b, c: jnp.sum(reference(a, b, c) ** 2)
     got = jax.vmap(jax.grad(f, (0, 1, 2)), in_axes=(0, 0, None))(a, b, c)
     want = jax.vmap(jax.grad(r, (0, 1, 2)), in_axes=(0, 0, None))(a, b, c)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
     # and the grad of a vmapped function sums the shared c's cotangent
     gc = jax.grad(lambda c: jnp.sum(jax.vmap(f, (0, 0, None))(a, b, c)))(c)
@@ -217,7 +217,7 @@ def test_zero_sizes_like_einsum(shape_a, shape_b, c_shape, dtype):
     args = (a, b) if c is None else (a, b, c)
     g = jax.grad(lambda *x: jnp.sum(jb.brgemm(*x) ** 2), tuple(range(len(args))))(*args)
     r = jax.grad(lambda *x: jnp.sum(reference(*x) ** 2), tuple(range(len(args))))(*args)
-    for gi, ri, x in zip(g, r, args):
+    for gi, ri, x in zip(g, r, args, strict=True):
         assert gi.shape == x.shape and gi.dtype == x.dtype
         np.testing.assert_allclose(gi.astype(F32), ri.astype(F32), rtol=1e-5)
 
@@ -242,7 +242,7 @@ def test_grad_of_grad_matches_stock(dtype, with_c):
     got = jax.jit(jax.grad(penalized(jb.brgemm, w), argnums))(a, b, c)
     want = jax.grad(penalized(reference, w), argnums)(a, b, c)
     tols = dict(rtol=5e-2, atol=0.5) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4)
-    for g, r, x in zip(got, want, (a, b, c)):
+    for g, r, x in zip(got, want, (a, b, c)[:len(argnums)], strict=True):
         assert g.shape == x.shape and g.dtype == x.dtype
         np.testing.assert_allclose(g.astype(F32), r.astype(F32), **tols)
 

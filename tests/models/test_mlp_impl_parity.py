@@ -40,7 +40,7 @@ def test_bf16_outputs_and_grads(activation):
 
     g = jax.jit(jax.grad(loss(ours), (0, 1)))(params, x)
     r = jax.jit(jax.grad(loss(ref), (0, 1)))(params, x)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         close(a, b, 8e-2)
 
@@ -73,6 +73,6 @@ def test_sgd_training_steps_track_xla(dtype):
         p_ours, s_ours, l_ours = step_ours(p_ours, s_ours)
         p_ref, s_ref, l_ref = step_ref(p_ref, s_ref)
         close(l_ours, l_ref, tol)
-        for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_ref)):
+        for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_ref), strict=True):
             assert a.dtype == b.dtype == jnp.float32
             close(a, b, tol)

@@ -10,7 +10,7 @@ from jax_brgemm.models import LAYERS, GNMTEncoder, LSTMClassifier
 
 
 def _close(a, b, tol):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
 
 

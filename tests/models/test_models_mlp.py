@@ -57,7 +57,7 @@ def test_brgemm_matches_xla_with_the_same_params(activation):
         return lambda p: jnp.sum(model.apply(p, x) ** 2)
 
     grads = [jax.grad(loss(m))(params) for m in (brgemm, xla)]
-    for g_brgemm, g_xla in zip(*map(jax.tree.leaves, grads)):
+    for g_brgemm, g_xla in zip(*map(jax.tree.leaves, grads), strict=True):
         np.testing.assert_allclose(g_brgemm, g_xla, rtol=1e-3, atol=1e-3)
 
 

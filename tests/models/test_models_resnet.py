@@ -51,7 +51,8 @@ def test_small_image_parity_train_and_eval():
             variables["params"], x)
         eval_logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, x)
         results[name] = (value, logits, state, grads, eval_logits)
-    for a, b in zip(jax.tree_util.tree_leaves(results["brgemm"]), jax.tree_util.tree_leaves(results["xla"])):
+    leaves = {impl: jax.tree_util.tree_leaves(tree) for impl, tree in results.items()}
+    for a, b in zip(leaves["brgemm"], leaves["xla"], strict=True):
         scale = 1 + float(jnp.max(jnp.abs(b)))
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-3 * scale, rtol=2e-3)
 

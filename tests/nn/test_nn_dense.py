@@ -49,7 +49,7 @@ def test_parameters_equal_flax(kw):
     ours = jb.nn.Dense(5, activation="relu", **kw).init(key, x)
     theirs = fnn.Dense(5, **kw).init(key, x)
     assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
-    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)):
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -69,7 +69,7 @@ def test_outputs_and_grads_match_flax(activation, use_bias):
     assert_close(jax.jit(f_ours)(params, x), f_theirs(params, x), 1e-5)
     g = jax.jit(jax.grad(loss(f_ours), (0, 1)))(params, x)
     r = jax.grad(loss(f_theirs), (0, 1))(params, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert_close(a, b, 1e-5)
 
@@ -89,7 +89,7 @@ def test_bf16_compute_fp32_params(activation):
     loss = lambda apply: (lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) ** 2))
     g = jax.jit(jax.grad(loss(layer.apply), (0, 1)))(params, x)
     r = jax.grad(loss(lambda p, x: apply_stock(48, activation, p, x, dtype=jnp.bfloat16)), (0, 1))(params, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert_close(a, b, 5e-2)
 
@@ -272,7 +272,7 @@ def test_same_as_dense_general():
     kw = dict(features=4, bias_init=fnn.initializers.normal())
     y1, p1 = jb.nn.Dense(**kw).init_with_output(jax.random.key(1), x)
     y2, p2 = fnn.DenseGeneral(**kw).init_with_output(jax.random.key(1), x)
-    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_close(y1, y2, 1e-6)
 
@@ -286,13 +286,13 @@ def test_empty_batch_like_flax(shape, dtype):
     x = jnp.zeros(shape)
     params = layer.init(jax.random.key(0), x)
     want_params = stock_layer.init(jax.random.key(0), x)
-    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want_params)):
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want_params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     y = jax.jit(layer.apply)(params, x)
     want = stock_layer.apply(params, x)
     assert y.shape == want.shape == shape[:-1] + (5,) and y.dtype == want.dtype
     g = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32)))(params)
-    for leaf, p in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(params)):
+    for leaf, p in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(params), strict=True):
         assert leaf.shape == p.shape and leaf.dtype == p.dtype and not np.any(np.asarray(leaf))
 
 
@@ -312,5 +312,5 @@ def test_gradient_penalty_matches_flax(activation):
 
     g = jax.jit(jax.grad(penalized(ours)))(params)
     r = jax.grad(penalized(theirs))(params)
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(r), strict=True):
         assert_close(a, b, 5e-5)

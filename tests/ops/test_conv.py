@@ -3,6 +3,8 @@ gradients (jax.grad of the stock layer with the same parameters) over kernel siz
 every padding form, odd sizes, small and odd channel counts, bias, activations, bf16,
 batch dims, vmap, jit, empty batches and bad input."""
 
+import re
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,8 @@ def check_layer(shape, features, kernel_size, activation=None, dtype=None, tol=2
         return
     g = jax.jit(jax.grad(lambda p, x: loss(jb_apply, p, x), argnums=(0, 1)))(params, x)
     g_ref = jax.jit(jax.grad(lambda p, x: loss(ref_apply, p, x), argnums=(0, 1)))(params, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref),
+                    strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         s = 1 + float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * s, rtol=tol)
@@ -91,7 +94,7 @@ def test_no_bias_and_param_tree():
         a = jb.nn.Conv(4, (3, 3), **kw).init(jax.random.key(0), x)
         b = fnn.Conv(4, (3, 3), **kw).init(jax.random.key(0), x)
         assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
             assert u.dtype == v.dtype
             np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
     check_layer((2, 7, 7, 3), 8, (3, 3), use_bias=False, activation="relu")
@@ -190,11 +193,30 @@ def test_bad_input():
         jb.nn.Conv(3, (3, 3)).init(jax.random.key(0), jnp.ones((5, 3)))
 
 
-def test_stock_fallback():
-    # What the kernels do not run computes as flax.linen.Conv does, with the same params.
-    check_layer((1, 9, 9, 6), 4, (3, 3), kernel_dilation=2)
-    check_layer((1, 9, 9, 6), 6, (3, 3), feature_group_count=3, activation="relu")
-    check_layer((1, 5, 5, 4, 2), 3, (3, 3, 3))  # 3-D
+def kernel_calls(apply, *args):
+    """The jax_brgemm custom calls in the lowered program of ``apply(*args)``."""
+    return re.findall(r"custom_call @(jb_\w+)", jax.jit(apply).lower(*args).as_text())
+
+
+@pytest.mark.parametrize("shape,features,kernel_size,kw,reason", [
+    ((1, 9, 9, 6), 4, (3, 3), dict(kernel_dilation=2), "kernel dilation"),
+    ((1, 9, 9, 6), 6, (3, 3), dict(feature_group_count=3, activation="relu"), "feature groups"),
+    ((1, 5, 5, 4, 2), 3, (3, 3, 3), {}, "3-D convolution"),
+])
+def test_stock_fallback(shape, features, kernel_size, kw, reason):
+    """What the kernels do not run computes as flax.linen.Conv does, with the same params,
+    and without a single kernel call."""
+    check_layer(shape, features, kernel_size, **kw)
+    x = jnp.ones(shape)
+    layer = jb.nn.Conv(features, kernel_size, **kw)
+    params = layer.init(jax.random.key(0), x)
+    assert kernel_calls(layer.apply, params, x) == []
+    assert jb.nn.conv_on_kernels(layer, x, params["params"]["kernel"], params["params"]["bias"]) == (
+        None, reason)
+    if len(kernel_size) == 2 and kw.get("feature_group_count", 1) == 1:
+        # the same layer without what it falls back for runs on the kernels: the check can fail
+        supported = jb.nn.Conv(features, kernel_size)
+        assert kernel_calls(supported.apply, params, x) == ["jb_conv_fwd"]
 
 
 @pytest.mark.parametrize("padding", [((-1, 1), (0, 0)), ((2, -3), (-1, -2)), -1])
@@ -205,7 +227,8 @@ def test_negative_padding_crops(padding):
     pads = [padding] * 2 if isinstance(padding, int) else padding
     pads = [(p, p) if isinstance(p, int) else p for p in pads]
     x = jax.random.normal(jax.random.key(0), (2, 9, 10, 3))
-    window = (slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0)) for n, (lo, hi) in zip((9, 10), pads))
+    window = (slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0))
+                                    for n, (lo, hi) in zip((9, 10), pads, strict=True))
     layer = jb.nn.Conv(4, (3, 3), padding=padding)
     ref = fnn.Conv(4, (3, 3), padding=tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads))
     params = layer.init(jax.random.key(1), x)
@@ -213,7 +236,7 @@ def test_negative_padding_crops(padding):
     np.testing.assert_allclose(jax.jit(layer.apply)(params, x), ref.apply(params, x[window]), atol=2e-5, rtol=2e-5)
     g = jax.grad(lambda p, x: jnp.sum(jnp.tanh(layer.apply(p, x))), argnums=(0, 1))(params, x)
     g_ref = jax.grad(lambda p, x: jnp.sum(jnp.tanh(ref.apply(p, x[window]))), argnums=(0, 1))(params, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
@@ -254,5 +277,5 @@ def test_grad_of_grad(activation, strides, padding):
 
     want = outer(stock_conv)(x, w, b)
     got = jax.jit(outer(fast_conv))(x, w, b)
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-4)

@@ -66,7 +66,7 @@ def check(shape_x, c, k, act, use_bias, dtype, tol):
     want, r = value_and_grads(lambda x, w, b: reference(x, w, b, act), argnums)(x, kernel, b)
     assert y.dtype == dtype and y.shape == shape_x + (k,)
     assert_close(y, want, tol)
-    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+    for gi, ri, arg in zip(g, r, (x, kernel, bias)[:len(argnums)], strict=True):
         assert gi.dtype == arg.dtype and gi.shape == arg.shape
         assert_close(gi, ri, tol)
 
@@ -120,7 +120,7 @@ def test_bf16_compute_with_fp32_params():
     g = jax.jit(jax.grad(loss(f), (0, 1, 2)))(xb, kernel, bias)
     assert [a.dtype for a in g] == [jnp.bfloat16, jnp.float32, jnp.float32]
     r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "tanh", jnp.bfloat16)), (0, 1, 2))(xb, kernel, bias)
-    for gi, ri in zip(g, r):
+    for gi, ri in zip(g, r, strict=True):
         assert_close(gi, ri, 3e-2)
     # mixed dtypes without dtype= promote like jnp: bf16 x with an fp32 kernel computes in fp32
     assert jb.dense(xb, kernel, bias).dtype == jnp.float32
@@ -134,7 +134,7 @@ def test_vmap_folds_leading_batch():
     g = jax.grad(lambda w, b: jnp.sum(jax.vmap(lambda xi: jb.dense(xi, w, b, activation="tanh"))(x) ** 2),
                  (0, 1))(kernel, bias)
     r = jax.grad(lambda w, b: jnp.sum(reference(x, w, b, "tanh") ** 2), (0, 1))(kernel, bias)
-    for gi, ri in zip(g, r):
+    for gi, ri in zip(g, r, strict=True):
         assert_close(gi, ri, 2e-5)
 
 
@@ -265,7 +265,7 @@ def test_zero_sizes_compute_what_xla_computes(shape_x, c, k, dtype):
     assert_close(y, want, 1e-2)
     g = jax.grad(loss(f), (0, 1, 2))(x, kernel, bias)
     r = jax.grad(loss(lambda x, w, b: reference(x, w, b, "sigmoid")), (0, 1, 2))(x, kernel, bias)
-    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+    for gi, ri, arg in zip(g, r, (x, kernel, bias), strict=True):
         assert gi.shape == arg.shape and gi.dtype == arg.dtype
         assert_close(gi, ri, 1e-2)
     # and under grad of grad
@@ -291,7 +291,7 @@ def check_second_order(shape_x, c, k, act, use_bias, dtype, tol, seed=0):
     theirs = gradient_penalty(lambda x, w, b: reference(x, w, b, act))
     g = jax.jit(jax.grad(ours, argnums))(x, kernel, b)
     r = jax.grad(theirs, argnums)(x, kernel, b)
-    for gi, ri, arg in zip(g, r, (x, kernel, bias)):
+    for gi, ri, arg in zip(g, r, (x, kernel, bias)[:len(argnums)], strict=True):
         assert gi.dtype == arg.dtype and gi.shape == arg.shape
         assert_close(gi, ri, tol)
 
@@ -323,7 +323,7 @@ def test_grad_of_grad_with_mixed_precision():
     r = gradient_penalty(lambda x, w, b: reference(x, w, b, "tanh", jnp.bfloat16))
     g = jax.grad(f, (0, 1, 2))(xb, kernel, bias)
     assert [a.dtype for a in g] == [jnp.bfloat16, jnp.float32, jnp.float32]
-    for gi, ri in zip(g, jax.grad(r, (0, 1, 2))(xb, kernel, bias)):
+    for gi, ri in zip(g, jax.grad(r, (0, 1, 2))(xb, kernel, bias), strict=True):
         assert_close(gi, ri, 6e-2)
 
 

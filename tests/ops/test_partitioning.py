@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent('''
     v, g = f(params, x, a)
     v2, g2 = jax.value_and_grad(ref, argnums=(0, 1, 2))(params, x, a)
     out["rel_err"] = max(float(jnp.max(jnp.abs(p - q)) / jnp.max(jnp.abs(q)))
-                         for p, q in zip(jax.tree.leaves((v, g)), jax.tree.leaves((v2, g2))))
+                         for p, q in zip(jax.tree.leaves((v, g)), jax.tree.leaves((v2, g2)), strict=True))
     out["dx_sharding"] = str(g[1].sharding.spec)
     print("RESULT " + json.dumps(out))
 ''')
