@@ -22,6 +22,7 @@ from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from jax import lax
 
 from jax_brgemm import _validate as check
+from jax_brgemm.nnx import _intercept
 from jax_brgemm.nnx.linear import _positive_int
 from jax_brgemm.ops.lstm import lstm
 
@@ -125,7 +126,8 @@ def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
     stock = dict(seq_lengths=seq_lengths, **opts)
 
     def fallback(why):
-        return stock_call(inputs, initial_carry=initial_carry, rngs=rngs, **stock), why
+        with _intercept.stock_scan(f"RNN over {type(rnn.cell).__name__}", why):
+            return stock_call(inputs, initial_carry=initial_carry, rngs=rngs, **stock), why
 
     params = lstm_params(rnn.cell)
     why = params if isinstance(params, str) else _scan_reproducible(rnn)

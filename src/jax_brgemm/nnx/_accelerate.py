@@ -1,0 +1,70 @@
+"""``accelerate()``'s rules for stock ``flax.nnx`` layers.
+
+Each rule takes ``(module, next_call, args, kwargs)``, the intercepted call of a stock
+module, and returns ``(result, why not)``: the result on the kernels with ``why == ""``, or
+``next_call(*args, **kwargs)``'s (the stock computation) with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flax.nnx.nn import linear as stock_linear
+from flax.nnx.nn import recurrent as stock_recurrent
+
+from jax_brgemm.nnx import _adapt, _intercept
+from jax_brgemm.nnx.recurrent import rnn_call
+
+_RNN_KWARGS = {"initial_carry", "seq_lengths", "return_carry", "time_major", "reverse",
+               "keep_order", "rngs"}
+
+
+def _one_input(module, args, kwargs, allowed=("out_sharding",)):
+    """Why a Linear / Conv call is not one the kernels take ("" when it is)."""
+    if len(args) != 1 or set(kwargs) - set(allowed):
+        return "unexpected arguments"
+    if kwargs.get("out_sharding") is not None:
+        return "out_sharding"
+    shape = getattr(args[0], "shape", None)
+    if shape is None or len(shape) < 1 or shape[-1] != module.in_features:
+        return "inputs do not match in_features"
+    return ""
+
+
+def linear(module, next_call, args, kwargs):
+    why = _one_input(module, args, kwargs)
+    y = None
+    if not why:
+        y, why = _adapt.linear(module, args[0], None)
+    return (y, "") if y is not None else (next_call(*args, **kwargs), why)
+
+
+def conv(module, next_call, args, kwargs):
+    why = _one_input(module, args, kwargs)
+    if not why and len(args[0].shape) < len(module.kernel_size) + 1:
+        why = "inputs without spatial dims"
+    y = None
+    if not why:
+        try:
+            y, why = _adapt.conv(module, args[0], None)
+        except ValueError as e:  # e.g. a padding the stock layer rejects: it says so itself
+            y, why = None, str(e)
+    return (y, "") if y is not None else (next_call(*args, **kwargs), why)
+
+
+def rnn(module, next_call, args, kwargs):
+    if len(args) != 1 or set(kwargs) - _RNN_KWARGS:
+        return next_call(*args, **kwargs), "unexpected arguments"
+    return rnn_call(module, next_call, args[0], **kwargs)
+
+
+#: The stock classes whose calls run on the kernels (exactly these classes: a subclass may
+#: compute something else), and their rules.
+RULES: dict[type, Callable[..., Any]] = {
+    stock_linear.Linear: linear,
+    stock_linear.Conv: conv,
+    stock_recurrent.RNN: rnn,
+}
+
+intercept_calls = _intercept.intercept_calls
+enclosing_stock_scan = _intercept.enclosing_stock_scan
