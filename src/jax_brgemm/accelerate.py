@@ -2,8 +2,9 @@
 
 Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv`` and LSTM ``flax.linen.RNN``
 call that the kernels support computes with ``jax_brgemm.nn``'s layers on exactly the
-parameters the stock module created; everything else runs the stock module unchanged. Parameter creation (``init``) always runs the stock code, so the
-parameter trees, and checkpoints, are the stock ones by construction::
+parameters the stock module created; everything else runs the stock module unchanged.
+Parameter creation (``init``) always runs the stock code, so the parameter trees, and
+checkpoints, are the stock ones by construction::
 
     model = MyFlaxModel()                      # written against flax.linen only
     params = model.init(key, x)                # the same tree inside the context or not

@@ -125,6 +125,6 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
     kernel, kernel_trace, b, mb = jax.ffi.ffi_call(
         "jb_fc_upd_sgd", outs, input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})(
         x, dz, kernel, kernel_trace, b, mb, jnp.asarray(lr, jnp.float32),
-        empty if after is None else after, momentum=np.float32(momentum), weight_decay=np.float32(weight_decay),
-        nesterov=bool(nesterov))
+        empty if after is None else after, momentum=np.float32(momentum),
+        weight_decay=np.float32(weight_decay), nesterov=bool(nesterov))
     return kernel, kernel_trace, (None if bias is None else b), (None if bias is None else mb)
