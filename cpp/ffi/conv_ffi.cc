@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "ffi/ffi_common.h"
-#include "layers/conv.h"
+#include "layers/conv/conv.h"
 
 namespace jb {
 namespace {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "ffi/ffi_common.h"
-#include "layers/fc.h"
+#include "layers/fc/fc.h"
 
 namespace jb {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "check.h"
 #include "fixtures.h"
-#include "layers/conv.h"
+#include "layers/conv/conv.h"
 
 namespace {
 

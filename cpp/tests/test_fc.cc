@@ -13,7 +13,7 @@
 
 #include "check.h"
 #include "fixtures.h"
-#include "layers/fc.h"
+#include "layers/fc/fc.h"
 #include <stdexcept>
 
 namespace {

@@ -14,7 +14,7 @@
 
 #include "check.h"
 #include "fixtures.h"
-#include "layers/fc.h"
+#include "layers/fc/fc.h"
 #include "layers/lstm/lstm.h"
 
 namespace {

@@ -1,0 +1,181 @@
+// The skeleton the convolution's forward and backward by data share (the paper's Algorithm
+// 4): a work item re-blocks one weight panel (a block of output channels, every (R, S,
+// C-block)) into L2 and computes its group of output blocks with it. An output block is
+// consecutive pixels of one output row x a block of channels: one BRGEMM call whose batch
+// walks the valid (r, s, C-block) triples with static offsets, so the output tile stays in
+// registers across the whole reduction. The backward by data is the dual convolution: the
+// same skeleton with the roles of input and output swapped and the weights transposed, one
+// stride phase of output columns at a time.
+//
+// Padding is never materialized when the borders are cheap: a row near the top or bottom
+// border simply has a shorter batch (only its valid r), and the pixels near the left or
+// right border form their own short blocks with their valid s. Only when those border
+// blocks would be a large part of a row (small images) is the input copied once with zero
+// columns around it, so that every pixel of a row shares one block (the copy also widens
+// bf16 to fp32 where the multiply path is fp32). A 1x1 convolution with unit stride and no
+// padding collapses N, H and W into one pixel row.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "layers/common/operand.h"
+#include "layers/common/reblock.h"
+#include "layers/common/scratch.h"
+#include "layers/common/view.h"
+#include "layers/common/work.h"
+#include "layers/conv/conv.h"
+
+namespace jb::conv {
+
+// ---------------------------------------------------------------------------------------
+// One spatial axis of a direct-convolution pass. Output index o reads input index i with
+// weight tap t:
+//   forward  i = o * stride - pad + t
+//   dual     i = (o + pad - t) / stride, where it divides (the backward by data)
+// A tap is valid where lo <= i < hi: [0, in) in place; a copy with zero columns widens it.
+
+using Taps = std::vector<std::pair<int64_t, int64_t>>;  // (tap, input index)
+
+struct Axis {
+  int64_t in = 0, out = 0, taps = 0, stride = 1, pad = 0;
+  bool dual = false;
+  int64_t lo = 0, hi = 0;
+
+  Taps of(int64_t o) const {
+    Taps v;
+    for (int64_t t = 0; t < taps; ++t) {
+      int64_t i;
+      if (dual) {
+        const int64_t u = o + pad - t;
+        if (u % stride) continue;
+        i = u / stride;
+      } else {
+        i = o * stride - pad + t;
+      }
+      if (i >= lo && i < hi) v.push_back({t, i});
+    }
+    return v;
+  }
+  // A block of pixels steps over output indices by out_step (the dual pass takes one
+  // stride phase at a time) and over input indices by in_step.
+  int64_t out_step() const { return dual ? stride : 1; }
+  int64_t in_step() const { return dual ? 1 : stride; }
+  // Zero columns a copy needs before / after the input so that no tap is clipped.
+  std::pair<int64_t, int64_t> full_pads() const {
+    Axis a = *this;
+    a.lo = std::numeric_limits<int64_t>::min() / 4;
+    a.hi = std::numeric_limits<int64_t>::max() / 4;
+    int64_t mn = 0, mx = in - 1;
+    for (int64_t o = 0; o < out; ++o)
+      for (auto [t, i] : a.of(o)) mn = std::min(mn, i), mx = std::max(mx, i);
+    return {-mn, mx - (in - 1)};
+  }
+};
+
+// A block of output pixels of one row: tap class, first output column, the input column
+// of its first tap, pixel count.
+struct PixelBlock {
+  int64_t cls, o, i, m;
+};
+
+// ---------------------------------------------------------------------------------------
+// The skeleton of the forward and the backward by data: an output [n][hout][wout][co]
+// computed from an input [n][hin][win][ci] and weights re-blocked into panels of bo output
+// channels, [Ob][Ib][R][S][bi][bo] (the forward's [Kb][Cb][R][S][bc][bk]).
+
+struct Dims {
+  int64_t n, ci, co;
+  Axis h, w;  // h.in, h.out: input and output rows; w likewise for columns
+  DType dt;   // dtype of input and output
+  bool bias;
+  Activation act;  // in the epilogue (gelu: none, applied after)
+};
+
+struct DirectPlan {
+  DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads);
+
+  // Runs the pass: each item packs its panel with pack(o0, cols, c, r, s, dst) (one block
+  // per reduced block c and tap (r, s)), then for every output block calls
+  // tile(out_offset, pixels, cols, multiply), where multiply(out, bias) is its BRGEMM call.
+  template <class Pack, class Tile>
+  void run(const Executor& ex, const void* in_src, DType in_dt, Pack&& pack, Tile&& tile) const {
+    const size_t lease = panel_bytes * size_t(per_item);
+    const auto buf = Scratch::get<2>({copy_bytes, lease * size_t(groups_.concurrency())});
+    const char* in = static_cast<const char*>(in_src);
+    if (copy) {
+      const size_t px = size_t(ci) * ks;
+      parallel_for(ex, n * hin, [&](int64_t row) {
+        char* dst = buf[0] + size_t(row * win) * px;
+        std::memset(dst, 0, size_t(pad_l) * px);
+        reblock::pack(at(in_src, in_dt, row * win_src * ci), in_dt, win_src * ci, false, 1, win_src * ci, 1,
+                      win_src * ci, kd, false, dst + size_t(pad_l) * px, isa);
+        std::memset(dst + size_t(pad_l + win_src) * px, 0, size_t(pad_r) * px);
+      });
+      in = buf[0];
+    }
+    PanelPool panels(buf[1], lease, groups_.concurrency());
+    const int64_t nb = int64_t(blocks.size());
+    parallel_for(ex, groups_.items(), [&](int64_t item) {
+      const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(ob, g0 + per_item);
+      const PanelPool::Lease panel(panels);
+      const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(ks)});
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t c = 0; c < ib; ++c)
+          for (int64_t r = 0; r < rt; ++r)
+            for (int64_t s = 0; s < st; ++s) pack(g * bo, std::min(bo, co - g * bo), c, r, s, pv.at(g - g0, c, r, s));
+      for (int64_t u = groups_.first(item); u < groups_.last(item); ++u) {
+        const int64_t j = u % nb, row = u / nb % hout, img = u / nb / hout;
+        const PixelBlock& b = blocks[j];
+        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ci * int64_t(ks);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t o0 = g * bo, cols = std::min(bo, co - o0);
+          const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
+          tile(((img * hout + row) * wout + b.o) * co + o0, b.m, cols,
+               [&](void* out, const float* bias) { k.static_offsets(a, pv.at(g - g0), out, bias); });
+        }
+      }
+    });
+  }
+
+  const Isa isa;
+  const DType kd;
+  const bool vnni;
+  const size_t ks;
+  const int64_t n, ci, co, hin, hout, wout, rt, st;
+  int64_t bi = 0, bo = 0, ib = 0, ob = 0, blk = 0, panel_elems = 0;
+  bool copy = false;
+  int64_t pad_l = 0, pad_r = 0, win = 0, win_src = 0;
+  std::vector<PixelBlock> blocks;
+  std::vector<int64_t> hcls, hbase;
+  struct Table {
+    std::vector<int64_t> a, b;
+  };
+  std::vector<Table> tables;  // moved with the plan: the kernels' pointers stay valid
+  std::vector<Brgemm> kernels;
+  std::vector<int64_t> kid;
+  int64_t per_item = 1, units = 0;  // channel blocks per work item, output blocks
+  WorkGroups groups_{1, 1, 1};
+  size_t panel_bytes = 0, copy_bytes = 0;
+};
+
+// A 1x1 convolution with unit strides and no padding is one pixel row: N x H x W pixels.
+inline bool pointwise(const Shape& s) {
+  return s.r == 1 && s.s == 1 && s.sh == 1 && s.sw == 1 && !s.pt && !s.pb && !s.pl && !s.pr;
+}
+
+// The cache key of a pass: everything its plan depends on. `extra` is the pass's own (the
+// forward's bias, the update's dw dtype).
+using PlanKey = std::array<int64_t, 22>;
+inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
+  return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, int64_t(s.dt),
+          int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
+          force ? force->rows : -1, force ? force->cols : -1, force ? force->red : -1};
+}
+
+}  // namespace jb::conv

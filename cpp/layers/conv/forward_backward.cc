@@ -1,0 +1,121 @@
+// The convolution's forward and backward by data: the direct skeleton (direct.h) with bias
+// and activation in the forward's epilogue, and the dual convolution for dx.
+#include <string>
+
+#include "layers/common/eltwise.h"
+#include "layers/common/plan_cache.h"
+#include "layers/conv/direct.h"
+
+namespace jb::conv {
+
+namespace {
+
+Dims forward_dims(const Shape& s, bool bias, Activation act) {
+  Dims d;
+  const bool pw = pointwise(s);
+  d.n = pw ? 1 : s.n;
+  d.ci = s.c;
+  d.co = s.k;
+  d.h = Axis{pw ? 1 : s.h, pw ? 1 : s.p(), s.r, s.sh, s.pt, false, 0, pw ? 1 : s.h};
+  d.w = Axis{pw ? s.n * s.h * s.w : s.w, pw ? s.n * s.h * s.w : s.q(), s.s, s.sw, s.pl, false, 0, 0};
+  d.dt = s.dt;
+  d.bias = bias;
+  d.act = act;
+  return d;
+}
+
+Dims backward_dims(const Shape& s) {
+  Dims d;
+  const bool pw = pointwise(s);
+  d.n = pw ? 1 : s.n;
+  d.ci = s.k;
+  d.co = s.c;
+  d.h = Axis{pw ? 1 : s.p(), pw ? 1 : s.h, s.r, s.sh, s.pt, true, 0, pw ? 1 : s.p()};
+  d.w = Axis{pw ? s.n * s.h * s.w : s.q(), pw ? s.n * s.h * s.w : s.w, s.s, s.sw, s.pl, true, 0, 0};
+  d.dt = s.dt;
+  d.bias = false;
+  d.act = Activation::none;
+  return d;
+}
+
+PlanCache<22, DirectPlan> forward_plans, backward_plans;
+
+}  // namespace
+
+void validate(const Shape& s) {
+  auto bad = [](const std::string& what) { throw std::invalid_argument("conv: " + what); };
+  if (s.n < 0) bad("negative batch size");
+  if (s.h < 1 || s.w < 1 || s.c < 1 || s.k < 1 || s.r < 1 || s.s < 1)
+    bad("sizes must be >= 1 (H, W, C, K, R, S)");
+  if (s.sh < 1 || s.sw < 1) bad("strides must be >= 1");
+  if (s.pt < 0 || s.pb < 0 || s.pl < 0 || s.pr < 0) bad("paddings must be >= 0");
+  if (s.h + s.pt + s.pb < s.r || s.w + s.pl + s.pr < s.s) bad("the filter is larger than the padded input");
+}
+
+Saved saved_for(Activation act) {
+  switch (act) {
+    case Activation::none: return Saved::none;
+    case Activation::gelu: return Saved::preactivation;
+    default: return Saved::output;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward: x is the A operand (a block of pixels: lda = stride_w * C), a weight block the
+// B operand, the output tile (ldc = K) the accumulator.
+
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+             DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
+  validate(s);
+  if (s.n == 0) return;
+  const bool gelu = s.act == Activation::gelu;
+  const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
+    return DirectPlan(forward_dims(s, bias != nullptr, gelu ? Activation::none : s.act), dp, force,
+                      ex.num_threads);
+  });
+  const DirectPlan& p = *plan;
+  const size_t es = dtype_size(s.dt);
+  char* out = static_cast<char*>(gelu ? z : y);
+  p.run(
+      ex, x, s.dt,
+      [&](int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + cb * p.bi) * s.k + k0), w_dt, s.k, false, p.bi,
+                      cols, p.bi, p.bo, p.kd, p.vnni, dst, p.isa);
+      },
+      [&](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
+        multiply(out + off * es, bias ? bias + off % s.k : nullptr);
+        if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
+          for (int64_t i = 0; i < pixels; ++i)
+            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off + i * s.k),
+                              static_cast<char*>(y) + (off + i * s.k) * es, cols, p.isa);
+      });
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward by data: the dual convolution. dz is the A operand (consecutive dz pixels of
+// one stride phase: lda = K), the transposed weight block ([Cb][Kb][R][S][bk][bc], VNNI
+// pairs of k) the B operand, and the dx pixels of the phase (ldc = stride_w * C) the
+// accumulator. Output pixels that no tap reaches (strides larger than the filter) get a
+// batch of zero elements: zeros.
+
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force) {
+  validate(s);
+  if (s.n == 0) return;
+  const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, force), [&] {
+    return DirectPlan(backward_dims(s), dp, force, ex.num_threads);
+  });
+  const DirectPlan& p = *plan;
+  const size_t es = dtype_size(s.dt);
+  p.run(
+      ex, dz, s.dt,
+      [&](int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + c0) * s.k + kb * p.bi), w_dt, s.k, true, p.bi,
+                      cols, p.bi, p.bo, p.kd, p.vnni, dst, p.isa);
+      },
+      [&](int64_t off, int64_t, int64_t, auto&& multiply) {
+        multiply(static_cast<char*>(dx) + off * es, nullptr);
+      });
+}
+
+}  // namespace jb::conv

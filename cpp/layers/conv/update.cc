@@ -1,0 +1,207 @@
+// The convolution's weight update: x re-blocked once, transposed (channels x pixels, padded
+// with zeros so every tap reads a whole row); every (C-block, K-block, batch split) item owns
+// its blocks of dw for every (r, s) and reduces over its output rows, chunk by chunk, with
+// the chunk's dz rows staying in L2 across the R x S taps. Splits of the batch (only when
+// the weights alone give too few items) write per-split fp32 partials that a last parallel
+// loop sums: no atomics, no races.
+#include <optional>
+
+#include "layers/common/kernels.h"
+#include "layers/common/plan_cache.h"
+#include "layers/conv/direct.h"
+
+namespace jb::conv {
+
+namespace {
+
+constexpr int64_t kChunkBytes = 192 << 10;  // operand rows reduced at once (L2)
+
+// ---------------------------------------------------------------------------------------
+// The update's plan. The output rows are reduced in (n, p) rows of Q pixels (a pointwise
+// convolution regroups its N x H x W pixels into rows of at most 256). x is transposed into
+// xt [N][Hp][sw][C][Wq]: for every padded input row and column phase, channels x columns,
+// zeros in the padding, so the A operand of tap (r, s) for output row (n, p) is the
+// C-block's rows starting at column s / sw of phase s % sw of padded row p * sh + r, and
+// every batch element reduces over exactly Q pixels. dz is the B operand: read in place
+// (fp32) or re-blocked [Kb][rows][Q][bk] (VNNI pairs of pixels for bf16 multiplies).
+
+struct UpdateView {  // the convolution the update reduces over
+  int64_t n, h, w, p, q;
+};
+
+UpdateView update_view(const Shape& s) {
+  if (!pointwise(s)) return {s.n, s.h, s.w, s.p(), s.q()};
+  const int64_t px = s.n * s.h * s.w;
+  int64_t l = std::min<int64_t>(px, 256);
+  while (px % l) --l;
+  return {1, px / l, l, px / l, l};
+}
+
+struct UpdatePlan {
+  UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
+      : isa(dp.isa), kd(multiply_dtype(s.dt, dp)), vnni(kd == DType::bf16), ks(dtype_size(kd)),
+        v(update_view(s)), c(s.c), k(s.k), rt(s.r), st(s.s),
+        sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
+        pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl) {
+    bm = std::min(c, force && force->rows > 0 ? force->rows : 64);
+    bn = std::min(k, force && force->cols > 0 ? force->cols : 64);
+    cb = ceil_div(c, bm);
+    kb = ceil_div(k, bn);
+    rows = v.n * v.p;
+    hp = (v.p - 1) * sh + rt;
+    wq = ceil_div((v.q - 1) * sw + st, sw);
+    slack = round_up(ceil_div(pl, sw) + 1, 32);
+    bstride = c * wq + slack;
+    packed = s.dt != DType::f32;
+    blk_q = packed ? reblock::block_elems(v.q, bn, vnni) : 0;
+    splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb)));
+    direct = splits == 1 && dw_dt == DType::f32;
+    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * ((v.q - 1) * sw + st) + v.q * bn) * ks));
+    for (int64_t img = 0; img < v.n; ++img)
+      for (int64_t p = 0; p < v.p; ++p) {
+        a_rows.push_back((img * hp + p * sh) * sw * bstride);
+        b_rows.push_back((img * v.p + p) * (packed ? blk_q : v.q * k));
+      }
+    BrgemmDesc d;
+    d.k = v.q;
+    d.lda = wq;
+    d.ldb = packed ? (vnni ? 2 * bn : bn) : k;
+    d.ldc = k;
+    d.ab = kd;
+    d.c = DType::f32;
+    first.emplace(d, c, k, bm, bn, isa);
+    d.accumulate = true;
+    more.emplace(d, c, k, bm, bn, isa);
+    xt_bytes = size_t(v.n * hp * sw * bstride) * ks;
+    dz_bytes = packed ? size_t(kb * rows * blk_q) * ks : 0;
+    part_bytes = direct ? 0 : size_t(splits * rt * st * c * k) * sizeof(float);
+  }
+
+  const Isa isa;
+  const DType kd;
+  const bool vnni;
+  const size_t ks;
+  const UpdateView v;
+  const int64_t c, k, rt, st, sh, sw, pt, pl;
+  int64_t bm = 0, bn = 0, cb = 0, kb = 0, rows = 0, hp = 0, wq = 0, slack = 0, bstride = 0;
+  bool packed = false, direct = false;
+  int64_t blk_q = 0, splits = 1, chunk = 1;
+  std::vector<int64_t> a_rows, b_rows;  // per output row: its xt row, its dz row
+  std::optional<KernelSet> first, more;  // the first chunk of a split, the others
+  size_t xt_bytes = 0, dz_bytes = 0, part_bytes = 0;
+};
+
+PlanCache<22, UpdatePlan> update_plans;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Weight update: see UpdatePlan. Items (K-block, C-block, split) own dw's blocks (or the
+// split's partial), for every (r, s).
+
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force) {
+  validate(s);
+  const int64_t welems = s.r * s.s * s.c * s.k;
+  if (s.n == 0) {  // an empty batch: zero gradients
+    std::memset(dw, 0, size_t(welems) * dtype_size(dw_dt));
+    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
+    return;
+  }
+  const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), ex.num_threads, dp, force), [&] {
+    return UpdatePlan(s, dp, dw_dt, force, ex.num_threads);
+  });
+  const UpdatePlan& p = *plan;
+  const UpdateView& v = p.v;
+  const size_t ks = p.ks;
+  const auto buf = Scratch::get<3>({p.xt_bytes, p.dz_bytes, p.part_bytes});
+
+  // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
+  // 64 columns (summed from dz in place, by the item owning the columns).
+  const View<char, 4> xt(buf[0], {v.n, p.hp, p.sw, p.bstride * int64_t(ks)});
+  const int64_t nxt = v.n * p.hp * p.sw, ndz = p.packed ? p.kb * p.rows : 0;
+  const int64_t pix = v.n * v.p * v.q;
+  constexpr int64_t kDbCols = 64;
+  const int64_t ndb = db ? ceil_div(s.k, kDbCols) : 0;
+  parallel_for(ex, nxt + ndz + ndb, [&](int64_t i) {
+    if (i < nxt) {
+      const int64_t img = i / (p.hp * p.sw), hr = i / p.sw % p.hp, ph = i % p.sw;
+      char* dst = xt.at(img, hr, ph);
+      const int64_t ih = hr - p.pt;
+      const int64_t j_lo = std::max<int64_t>(0, ceil_div(p.pl - ph, p.sw));
+      const int64_t j_hi = std::min(p.wq, ceil_div(v.w + p.pl - ph, p.sw));
+      if (ih < 0 || ih >= v.h || j_hi <= j_lo) {
+        std::memset(dst, 0, size_t(p.c * p.wq) * ks);
+        return;
+      }
+      // Rows of wq columns starting at column j_lo: the zero fill of each row's end runs
+      // into the next row's left padding (and the block's slack after the last row).
+      std::memset(dst, 0, size_t(j_lo) * ks);
+      reblock::pack(at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p.sw + ph - p.pl) * s.c), s.dt,
+                    p.sw * s.c, true, s.c, j_hi - j_lo, s.c, p.wq, p.kd, false, dst + j_lo * ks, p.isa);
+      return;
+    }
+    if (i < nxt + ndz) {
+      const int64_t kb = (i - nxt) / p.rows, row = (i - nxt) % p.rows, k0 = kb * p.bn;
+      reblock::pack(at(dz, s.dt, row * v.q * s.k + k0), s.dt, s.k, false, v.q, std::min(p.bn, s.k - k0),
+                    v.q, p.bn, p.kd, p.vnni, buf[1] + ((kb * p.rows + row) * p.blk_q) * ks, p.isa);
+      return;
+    }
+    with_type(s.dt, [&](auto ts) {
+      using T = decltype(ts);
+      const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
+      const T* src = static_cast<const T*>(dz) + j0;
+      float acc[kDbCols] = {};
+      for (int64_t q = 0; q < pix; ++q)
+        for (int64_t j = 0; j < width; ++j) acc[j] += to_f32(src[q * s.k + j]);
+      std::memcpy(db + j0, acc, size_t(width) * sizeof(float));
+    });
+  });
+
+  // The reduction: item (kb, cb, split) over its rows, chunk by chunk, every tap (r, s).
+  float* part = p.direct ? static_cast<float*>(dw) : reinterpret_cast<float*>(buf[2]);
+  const int64_t per_split = ceil_div(p.rows, p.splits);
+  parallel_for(ex, p.kb * p.cb * p.splits, [&](int64_t i) {
+    const int64_t sp = i % p.splits, cbi = i / p.splits % p.cb, kbi = i / p.splits / p.cb;
+    const int64_t c0 = cbi * p.bm, k0 = kbi * p.bn;
+    const int64_t m = std::min(p.bm, s.c - c0), cols = std::min(p.bn, s.k - k0);
+    const int64_t r0 = sp * per_split, r1 = std::min(p.rows, r0 + per_split);
+    float* out = part + (p.direct ? 0 : sp * welems);
+    const char* b = p.packed ? buf[1] + kbi * p.rows * p.blk_q * int64_t(ks)
+                             : static_cast<const char*>(at(dz, s.dt, k0));
+    if (r0 >= r1) {  // a split without rows (more splits than rows): zero partials
+      for (int64_t t = 0; t < s.r * s.s; ++t)
+        for (int64_t cc = 0; cc < m; ++cc)
+          std::memset(out + (t * s.c + c0 + cc) * s.k + k0, 0, size_t(cols) * sizeof(float));
+      return;
+    }
+    for (int64_t ch = r0; ch < r1; ch += p.chunk) {
+      const int64_t count = std::min(p.chunk, r1 - ch);
+      const Brgemm& kern = (ch == r0 ? *p.first : *p.more)(m, cols);
+      for (int64_t r = 0; r < s.r; ++r)
+        for (int64_t t = 0; t < s.s; ++t) {
+          const char* a = buf[0] + ((r * p.sw + t % p.sw) * p.bstride + c0 * p.wq + t / p.sw) * int64_t(ks);
+          kern.offsets(a, p.a_rows.data() + ch, b, p.b_rows.data() + ch, count,
+                       out + ((r * s.s + t) * s.c + c0) * s.k + k0);
+        }
+    }
+  });
+  if (p.direct) return;
+
+  // Partials of the splits summed into dw.
+  const int64_t chunk = 4096;
+  parallel_for(ex, ceil_div(welems, chunk), [&](int64_t i) {
+    const int64_t a = i * chunk, count = std::min(chunk, welems - a);
+    with_type(dw_dt, [&](auto ts) {
+      using T = decltype(ts);
+      T* dst = static_cast<T*>(dw) + a;
+      for (int64_t e = 0; e < count; ++e) {
+        float acc = part[a + e];
+        for (int64_t sp = 1; sp < p.splits; ++sp) acc += part[sp * welems + a + e];
+        dst[e] = from_f32<T>(acc);
+      }
+    });
+  });
+}
+
+}  // namespace jb::conv

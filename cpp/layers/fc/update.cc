@@ -1,0 +1,316 @@
+// The fully-connected layer's weight update: the transposed input and the blocked gradient
+// are shared by all items, so a first parallel loop re-blocks them; then every (C-block,
+// K-block) item owns its block of dw and reduces over the whole batch in one BRGEMM call. A
+// batch too long for that runs as the forward's panel pass over x^T (long_update). The
+// update with SGD's step fused applies each block of dw while it is in cache.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "layers/common/eltwise.h"
+#include "layers/common/plan_cache.h"
+#include "layers/common/view.h"
+#include "layers/fc/panel.h"
+
+namespace jb::fc {
+
+namespace {
+
+// The block of the batch the update reduces over per BRGEMM batch element. The batch is
+// padded with zeros to whole blocks (both operands are re-blocked), so the block only needs
+// to be even for bf16 VNNI pairs, and a multiple of 32 on AMX tiles (they reduce 32 deep; a
+// remainder goes through the AVX-512 path); up to 256 long: fewer, longer batch elements per
+// register tile (experimentally selected on an Intel Xeon; docs/fc.md).
+int64_t batch_block(const Shape& s, const Dispatch& dp) {
+  return padded_block(s.n, multiply_dtype(s.dt, dp) == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256);
+}
+
+// ---------------------------------------------------------------------------------------
+// The update's plan: x^T blocked [Cb][Nb][bc][bn], dz blocked [Kb][bk / sub][Nb][bn][sub]
+// (VNNI pairs of n for bf16), both zero-padded to whole N-blocks; (C-block, K-block) items
+// of dw, each computed as one BRGEMM per sub-panel (sub_cols). A register tile streams its B
+// contiguously across the whole batch. For a batch whose re-blocked operands outgrow
+// kLargeBytes and dw, see long_update.
+
+struct UpdatePlan {
+  UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
+      : b(fixed(chosen, s, multiply_dtype(s.dt, dp) == DType::bf16)),
+        isa(dp.isa),
+        kd(multiply_dtype(s.dt, dp)),
+        vnni(kd == DType::bf16),
+        ks(dtype_size(kd)),
+        cblk(ceil_div(s.c, b.rows)),
+        kblk(ceil_div(s.k, b.cols)),
+        nblk(ceil_div(s.n, b.red)),
+        blk_a(b.rows * b.red),
+        sub(sub_cols(b.cols, isa, kd)),
+        nsub(ceil_div(b.cols, sub)),
+        blk_sub(reblock::block_elems(b.red, sub, vnni)),
+        long_batch(nblk * b.red * (s.c + s.k) * int64_t(ks) >
+                   std::max(kLargeBytes, s.c * s.k * int64_t(sizeof(float)))),
+        kernels(desc(s, dw_dt, s.k), s.c, s.k, b.rows, sub, dp.isa),
+        tile(desc(s, DType::f32, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
+
+  // The item's block of dw (rows x cols at c), reduced over every N-block: one BRGEMM per
+  // sub-panel, into c's columns (ldc and dtype as `kernels` were built).
+  void run(const KernelSet& kernels, int64_t rows, int64_t cols, const char* a, const char* bb, char* c,
+           size_t cs) const {
+    for (int64_t j = 0; j < cols; j += sub)
+      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * nblk * blk_sub * int64_t(ks), blk_sub,
+                                                     nblk, c + j * int64_t(cs));
+  }
+
+  const Blocking b;
+  const Isa isa;
+  const DType kd;
+  const bool vnni;
+  const size_t ks;
+  const int64_t cblk, kblk, nblk, blk_a;
+  const int64_t sub, nsub, blk_sub;  // sub-panel width, sub-panels per K-block, one's block
+  const bool long_batch;  // re-blocked operands above kLargeBytes and dw: long_update's
+  const KernelSet kernels;  // one block of dw, stored in dw's dtype
+  const KernelSet tile;     // update_sgd's: one block of dw into a b.cols-wide tile
+
+ private:
+  static Blocking fixed(Blocking b, const Shape& s, bool vnni) {
+    b = clamped(b, s.c, s.k);
+    if (b.red <= 0) b.red = s.n;
+    if (vnni) b.red = round_up(b.red, 2);
+    return b;
+  }
+  BrgemmDesc desc(const Shape& s, DType out, int64_t ldc) const {
+    // dw is stored straight from the register tiles, with plain stores: inside a training
+    // step the optimizer reads it next, from cache (non-temporal stores were much slower).
+    BrgemmDesc d;
+    d.k = b.red;
+    d.lda = b.red;
+    d.ldb = vnni ? 2 * sub : sub;
+    d.ldc = ldc;
+    d.ab = kd;
+    d.c = out;
+    return d;
+  }
+};
+
+PlanCache<14, UpdatePlan> update_plans;
+
+// ---------------------------------------------------------------------------------------
+// The update of a long batch (the LSTM's reduces over every step and row): dw = x^T dz as
+// the forward's panel pass, x^T (transposed once into scratch, zero-padded to whole
+// reduction blocks) the activations and dz the weights. Every block of dw is reduced over
+// the whole batch in one BRGEMM call and written once, rather than stored and reloaded once
+// per chunk of the batch.
+
+struct LongUpdatePlan {
+  LongUpdatePlan(const Dispatch& dp, const Shape& s, DType dw_dt, int64_t threads)
+      : red(batch_block(s, dp)),
+        xt{s.c, round_up(s.n, red), s.k, multiply_dtype(s.dt, dp)},
+        ld(padded_ld(xt.c, dtype_size(xt.dt))),
+        plan(dp, xt, blocking(dp, xt, red, threads), s.k, xt.c, ld, false, Activation::none, threads, dw_dt) {}
+
+  const int64_t red;
+  const Shape xt;    // the forward's shape: x^T (C x padded N, the multiply dtype) times dz
+  const int64_t ld;  // of x^T, whose rows are never a multiple of 4 KiB apart
+  const PanelPlan plan;
+
+ private:
+  static Blocking blocking(const Dispatch& dp, const Shape& xt, int64_t red, int64_t threads) {
+    Blocking b = forward_blocking(xt, threads, dp);
+    b.red = red;
+    return b;
+  }
+};
+
+PlanCache<14, LongUpdatePlan> long_update_plans;
+
+// acc[j] += the sum over rows of src[r * ld + j] (db from a piece of dz).
+void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows, int64_t cols, float* acc) {
+  with_type(dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* t = static_cast<const T*>(src);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(t[r * ld + j]);
+  });
+}
+
+// Rows of x^T a transposing item writes.
+constexpr int64_t kTransposeRows = 16;
+
+void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                 void* dw, DType dw_dt, float* db, const PlanKey& key) {
+  const LongUpdatePlan& lp = *long_update_plans.get(key, [&] { return LongUpdatePlan(dp, s, dw_dt, ex.num_threads); });
+  const PanelPlan& p = lp.plan;
+  const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
+  const size_t os = dtype_size(dw_dt);
+  const int64_t ks = int64_t(p.ks);
+  p.run_with(
+      ex, size_t(s.c * lp.ld * ks),
+      [&](char* xt) {
+        parallel_for(ex, ceil_div(s.c, kTransposeRows), [&](int64_t i) {
+          const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
+          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, p.kd, false, xt + c0 * lp.ld * ks,
+                        dp.isa);
+        });
+        return const_cast<const char*>(xt);
+      },
+      [&](int64_t k0, int64_t cols, int64_t r, char* dst) {
+        const int64_t n0 = r * lp.red;
+        reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp.red, s.n - n0), cols, lp.red,
+                      p.b.cols, p.kd, p.vnni, dst, dp.isa);
+      },
+      [&](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
+        multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), nullptr);
+      });
+  if (db)  // a column block of dz per item
+    parallel_for(ex, ceil_div(s.k, kCols), [&](int64_t i) {
+      const int64_t k0 = i * kCols, cols = std::min(kCols, s.k - k0);
+      float sum[kCols] = {};
+      add_column_sums(at(dz, s.dt, k0), s.dt, ldz, s.n, cols, sum);
+      std::copy(sum, sum + cols, db + k0);
+    });
+}
+
+}  // namespace
+
+Blocking update_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
+  Blocking b;
+  b.cols = std::min(s.k, kCols);
+  b.rows = split_rows(s.c, ceil_div(s.k, b.cols), threads);
+  b.red = batch_block(s, dp);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Weight update: dw[c, k] = sum_n x[n, c] dz[n, k], db[k] = sum_n dz[n, k].
+// Items: (C-block, K-block) tiles of dw, each owned by one item, so the reduction over the
+// batch happens inside one BRGEMM call (batch: the N-blocks) and needs no synchronization.
+// A first parallel loop re-blocks the shared operands (x^T and dz, see UpdatePlan); db is
+// summed from dz by the item that owns the K-block while it re-blocks that panel.
+
+namespace {
+
+const UpdatePlan& update_plan(int64_t threads, const Dispatch& dp, const Shape& s, DType dw_dt,
+                              const Blocking* force) {
+  return *update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
+    return UpdatePlan(dp, s, force ? *force : update_blocking(s, threads, dp), dw_dt);
+  });
+}
+
+// Both passes: re-block the operands (and sum db), then call item(i, xt, dzb) for each
+// (C-block, K-block) item of dw, whose BRGEMM reduces over every N-block.
+template <class Item>
+void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
+                   const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
+  const Blocking& b = p.b;
+  const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
+  const View<char, 2> xt(xt_buf, {p.cblk * p.nblk, int64_t(p.blk_a * p.ks)});   // [Cb][Nb] blocks
+  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.nblk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][Nb] blocks
+  parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
+    if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
+      const int64_t cb = i / p.nblk, c0 = cb * b.rows, n0 = i % p.nblk * b.red;
+      reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
+                    std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(i), p.isa);
+      return;
+    }
+    const int64_t kb = i - p.cblk * p.nblk, k0 = kb * b.cols;  // dz column panel kb
+    const int64_t cols = std::min(b.cols, s.k - k0);
+    if (db) std::fill(db + k0, db + k0 + cols, 0.0f);
+    for (int64_t nb = 0; nb < p.nblk; ++nb) {
+      const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
+      const void* src = at(dz, s.dt, n0 * ldz + k0);
+      for (int64_t j = 0; j < cols; j += p.sub)
+        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
+                      p.vnni, dzb.at(kb, j / p.sub * p.nblk + nb), p.isa);
+      if (db) add_column_sums(src, s.dt, ldz, rows, cols, db + k0);
+    }
+  });
+  // C-block major: an x^T panel is reused
+  parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) { item(i, xt.at(i / p.kblk * p.nblk), dzb.at(i % p.kblk)); });
+}
+
+// One row piece of the SGD step (see fc.h), g the gradient of w.
+void sgd_row(const Sgd& o, const float* g, float* w, float* m, int64_t cols, Isa isa) {
+  eltwise::sgd(g, w, m, cols, o.lr, o.momentum, o.weight_decay, o.nesterov, isa);
+}
+
+}  // namespace
+
+bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp) {
+  return s.n > 0 && s.c > 0 && s.k > 0 && update_plan(threads, dp, s, DType::f32, nullptr).long_batch;
+}
+
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force) {
+  if (s.c <= 0 || s.k <= 0) return;
+  if (s.n <= 0) {  // an empty batch: zero gradients
+    std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
+    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
+    return;
+  }
+  const UpdatePlan& p = update_plan(ex.num_threads, dp, s, dw_dt, force);
+  if (p.long_batch && !force)
+    return long_update(ex, dp, s, x, dz, dw, dw_dt, db, key_of(s, int64_t(dw_dt), ex.num_threads, dp, force));
+  const Blocking& b = p.b;
+  const auto buf = Scratch::get<2>(
+      {size_t(p.cblk * p.nblk * p.blk_a) * p.ks, size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks});
+  const size_t os = dtype_size(dw_dt);
+  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
+    const int64_t c0 = i / p.kblk * b.rows, k0 = i % p.kblk * b.cols;
+    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+    p.run(p.kernels, rows, cols, a, bb, static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), os);
+  });
+}
+
+// The fused step: an item's block of dw goes to a leased tile (L1/L2) and is applied from
+// there, so dw never reaches memory; a long batch computes the whole dw first (long_update).
+void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                const Sgd& o, float* w, float* mw, float* b, float* mb) {
+  if (s.c <= 0 || s.k <= 0) return;
+  const Sgd ob{o.lr, o.momentum, 0.0f, o.nesterov};  // the bias takes no weight decay
+  const Isa isa = dp.isa;
+  if (s.n <= 0) {  // an empty batch: zero gradients (never in a training step)
+    const std::vector<float> none(size_t(s.k), 0.0f);  // one row of them
+    for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, isa);
+    if (b) sgd_row(ob, none.data(), b, mb, s.k, isa);
+    return;
+  }
+  const UpdatePlan& p = update_plan(ex.num_threads, dp, s, DType::f32, nullptr);
+  if (p.long_batch) {  // the whole gradient first, in buffers of its own (update takes this
+                       // thread's scratch)
+    const std::unique_ptr<float[]> g(new float[size_t(s.c * s.k)]), gb(b ? new float[size_t(s.k)] : nullptr);
+    update(ex, dp, s, x, dz, g.get(), DType::f32, gb.get());
+    parallel_for(ex, s.c, [&](int64_t c) { sgd_row(o, g.get() + c * s.k, w + c * s.k, mw + c * s.k, s.k, isa); });
+    if (b) sgd_row(ob, gb.get(), b, mb, s.k, isa);
+    return;
+  }
+  const Blocking& bl = p.b;
+  const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
+  const auto buf = Scratch::get<4>({size_t(p.cblk * p.nblk * p.blk_a) * p.ks,
+                                    size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks,
+                                    Scratch::aligned(tile_bytes) * size_t(ex.num_threads),
+                                    b ? size_t(s.k) * sizeof(float) : 0});
+  float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;
+  PanelPool tiles(buf[2], Scratch::aligned(tile_bytes), ex.num_threads);
+  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
+    const int64_t c0 = i / p.kblk * bl.rows, k0 = i % p.kblk * bl.cols;
+    const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
+    // The block's parameters and momenta start on their way from memory now and are in
+    // cache when the BRGEMM is done.
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; j += 16) {
+        __builtin_prefetch(w + (c0 + r) * s.k + k0 + j, 1, 2);
+        __builtin_prefetch(mw + (c0 + r) * s.k + k0 + j, 1, 2);
+      }
+    const PanelPool::Lease tile(tiles);
+    float* t = reinterpret_cast<float*>(tile.data);
+    p.run(p.tile, rows, cols, a, bb, reinterpret_cast<char*>(t), sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t off = (c0 + r) * s.k + k0;
+      sgd_row(o, t + r * bl.cols, w + off, mw + off, cols, isa);
+    }
+  });
+  if (b) sgd_row(ob, db, b, mb, s.k, isa);
+}
+
+}  // namespace jb::fc
