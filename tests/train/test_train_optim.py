@@ -1,5 +1,5 @@
 """Each approved optimizer's optax step equals a direct implementation of the update
-rule written in the README (rules section), over several steps.
+rule written in docs/training.md (approved optimizers), over several steps.
 
 w: a parameter, g: its gradient, lr_t: the schedule's rate at step t (from 1),
 wd: weight decay, applied (like the trust ratios) to kernels only, not to biases.
