@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules, built from optax, keyed by MLPerf log names.
 
 The approved optimizers (``approved=True``; MLPerf's allowed list) follow the update
-rules written in docs/training.md (approved optimizers), and tests/train/test_train_optim.py checks
-each against a direct implementation of its rule over several steps:
+rules written in docs/training.md (approved optimizers), and
+tests/train/test_train_optim.py checks each against a direct implementation of its rule
+over several steps:
 
 - sgd, adam, adamw: optax's own ``sgd`` (after ``add_decayed_weights``), ``adam``,
   ``adamw`` (the rules of torch.optim.SGD, Adam and AdamW);
