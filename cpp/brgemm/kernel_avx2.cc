@@ -15,8 +15,8 @@ struct Avx2 {
   // tile needs two B vectors per NV (even and odd rows), so it stays at 4 x 2.
   static constexpr int mr(int nv, bool bf16) { return nv == 2 ? (bf16 ? 4 : 6) : (bf16 ? 8 : 12); }
 
-  // A masked load (vmaskmovps) is slow next to a plain one: ~15-20 % of a 6 x 2 tile's time
-  // on AMD Zen 3. So tiles whose last vector is whole never mask (tile.h's MASKED).
+  // A masked load (vmaskmovps) is slow next to a plain one (measured on an AMD Zen 3), so
+  // tiles whose last vector is whole never mask (tile.h's MASKED).
   static constexpr bool kMasksTail = true;
 
   template <int MR, int NV, bool MASKED>

@@ -18,8 +18,7 @@ struct Avx512 {
   static constexpr int kRowBase[12] = {0, 0, 0, 1, 0, 1, 2, 1, 0, 3, 2, 1};
   static constexpr int kRowMul[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
 
-  // A masked B load costs an extra uop on the FMA ports of Intel cores (measured: a hot
-  // 12 x 2 fp32 tile 219 -> 228 GFLOP/s without it, the LSTM's weight update 1.03x, Intel
+  // A masked B load costs an extra uop on the FMA ports of Intel cores (measured on an Intel
   // Xeon), so tiles whose last vector is whole never mask (tile.h's MASKED).
   static constexpr bool kMasksTail = true;
 

@@ -13,14 +13,13 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::dims_str;
-using ffi_util::invalid;
+using namespace ffi_util;
 
 ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
                        const ffi::AnyBuffer* c, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "brgemm";
-  JB_TRY(ab, ffi_util::kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
-  JB_TRY(cdt, ffi_util::kernel_dtype(op, {{"the output", out->element_type()}}));
+  JB_TRY(ab, kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
+  JB_TRY(cdt, kernel_dtype(op, {{"the output", out->element_type()}}));
   if (c && c->element_type() != out->element_type())
     return invalid("brgemm: c must have the output's dtype");
 
@@ -32,12 +31,12 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (od[od.size() - 2] != m || od[od.size() - 1] != n)
     return invalid("brgemm: out " + dims_str(od) + " is not (..., M, N) for a " + dims_str(ad) +
                    " and b " + dims_str(bd));
-  const ffi_util::Items items = ffi_util::items_of(od, 2);
-  JB_TRY(la, ffi_util::operand(op, "a", ad, {batch, m, k}, items));
-  JB_TRY(lb, ffi_util::operand(op, "b", bd, {batch, k, n}, items));
-  ffi_util::Lead lc;
+  const Items items = items_of(od, 2);
+  JB_TRY(la, operand(op, "a", ad, {batch, m, k}, items));
+  JB_TRY(lb, operand(op, "b", bd, {batch, k, n}, items));
+  Lead lc;
   if (c) {
-    JB_TRY(l, ffi_util::operand(op, "c", c->dimensions(), {m, n}, items));
+    JB_TRY(l, operand(op, "c", c->dimensions(), {m, n}, items));
     lc = l;
   }
   if (items.count == 0 || m == 0 || n == 0) return ffi::Error::Success();
@@ -59,8 +58,8 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   s.out = cdt;
   s.accumulate = c != nullptr;
   s.b_matrices = int64_t(b.element_count()) / std::max<int64_t>(1, k * n);
-  return ffi_util::guarded(op, [&] {
-    batch_reduce::run(ffi_util::executor(pool), dispatch(), s, a.untyped_data(), b.untyped_data(),
+  return guarded(op, [&] {
+    batch_reduce::run(executor(pool), dispatch(), s, a.untyped_data(), b.untyped_data(),
                       c ? c->untyped_data() : nullptr, out->untyped_data(),
                       {offs.data(), offs.data() + items.count, offs.data() + 2 * items.count});
   });

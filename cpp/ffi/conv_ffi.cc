@@ -22,17 +22,7 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::dims_str;
-using ffi_util::guarded;
-using ffi_util::invalid;
-using ffi_util::Items;
-using ffi_util::items_of;
-using ffi_util::kernel_dtype;
-using ffi_util::operand;
-using ffi_util::per_item;
-using ffi_util::ptr;
-using F32 = ffi::Buffer<ffi::F32>;
-using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
+using namespace ffi_util;
 
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
@@ -62,7 +52,7 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
   const char* op = "jb_conv_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
-  JB_TRY(act, ffi_util::activation(op, act_code));
+  JB_TRY(act, activation(op, act_code));
   JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
   conv::Shape s = s0;
   s.dt = dt;
@@ -77,10 +67,10 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
   (void)ly;
   const bool has_bias = bias.element_count() != 0;
   JB_TRY(lb, operand(op, "bias", bias.dimensions(), {has_bias ? s.k : 0}, items));
-  JB_CHECK(ffi_util::expect_z(op, act, yd, z->dimensions()));
+  JB_CHECK(expect_z(op, act, yd, z->dimensions()));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
 
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   const bool gelu = act == Activation::gelu;
   const int64_t ysize = s.n * s.p() * s.q() * s.k;
   return guarded(op, [&] {
@@ -107,7 +97,7 @@ ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, f
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
   JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.c, s.k}, items));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   const int64_t xsize = s.n * s.h * s.w * s.c;
   return guarded(op, [&] {
     per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
@@ -131,9 +121,9 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
   const Items items = items_of(wd, 4);
   JB_TRY(lx, operand(op, "x", x.dimensions(), {s.n, s.h, s.w, s.c}, items));
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
-  JB_CHECK(ffi_util::expect_db(op, db->dimensions(), wd, 4, s.k));
+  JB_CHECK(expect_db(op, db->dimensions(), wd, 4, s.k));
   if (items.count == 0) return ffi::Error::Success();
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   const bool has_db = db->element_count() != 0;
   const int64_t wsize = s.r * s.s * s.c * s.k;
   return guarded(op, [&] {

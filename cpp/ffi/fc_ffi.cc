@@ -31,18 +31,7 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::activation;
-using ffi_util::dims_str;
-using ffi_util::guarded;
-using ffi_util::invalid;
-using ffi_util::Items;
-using ffi_util::items_of;
-using ffi_util::kernel_dtype;
-using ffi_util::operand;
-using ffi_util::per_item;
-using ffi_util::ptr;
-using F32 = ffi::Buffer<ffi::F32>;
-using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
+using namespace ffi_util;
 
 ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
                   ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
@@ -61,11 +50,11 @@ ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 
   (void)ly;
   const bool has_bias = bias.element_count() != 0;
   JB_TRY(lb, operand(op, "bias", bias.dimensions(), {has_bias ? k : 0}, items));
-  JB_CHECK(ffi_util::expect_z(op, act, yd, z->dimensions()));
+  JB_CHECK(expect_z(op, act, yd, z->dimensions()));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
   if (c == 0) return invalid("jb_fc_fwd: x has no features (C = 0)");
 
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   const bool gelu = act == Activation::gelu;
   return guarded(op, [&] {
     // Weights shared by every item: the items fold into the mini-batch.
@@ -90,7 +79,7 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   JB_TRY(ldy, operand(op, "dy", dy.dimensions(), {n, k}, items));
   JB_TRY(ls, operand(op, "saved", saved.dimensions(), {n, k}, items));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   return guarded(op, [&] {
     per_item(items, ldy.dense && ls.dense, [&](int64_t count, int64_t i) {
       fc::act_grad(ex, dispatch(), {count * n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
@@ -121,7 +110,7 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi
   JB_TRY(lw, operand(op, "w", wd, {c, k}, items));
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   return guarded(op, [&] {
     per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
       fc::backward(ex, dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz}, ptr(dz, items.offset(lz, i)),
@@ -147,9 +136,9 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi
   JB_TRY(lx, operand(op, "x", xd, {n, ldx}, items));
   JB_TRY(ldz, dz_columns(op, dz.dimensions(), k));
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, ldz}, items));
-  JB_CHECK(ffi_util::expect_db(op, db->dimensions(), wd, 2, k));
+  JB_CHECK(expect_db(op, db->dimensions(), wd, 2, k));
   if (items.count == 0 || c == 0 || k == 0) return ffi::Error::Success();
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   const bool has_db = db->element_count() != 0;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
@@ -182,7 +171,7 @@ ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
     if ((*outs[i])->untyped_data() != ins[i]->untyped_data() && ins[i]->size_bytes())
       std::memcpy((*outs[i])->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
   const fc::Sgd o{*lr.typed_data(), momentum, weight_decay, nesterov};
-  const Executor ex = ffi_util::executor(pool);
+  const Executor ex = executor(pool);
   return guarded(op, [&] {
     fc::update_sgd(ex, dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o, w_out->typed_data(),
                    mw_out->typed_data(), has_b ? b_out->typed_data() : nullptr,

@@ -20,6 +20,10 @@ namespace jb::ffi_util {
 
 namespace ffi = xla::ffi;
 
+// An operand that is always fp32, as an input and as an output.
+using F32 = ffi::Buffer<ffi::F32>;
+using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
+
 // XLA's intra-op pool as an Executor for parallel_for. The pool lives for the whole call.
 inline Executor executor(ffi::ThreadPool& pool) {
   Executor ex;

@@ -24,13 +24,7 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::expect_dims;
-using ffi_util::expect_dtype;
-using ffi_util::invalid;
-using ffi_util::kernel_dtype;
-using ffi_util::view;
-using F32 = ffi::Buffer<ffi::F32>;
-using F32Out = ffi::Result<ffi::Buffer<ffi::F32>>;
+using namespace ffi_util;
 
 // x-like dims: (N, T, features) or time-major (T, N, features).
 std::vector<int64_t> seq_dims(bool time_major, int64_t t, int64_t n, int64_t features) {
@@ -55,7 +49,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 3 || wd.size() != 2) return invalid("jb_lstm_fwd: x needs rank 3 and w rank 2");
   const int64_t t = time_major ? xd[0] : xd[1], n = time_major ? xd[1] : xd[0], c = xd[2];
-  if (wd[1] % 4) return invalid("jb_lstm_fwd: w " + ffi_util::dims_str(wd) + " must have 4K columns");
+  if (wd[1] % 4) return invalid("jb_lstm_fwd: w " + dims_str(wd) + " must have 4K columns");
   const int64_t k = wd[1] / 4, g = 4 * k;
   JB_CHECK(expect_dims(op, "w", wd, {c, g}));
   JB_CHECK(expect_dims(op, "r", r.dimensions(), {k, g}));
@@ -89,8 +83,8 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   a.c_last = c_last->typed_data();
   a.h_last = view(h_last, dt);
   if (save) a.saved = {view(gates, dt), cs->typed_data(), view(xh, dt)};
-  const Executor ex = ffi_util::executor(pool);
-  return ffi_util::guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
+  const Executor ex = executor(pool);
+  return guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
 }
 
 ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, F32 cs, F32 c0,
@@ -131,8 +125,8 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   a.db = db->typed_data();
   a.dc0 = dc0->typed_data();
   a.dh0 = view(dh0, dt);
-  const Executor ex = ffi_util::executor(pool);
-  return ffi_util::guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
+  const Executor ex = executor(pool);
+  return guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
 }
 
 }  // namespace

@@ -2,14 +2,17 @@
 // tensor kept as fp32 values plus its storage in the dtype under test.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "brgemm/brgemm.h"
+#include "check.h"
 #include "parallel/parallel_for.h"
 
 namespace jbtest {
@@ -55,5 +58,27 @@ struct Tensor {
   }
   float get(size_t i) const { return dt == jb::DType::f32 ? f[i] : jb::bf16_to_f32(h[i]); }
 };
+
+// The activations in double precision (gelu tanh-approximated, as the kernels').
+inline double act_ref(jb::Activation a, double z) {
+  switch (a) {
+    case jb::Activation::relu: return z > 0 ? z : 0;
+    case jb::Activation::sigmoid: return 1 / (1 + std::exp(-z));
+    case jb::Activation::tanh: return std::tanh(z);
+    case jb::Activation::gelu: return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
+    default: return z;
+  }
+}
+
+// |got - want| <= tol * (1 + |want|), reporting the first few mismatches.
+inline bool close(const Tensor& got, const std::vector<double>& want, double tol, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(i);
+    if (!(std::fabs(g - want[i]) <= tol * (1 + std::fabs(want[i]))))
+      if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
+  }
+  return bad == 0;
+}
 
 }  // namespace jbtest

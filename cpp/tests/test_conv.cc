@@ -20,32 +20,14 @@
 
 namespace {
 
+using jbtest::act_ref;
+using jbtest::close;
 using jbtest::Tensor;
 using jbtest::TestPool;
 
 using jb::Activation;
 using jb::DType;
 namespace conv = jb::conv;
-
-double act_ref(Activation a, double z) {
-  switch (a) {
-    case Activation::relu: return z > 0 ? z : 0;
-    case Activation::sigmoid: return 1 / (1 + std::exp(-z));
-    case Activation::tanh: return std::tanh(z);
-    case Activation::gelu: return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
-    default: return z;
-  }
-}
-
-bool close(const Tensor& got, const std::vector<double>& want, double tol, const std::string& what) {
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double g = got.get(i);
-    if (!(std::fabs(g - want[i]) <= tol * (1 + std::fabs(want[i]))))
-      if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
-  }
-  return bad == 0;
-}
 
 struct Case {
   int64_t n, h, w, c, k, r, s, sh, sw, pt, pb, pl, pr;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,10 +15,11 @@
 #include "check.h"
 #include "fixtures.h"
 #include "layers/fc/fc.h"
-#include <stdexcept>
 
 namespace {
 
+using jbtest::act_ref;
+using jbtest::close;
 using jbtest::Tensor;
 using jbtest::TestPool;
 
@@ -25,34 +27,11 @@ using jb::Activation;
 using jb::DType;
 namespace fc = jb::fc;
 
-double act_ref(Activation a, double z) {
-  switch (a) {
-    case Activation::relu: return z > 0 ? z : 0;
-    case Activation::sigmoid: return 1 / (1 + std::exp(-z));
-    case Activation::tanh: return std::tanh(z);
-    case Activation::gelu:
-      return 0.5 * z * (1 + std::tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)));
-    default: return z;
-  }
-}
-
 double act_grad_ref(Activation a, double z) {
   const double h = 1e-5;
   if (a == Activation::relu) return z > 0 ? 1 : 0;
   if (a == Activation::none) return 1;
   return (act_ref(a, z + h) - act_ref(a, z - h)) / (2 * h);
-}
-
-// |got - want| <= tol * (1 + |want|), reporting the first few mismatches.
-bool close(const Tensor& got, const std::vector<double>& want, double tol, const char* what) {
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double g = got.get(i);
-    if (!(std::fabs(g - want[i]) <= tol * (1 + std::fabs(want[i])))) {
-      if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
-    }
-  }
-  return bad == 0;
 }
 
 void run_case(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation act, bool bias,

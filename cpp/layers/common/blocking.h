@@ -18,6 +18,29 @@ inline DType multiply_dtype(DType dt, const Dispatch& dp) {
   return dt == DType::f32 ? DType::f32 : dp.bf16_multiply;
 }
 
+// How a pass multiplies operands stored in dt: the kernel ISA, the multiply dtype, whether B
+// is VNNI-packed (bf16 multiplies) and the bytes of one multiplied element. Every plan is one.
+struct MultiplyPath {
+  MultiplyPath(DType dt, const Dispatch& dp)
+      : isa(dp.isa), mul_dt(multiply_dtype(dt, dp)), vnni(mul_dt == DType::bf16), mul_bytes(dtype_size(mul_dt)) {}
+  // A kernel for A (rows lda apart) times B blocks re-blocked `cols` wide (VNNI pairs for
+  // bf16), `depth` deep per batch element, into C (rows ldc apart, dtype c_dt).
+  BrgemmDesc desc(int64_t depth, int64_t lda, int64_t cols, int64_t ldc, DType c_dt = DType::f32) const {
+    BrgemmDesc d;
+    d.k = depth;
+    d.lda = lda;
+    d.ldb = vnni ? 2 * cols : cols;
+    d.ldc = ldc;
+    d.ab = mul_dt;
+    d.c = c_dt;
+    return d;
+  }
+  const Isa isa;
+  const DType mul_dt;
+  const bool vnni;
+  const size_t mul_bytes;
+};
+
 // Block sizes of one pass: rows and columns of an output block, and the block of the
 // reduced dimension (one BRGEMM batch element).
 struct Blocking {
@@ -29,7 +52,7 @@ struct Blocking {
 };
 
 // The largest weight panel an item re-reads for each of its output blocks: all of a 1 MiB L2
-// (AMD Zen 4), half of a 2 MiB one (Intel Xeon); wider panels measured slower on both.
+// (AMD Zen 4), half of a 2 MiB one (Intel Xeon); experimentally selected on both.
 constexpr int64_t kPanelBytes = int64_t(1) << 20;
 
 // Weight panels wider than one register tile are stored as sub-panels of this many columns
@@ -38,8 +61,8 @@ constexpr int64_t kPanelBytes = int64_t(1) << 20;
 // with its B prefetch running on from one block into the next, instead of picking one tile's
 // columns out of every wider row. A panel width that is no multiple of it is one sub-panel.
 // AMX tiles load B 16 rows at a time at any stride, and a call configures and releases the
-// tiles: bf16 on AMX keeps whole panels (measured on an Intel Xeon, sub-panels there were
-// 0.83-0.91x at C = K = 256 and 512 and 1.08-1.12x at 1024).
+// tiles: bf16 on AMX keeps whole panels (sub-panels lost at C = K = 256 and 512 on an Intel
+// Xeon; docs/fc.md).
 constexpr int64_t kSubCols = 32;
 inline int64_t sub_cols(int64_t cols, Isa isa, DType multiply) {
   return (isa == Isa::amx && multiply == DType::bf16) || cols % kSubCols ? cols : kSubCols;

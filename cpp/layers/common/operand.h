@@ -24,6 +24,16 @@ inline const void* at(const void* p, DType t, int64_t i) {
   return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
 }
 
+// acc[j] += the sum over rows of src[r * ld + j] (a bias gradient from a piece of dz).
+inline void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows, int64_t cols, float* acc) {
+  with_type(dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* t = static_cast<const T*>(src);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(t[r * ld + j]);
+  });
+}
+
 // An activation matrix (rows x cols, row-major, rows `ld` apart) as the A operand of a
 // BRGEMM: read in place when the kernel can, else copied once (in row chunks, the work
 // items of a parallel loop): widened from bf16 for fp32 multiplies, and packed with rows

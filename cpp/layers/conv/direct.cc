@@ -79,14 +79,13 @@ std::vector<PixelBlock> split_blocks(const std::vector<PixelBlock>& seg, const C
 }  // namespace
 
 DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads)
-  : isa(dp.isa), kd(multiply_dtype(d.dt, dp)), vnni(kd == DType::bf16), ks(dtype_size(kd)),
-      n(d.n), ci(d.ci), co(d.co), hin(d.h.in), hout(d.h.out), wout(d.w.out),
-      rt(d.h.taps), st(d.w.taps) {
+    : MultiplyPath(d.dt, dp),
+      n(d.n), ci(d.ci), co(d.co), hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
   // Blocking: reduced channels per batch element (dividing them), output channels per
   // panel (64 while the panel fits L2 comfortably), pixels per block.
   bi = force && force->red > 0 && ci % force->red == 0 ? force->red : reduction_block(ci, vnni);
   bo = force && force->cols > 0 ? force->cols : 64;
-  if (!force && rt * st * ci * bo * int64_t(ks) > kPanelBytes) bo = 32;
+  if (!force && rt * st * ci * bo * int64_t(mul_bytes) > kPanelBytes) bo = 32;
   bo = std::min(bo, co);
   ib = ci / bi;
   ob = ceil_div(co, bo);
@@ -101,7 +100,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   const auto in_place = segments(w, probe);
   const int64_t per_phase = ceil_div(w.out, w.out_step());
   const auto [padl, padr] = w.full_pads();
-  copy = d.dt != kd;
+  copy = d.dt != mul_dt;
   pad_l = pad_r = 0;
   if ((copy || 10 * short_pixels(in_place, probe, per_phase) > w.out) && padl + padr > 0) {
     copy = true;
@@ -136,13 +135,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
     }
 
   // The kernels of every (row class, pixel block), full and last channel block.
-  BrgemmDesc desc;
-  desc.k = bi;
-  desc.lda = w.in_step() * ci;
-  desc.ldb = vnni ? 2 * bo : bo;
-  desc.ldc = w.out_step() * co;
-  desc.ab = kd;
-  desc.c = d.dt;
+  BrgemmDesc desc = MultiplyPath::desc(bi, w.in_step() * ci, bo, w.out_step() * co, d.dt);
   desc.bias = d.bias;
   desc.act = d.act;
   std::map<std::pair<int64_t, int64_t>, int64_t> made;
@@ -167,12 +160,12 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
 
   // Panels of a work item: as many channel blocks as fit the panel budget together, so
   // that small weights (pointwise layers) are read once per pixel block for all of them.
-  panel_bytes = Scratch::aligned(size_t(panel_elems) * ks);
+  panel_bytes = Scratch::aligned(size_t(panel_elems) * mul_bytes);
   per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(ob, kPanelBytes / int64_t(panel_bytes)));
   per_item = ceil_div(ob, ceil_div(ob, per_item));  // groups of equal size
   units = n * hout * int64_t(blocks.size());
   groups_ = WorkGroups(ceil_div(ob, per_item), units, threads);
-  copy_bytes = copy ? size_t(n * hin * win * ci) * ks : 0;
+  copy_bytes = copy ? size_t(n * hin * win * ci) * mul_bytes : 0;
 }
 
 }  // namespace jb::conv

@@ -97,7 +97,7 @@ struct Dims {
   Activation act;  // in the epilogue (gelu: none, applied after)
 };
 
-struct DirectPlan {
+struct DirectPlan : MultiplyPath {
   DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads);
 
   // Runs the pass: each item packs its panel with pack(o0, cols, c, r, s, dst) (one block
@@ -109,12 +109,12 @@ struct DirectPlan {
     const auto buf = Scratch::get<2>({copy_bytes, lease * size_t(groups_.concurrency())});
     const char* in = static_cast<const char*>(in_src);
     if (copy) {
-      const size_t px = size_t(ci) * ks;
+      const size_t px = size_t(ci) * mul_bytes;
       parallel_for(ex, n * hin, [&](int64_t row) {
         char* dst = buf[0] + size_t(row * win) * px;
         std::memset(dst, 0, size_t(pad_l) * px);
         reblock::pack(at(in_src, in_dt, row * win_src * ci), in_dt, win_src * ci, false, 1, win_src * ci, 1,
-                      win_src * ci, kd, false, dst + size_t(pad_l) * px, isa);
+                      win_src * ci, mul_dt, false, dst + size_t(pad_l) * px, isa);
         std::memset(dst + size_t(pad_l + win_src) * px, 0, size_t(pad_r) * px);
       });
       in = buf[0];
@@ -124,7 +124,7 @@ struct DirectPlan {
     parallel_for(ex, groups_.items(), [&](int64_t item) {
       const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(ob, g0 + per_item);
       const PanelPool::Lease panel(panels);
-      const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(ks)});
+      const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(mul_bytes)});
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t c = 0; c < ib; ++c)
           for (int64_t r = 0; r < rt; ++r)
@@ -132,7 +132,7 @@ struct DirectPlan {
       for (int64_t u = groups_.first(item); u < groups_.last(item); ++u) {
         const int64_t j = u % nb, row = u / nb % hout, img = u / nb / hout;
         const PixelBlock& b = blocks[j];
-        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ci * int64_t(ks);
+        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ci * int64_t(mul_bytes);
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t o0 = g * bo, cols = std::min(bo, co - o0);
           const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
@@ -143,10 +143,6 @@ struct DirectPlan {
     });
   }
 
-  const Isa isa;
-  const DType kd;
-  const bool vnni;
-  const size_t ks;
   const int64_t n, ci, co, hin, hout, wout, rt, st;
   int64_t bi = 0, bo = 0, ib = 0, ob = 0, blk = 0, panel_elems = 0;
   bool copy = false;

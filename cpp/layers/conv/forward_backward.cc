@@ -80,7 +80,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       ex, x, s.dt,
       [&](int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
         reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + cb * p.bi) * s.k + k0), w_dt, s.k, false, p.bi,
-                      cols, p.bi, p.bo, p.kd, p.vnni, dst, p.isa);
+                      cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
@@ -111,7 +111,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
       ex, dz, s.dt,
       [&](int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
         reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + c0) * s.k + kb * p.bi), w_dt, s.k, true, p.bi,
-                      cols, p.bi, p.bo, p.kd, p.vnni, dst, p.isa);
+                      cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t off, int64_t, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + off * es, nullptr);

@@ -37,9 +37,9 @@ UpdateView update_view(const Shape& s) {
   return {1, px / l, l, px / l, l};
 }
 
-struct UpdatePlan {
+struct UpdatePlan : MultiplyPath {
   UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
-      : isa(dp.isa), kd(multiply_dtype(s.dt, dp)), vnni(kd == DType::bf16), ks(dtype_size(kd)),
+      : MultiplyPath(s.dt, dp),
         v(update_view(s)), c(s.c), k(s.k), rt(s.r), st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
         pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl) {
@@ -56,7 +56,7 @@ struct UpdatePlan {
     blk_q = packed ? reblock::block_elems(v.q, bn, vnni) : 0;
     splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb)));
     direct = splits == 1 && dw_dt == DType::f32;
-    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * ((v.q - 1) * sw + st) + v.q * bn) * ks));
+    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * ((v.q - 1) * sw + st) + v.q * bn) * mul_bytes));
     for (int64_t img = 0; img < v.n; ++img)
       for (int64_t p = 0; p < v.p; ++p) {
         a_rows.push_back((img * hp + p * sh) * sw * bstride);
@@ -67,20 +67,16 @@ struct UpdatePlan {
     d.lda = wq;
     d.ldb = packed ? (vnni ? 2 * bn : bn) : k;
     d.ldc = k;
-    d.ab = kd;
+    d.ab = mul_dt;
     d.c = DType::f32;
     first.emplace(d, c, k, bm, bn, isa);
     d.accumulate = true;
     more.emplace(d, c, k, bm, bn, isa);
-    xt_bytes = size_t(v.n * hp * sw * bstride) * ks;
-    dz_bytes = packed ? size_t(kb * rows * blk_q) * ks : 0;
+    xt_bytes = size_t(v.n * hp * sw * bstride) * mul_bytes;
+    dz_bytes = packed ? size_t(kb * rows * blk_q) * mul_bytes : 0;
     part_bytes = direct ? 0 : size_t(splits * rt * st * c * k) * sizeof(float);
   }
 
-  const Isa isa;
-  const DType kd;
-  const bool vnni;
-  const size_t ks;
   const UpdateView v;
   const int64_t c, k, rt, st, sh, sw, pt, pl;
   int64_t bm = 0, bn = 0, cb = 0, kb = 0, rows = 0, hp = 0, wq = 0, slack = 0, bstride = 0;
@@ -113,12 +109,12 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
   });
   const UpdatePlan& p = *plan;
   const UpdateView& v = p.v;
-  const size_t ks = p.ks;
+  const size_t mul_bytes = p.mul_bytes;
   const auto buf = Scratch::get<3>({p.xt_bytes, p.dz_bytes, p.part_bytes});
 
   // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
   // 64 columns (summed from dz in place, by the item owning the columns).
-  const View<char, 4> xt(buf[0], {v.n, p.hp, p.sw, p.bstride * int64_t(ks)});
+  const View<char, 4> xt(buf[0], {v.n, p.hp, p.sw, p.bstride * int64_t(mul_bytes)});
   const int64_t nxt = v.n * p.hp * p.sw, ndz = p.packed ? p.kb * p.rows : 0;
   const int64_t pix = v.n * v.p * v.q;
   constexpr int64_t kDbCols = 64;
@@ -131,31 +127,26 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       const int64_t j_lo = std::max<int64_t>(0, ceil_div(p.pl - ph, p.sw));
       const int64_t j_hi = std::min(p.wq, ceil_div(v.w + p.pl - ph, p.sw));
       if (ih < 0 || ih >= v.h || j_hi <= j_lo) {
-        std::memset(dst, 0, size_t(p.c * p.wq) * ks);
+        std::memset(dst, 0, size_t(p.c * p.wq) * mul_bytes);
         return;
       }
       // Rows of wq columns starting at column j_lo: the zero fill of each row's end runs
       // into the next row's left padding (and the block's slack after the last row).
-      std::memset(dst, 0, size_t(j_lo) * ks);
+      std::memset(dst, 0, size_t(j_lo) * mul_bytes);
       reblock::pack(at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p.sw + ph - p.pl) * s.c), s.dt,
-                    p.sw * s.c, true, s.c, j_hi - j_lo, s.c, p.wq, p.kd, false, dst + j_lo * ks, p.isa);
+                    p.sw * s.c, true, s.c, j_hi - j_lo, s.c, p.wq, p.mul_dt, false, dst + j_lo * mul_bytes, p.isa);
       return;
     }
     if (i < nxt + ndz) {
       const int64_t kb = (i - nxt) / p.rows, row = (i - nxt) % p.rows, k0 = kb * p.bn;
       reblock::pack(at(dz, s.dt, row * v.q * s.k + k0), s.dt, s.k, false, v.q, std::min(p.bn, s.k - k0),
-                    v.q, p.bn, p.kd, p.vnni, buf[1] + ((kb * p.rows + row) * p.blk_q) * ks, p.isa);
+                    v.q, p.bn, p.mul_dt, p.vnni, buf[1] + ((kb * p.rows + row) * p.blk_q) * mul_bytes, p.isa);
       return;
     }
-    with_type(s.dt, [&](auto ts) {
-      using T = decltype(ts);
-      const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
-      const T* src = static_cast<const T*>(dz) + j0;
-      float acc[kDbCols] = {};
-      for (int64_t q = 0; q < pix; ++q)
-        for (int64_t j = 0; j < width; ++j) acc[j] += to_f32(src[q * s.k + j]);
-      std::memcpy(db + j0, acc, size_t(width) * sizeof(float));
-    });
+    const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
+    float acc[kDbCols] = {};
+    add_column_sums(at(dz, s.dt, j0), s.dt, s.k, pix, width, acc);
+    std::memcpy(db + j0, acc, size_t(width) * sizeof(float));
   });
 
   // The reduction: item (kb, cb, split) over its rows, chunk by chunk, every tap (r, s).
@@ -167,7 +158,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     const int64_t m = std::min(p.bm, s.c - c0), cols = std::min(p.bn, s.k - k0);
     const int64_t r0 = sp * per_split, r1 = std::min(p.rows, r0 + per_split);
     float* out = part + (p.direct ? 0 : sp * welems);
-    const char* b = p.packed ? buf[1] + kbi * p.rows * p.blk_q * int64_t(ks)
+    const char* b = p.packed ? buf[1] + kbi * p.rows * p.blk_q * int64_t(mul_bytes)
                              : static_cast<const char*>(at(dz, s.dt, k0));
     if (r0 >= r1) {  // a split without rows (more splits than rows): zero partials
       for (int64_t t = 0; t < s.r * s.s; ++t)
@@ -180,7 +171,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       const Brgemm& kern = (ch == r0 ? *p.first : *p.more)(m, cols);
       for (int64_t r = 0; r < s.r; ++r)
         for (int64_t t = 0; t < s.s; ++t) {
-          const char* a = buf[0] + ((r * p.sw + t % p.sw) * p.bstride + c0 * p.wq + t / p.sw) * int64_t(ks);
+          const char* a = buf[0] + ((r * p.sw + t % p.sw) * p.bstride + c0 * p.wq + t / p.sw) * int64_t(mul_bytes);
           kern.offsets(a, p.a_rows.data() + ch, b, p.b_rows.data() + ch, count,
                        out + ((r * s.s + t) * s.c + c0) * s.k + k0);
         }

@@ -18,7 +18,7 @@ namespace {
 // The rules' thresholds were experimentally selected on an Intel Xeon (docs/fc.md).
 Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, int64_t threads,
                              const Dispatch& dp) {
-  const DType kd = multiply_dtype(s.dt, dp);
+  const DType mul_dt = multiply_dtype(s.dt, dp);
   Blocking b;
   b.cols = std::min(out_cols, kCols);
   // Too few rows to split: narrower panels, so that every thread still gets several items.
@@ -26,19 +26,19 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
     b.cols = std::min(out_cols, kCols / 2);
   // Every N-block of an item streams the item's whole panel (reduced x cols), so a long
   // reduction takes narrower panels, at most kPanelBytes.
-  while (b.cols > 32 && reduced * b.cols * int64_t(dtype_size(kd)) > kPanelBytes) b.cols /= 2;
+  while (b.cols > 32 && reduced * b.cols * int64_t(dtype_size(mul_dt)) > kPanelBytes) b.cols /= 2;
   b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
-  b.red = reduction_block(reduced, kd == DType::bf16);
+  b.red = reduction_block(reduced, mul_dt == DType::bf16);
   // An item per panel streams all of the activations from memory, once per panel. When they
   // are large and there are many panels, the N-blocks take turns instead (see
   // Blocking::weights_first), against panels of at most kPanelBytes / 4, so that a panel
   // and an N-block's rows of x share L2. Not with few panels or few N-blocks per thread (the
   // last round leaves a thread idle), nor with AMX bf16 multiplies, where it did not pay.
   int64_t wf_cols = b.cols;
-  while (wf_cols > 32 && reduced * wf_cols * int64_t(dtype_size(kd)) > kPanelBytes / 4) wf_cols /= 2;
-  b.weights_first = kd == DType::f32 && ceil_div(out_cols, wf_cols) >= 16 &&
+  while (wf_cols > 32 && reduced * wf_cols * int64_t(dtype_size(mul_dt)) > kPanelBytes / 4) wf_cols /= 2;
+  b.weights_first = mul_dt == DType::f32 && ceil_div(out_cols, wf_cols) >= 16 &&
                     ceil_div(s.n, b.rows) >= 2 * kItemsPerThread * threads &&
-                    s.n * reduced * int64_t(dtype_size(kd)) > kLargeBytes;
+                    s.n * reduced * int64_t(dtype_size(mul_dt)) > kLargeBytes;
   if (b.weights_first) b.cols = wf_cols;
   return b;
 }
@@ -87,7 +87,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
       ex, x,
       [&](int64_t k0, int64_t cols, int64_t cb, char* dst) {
         reblock::pack(at(w, w_dt, cb * p.b.red * s.k + k0), w_dt, s.k, false, p.b.red, cols, p.b.red,
-                      p.b.cols, p.kd, p.vnni, dst, p.isa);
+                      p.b.cols, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t n0, int64_t rows, int64_t k0, int64_t cols, auto&& multiply) {
         multiply(out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
@@ -135,7 +135,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
       ex, dz,
       [&](int64_t c0, int64_t cols, int64_t kb, char* dst) {
         reblock::pack(at(w, w_dt, c0 * s.k + kb * p.b.red), w_dt, s.k, true, p.b.red, cols, p.b.red,
-                      p.b.cols, p.kd, p.vnni, dst, p.isa);
+                      p.b.cols, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t n0, int64_t, int64_t c0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + (n0 * s.c + c0) * es, nullptr);

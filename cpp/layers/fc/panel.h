@@ -40,23 +40,20 @@ inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Disp
           force ? force->red : -1, force ? force->weights_first : -1};
 }
 
-struct PanelPlan {
+struct PanelPlan : MultiplyPath {
   // `act` is fused into the output (forward only).
   PanelPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t out_cols, int64_t reduced, int64_t lda,
             bool bias, Activation act, int64_t threads, DType out_dt)
-      : b(fixed(chosen, s.n, out_cols, reduced)),
-        isa(dp.isa),
-        kd(multiply_dtype(s.dt, dp)),
-        vnni(kd == DType::bf16),
-        ks(dtype_size(kd)),
+      : MultiplyPath(s.dt, dp),
+        b(fixed(chosen, s.n, out_cols, reduced)),
         blk(reblock::block_elems(b.red, b.cols, vnni)),
         n(s.n),
         out_cols(out_cols),
         rblk(reduced / b.red),
-        aop(s.dt, kd, s.n, reduced, lda),
-        kernels(desc(out_dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols, dp.isa),
+        aop(s.dt, mul_dt, s.n, reduced, lda),
+        kernels(epilogue_desc(out_dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols, dp.isa),
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
-        panel_bytes(Scratch::aligned(size_t(rblk * blk) * ks)) {}
+        panel_bytes(Scratch::aligned(size_t(rblk * blk) * mul_bytes)) {}
 
   // Runs the pass on the A operand a_src: pack(c0, cols, r, dst) re-blocks reduction block
   // r of the panel of output columns [c0, c0 + cols) into dst; tile(n0, rows, c0, cols,
@@ -84,13 +81,13 @@ struct PanelPlan {
     auto block = [&](int64_t n0, int64_t c0, const char* panel) {
       const int64_t rows = std::min(b.rows, n - n0), cols = std::min(b.cols, out_cols - c0);
       tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
-        kernels(rows, cols).strided(a + n0 * aop.ld() * ks, b.red, panel, blk, rblk, out, bias);
+        kernels(rows, cols).strided(a + n0 * aop.ld() * mul_bytes, b.red, panel, blk, rblk, out, bias);
       });
     };
     if (b.weights_first) {
       parallel_for(ex, npanels, [&](int64_t i) {
         const int64_t c0 = i * b.cols, cols = std::min(b.cols, out_cols - c0);
-        for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, buf[1] + i * panel_bytes + r * blk * ks);
+        for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, buf[1] + i * panel_bytes + r * blk * mul_bytes);
       });
       parallel_for(ex, ceil_div(n, b.rows), [&](int64_t nb) {
         for (int64_t i = 0; i < npanels; ++i) block(nb * b.rows, i * b.cols, buf[1] + i * panel_bytes);
@@ -101,16 +98,12 @@ struct PanelPlan {
     parallel_for(ex, groups.items(), [&](int64_t i) {
       const int64_t c0 = groups.panel(i) * b.cols, cols = std::min(b.cols, out_cols - c0);
       const PanelPool::Lease panel(panels);
-      for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, panel.data + r * blk * ks);
+      for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, panel.data + r * blk * mul_bytes);
       for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) block(nb * b.rows, c0, panel.data);
     });
   }
 
   const Blocking b;  // the block of the reduced dimension divides it
-  const Isa isa;
-  const DType kd;  // the multiply dtype
-  const bool vnni;
-  const size_t ks;    // bytes of a kd element
   const int64_t blk;  // elements of one re-blocked reduction block
   const int64_t n, out_cols, rblk;
   const ActivationOperand aop;
@@ -124,14 +117,8 @@ struct PanelPlan {
     if (b.red <= 0 || reduced % b.red) b.red = reduced;
     return b;
   }
-  BrgemmDesc desc(DType out_dt, int64_t out_cols, bool bias, Activation act) const {
-    BrgemmDesc d;
-    d.k = b.red;
-    d.lda = aop.ld();
-    d.ldb = vnni ? 2 * b.cols : b.cols;
-    d.ldc = out_cols;
-    d.ab = kd;
-    d.c = out_dt;
+  BrgemmDesc epilogue_desc(DType out_dt, int64_t out_cols, bool bias, Activation act) const {
+    BrgemmDesc d = desc(b.red, aop.ld(), b.cols, out_cols, out_dt);
     d.bias = bias;
     d.act = act;
     return d;

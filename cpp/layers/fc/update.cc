@@ -33,39 +33,34 @@ int64_t batch_block(const Shape& s, const Dispatch& dp) {
 // contiguously across the whole batch. For a batch whose re-blocked operands outgrow
 // kLargeBytes and dw, see long_update.
 
-struct UpdatePlan {
+struct UpdatePlan : MultiplyPath {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
-      : b(fixed(chosen, s, multiply_dtype(s.dt, dp) == DType::bf16)),
-        isa(dp.isa),
-        kd(multiply_dtype(s.dt, dp)),
-        vnni(kd == DType::bf16),
-        ks(dtype_size(kd)),
+      : MultiplyPath(s.dt, dp),
+        b(fixed(chosen, s, vnni)),
         cblk(ceil_div(s.c, b.rows)),
         kblk(ceil_div(s.k, b.cols)),
         nblk(ceil_div(s.n, b.red)),
         blk_a(b.rows * b.red),
-        sub(sub_cols(b.cols, isa, kd)),
+        sub(sub_cols(b.cols, isa, mul_dt)),
         nsub(ceil_div(b.cols, sub)),
         blk_sub(reblock::block_elems(b.red, sub, vnni)),
-        long_batch(nblk * b.red * (s.c + s.k) * int64_t(ks) >
+        long_batch(nblk * b.red * (s.c + s.k) * int64_t(mul_bytes) >
                    std::max(kLargeBytes, s.c * s.k * int64_t(sizeof(float)))),
-        kernels(desc(s, dw_dt, s.k), s.c, s.k, b.rows, sub, dp.isa),
-        tile(desc(s, DType::f32, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
+        // dw is stored straight from the register tiles, with plain stores: inside a training
+        // step the optimizer reads it next, from cache (non-temporal stores were much slower).
+        kernels(desc(b.red, b.red, sub, s.k, dw_dt), s.c, s.k, b.rows, sub, dp.isa),
+        tile(desc(b.red, b.red, sub, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
 
   // The item's block of dw (rows x cols at c), reduced over every N-block: one BRGEMM per
   // sub-panel, into c's columns (ldc and dtype as `kernels` were built).
   void run(const KernelSet& kernels, int64_t rows, int64_t cols, const char* a, const char* bb, char* c,
            size_t cs) const {
     for (int64_t j = 0; j < cols; j += sub)
-      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * nblk * blk_sub * int64_t(ks), blk_sub,
+      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * nblk * blk_sub * int64_t(mul_bytes), blk_sub,
                                                      nblk, c + j * int64_t(cs));
   }
 
   const Blocking b;
-  const Isa isa;
-  const DType kd;
-  const bool vnni;
-  const size_t ks;
   const int64_t cblk, kblk, nblk, blk_a;
   const int64_t sub, nsub, blk_sub;  // sub-panel width, sub-panels per K-block, one's block
   const bool long_batch;  // re-blocked operands above kLargeBytes and dw: long_update's
@@ -78,18 +73,6 @@ struct UpdatePlan {
     if (b.red <= 0) b.red = s.n;
     if (vnni) b.red = round_up(b.red, 2);
     return b;
-  }
-  BrgemmDesc desc(const Shape& s, DType out, int64_t ldc) const {
-    // dw is stored straight from the register tiles, with plain stores: inside a training
-    // step the optimizer reads it next, from cache (non-temporal stores were much slower).
-    BrgemmDesc d;
-    d.k = b.red;
-    d.lda = b.red;
-    d.ldb = vnni ? 2 * sub : sub;
-    d.ldc = ldc;
-    d.ab = kd;
-    d.c = out;
-    return d;
   }
 };
 
@@ -124,16 +107,6 @@ struct LongUpdatePlan {
 
 PlanCache<14, LongUpdatePlan> long_update_plans;
 
-// acc[j] += the sum over rows of src[r * ld + j] (db from a piece of dz).
-void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows, int64_t cols, float* acc) {
-  with_type(dt, [&](auto ts) {
-    using T = decltype(ts);
-    const T* t = static_cast<const T*>(src);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(t[r * ld + j]);
-  });
-}
-
 // Rows of x^T a transposing item writes.
 constexpr int64_t kTransposeRows = 16;
 
@@ -143,13 +116,13 @@ void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const v
   const PanelPlan& p = lp.plan;
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
   const size_t os = dtype_size(dw_dt);
-  const int64_t ks = int64_t(p.ks);
+  const int64_t mul_bytes = int64_t(p.mul_bytes);
   p.run_with(
-      ex, size_t(s.c * lp.ld * ks),
+      ex, size_t(s.c * lp.ld * mul_bytes),
       [&](char* xt) {
         parallel_for(ex, ceil_div(s.c, kTransposeRows), [&](int64_t i) {
           const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
-          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, p.kd, false, xt + c0 * lp.ld * ks,
+          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, p.mul_dt, false, xt + c0 * lp.ld * mul_bytes,
                         dp.isa);
         });
         return const_cast<const char*>(xt);
@@ -157,7 +130,7 @@ void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const v
       [&](int64_t k0, int64_t cols, int64_t r, char* dst) {
         const int64_t n0 = r * lp.red;
         reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp.red, s.n - n0), cols, lp.red,
-                      p.b.cols, p.kd, p.vnni, dst, dp.isa);
+                      p.b.cols, p.mul_dt, p.vnni, dst, dp.isa);
       },
       [&](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), nullptr);
@@ -204,13 +177,13 @@ void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, cons
                    const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
   const Blocking& b = p.b;
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
-  const View<char, 2> xt(xt_buf, {p.cblk * p.nblk, int64_t(p.blk_a * p.ks)});   // [Cb][Nb] blocks
-  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.nblk, int64_t(p.blk_sub * p.ks)});  // [Kb][sub][Nb] blocks
+  const View<char, 2> xt(xt_buf, {p.cblk * p.nblk, int64_t(p.blk_a * p.mul_bytes)});   // [Cb][Nb] blocks
+  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.nblk, int64_t(p.blk_sub * p.mul_bytes)});  // [Kb][sub][Nb] blocks
   parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
     if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
       const int64_t cb = i / p.nblk, c0 = cb * b.rows, n0 = i % p.nblk * b.red;
       reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
-                    std::min(b.red, s.n - n0), b.rows, b.red, p.kd, false, xt.at(i), p.isa);
+                    std::min(b.red, s.n - n0), b.rows, b.red, p.mul_dt, false, xt.at(i), p.isa);
       return;
     }
     const int64_t kb = i - p.cblk * p.nblk, k0 = kb * b.cols;  // dz column panel kb
@@ -220,7 +193,7 @@ void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, cons
       const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
       const void* src = at(dz, s.dt, n0 * ldz + k0);
       for (int64_t j = 0; j < cols; j += p.sub)
-        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.kd,
+        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.mul_dt,
                       p.vnni, dzb.at(kb, j / p.sub * p.nblk + nb), p.isa);
       if (db) add_column_sums(src, s.dt, ldz, rows, cols, db + k0);
     }
@@ -253,7 +226,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     return long_update(ex, dp, s, x, dz, dw, dw_dt, db, key_of(s, int64_t(dw_dt), ex.num_threads, dp, force));
   const Blocking& b = p.b;
   const auto buf = Scratch::get<2>(
-      {size_t(p.cblk * p.nblk * p.blk_a) * p.ks, size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks});
+      {size_t(p.cblk * p.nblk * p.blk_a) * p.mul_bytes, size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.mul_bytes});
   const size_t os = dtype_size(dw_dt);
   update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
     const int64_t c0 = i / p.kblk * b.rows, k0 = i % p.kblk * b.cols;
@@ -286,8 +259,8 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
   }
   const Blocking& bl = p.b;
   const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
-  const auto buf = Scratch::get<4>({size_t(p.cblk * p.nblk * p.blk_a) * p.ks,
-                                    size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.ks,
+  const auto buf = Scratch::get<4>({size_t(p.cblk * p.nblk * p.blk_a) * p.mul_bytes,
+                                    size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.mul_bytes,
                                     Scratch::aligned(tile_bytes) * size_t(ex.num_threads),
                                     b ? size_t(s.k) * sizeof(float) : 0});
   float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;

@@ -107,20 +107,19 @@ void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, in
   }
 }
 
-ForwardPlan::ForwardPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
-    : s(s),
+StepPlan::StepPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
+    : MultiplyPath(s.dt, dp),
+      s(s),
       b(clamped(chosen, s.n, s.k)),
-      isa(dp.isa),
-      mul_dt(multiply_dtype(s.dt, dp)),
-      vnni(mul_dt == DType::bf16),
-      mul_bytes(dtype_size(mul_dt)),
       k_blocks(ceil_div(s.k, b.cols)),
       n_blocks(ceil_div(s.n, b.rows)),
       sub_width(sub_cols(b.cols, isa, mul_dt)),
       subpanels(ceil_div(b.cols, sub_width)),
       groups(k_blocks, n_blocks, threads),
-      saved_gates(gate_layout(s, dp)),
-      cell(cell_forward(s.dt, mul_dt, dp.isa)) {
+      saved_gates(gate_layout(s, dp)) {}
+
+ForwardPlan::ForwardPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
+    : StepPlan(dp, s, chosen, threads), cell(cell_forward(s.dt, mul_dt, dp.isa)) {
   if (b.cols > kMaxCols) throw std::invalid_argument("lstm forward: K-blocks are at most 128 columns");
   h_col = s.c;
   depth = padded_block(h_col + s.k, vnni ? 2 : 1, kMaxDepth);
@@ -130,53 +129,21 @@ ForwardPlan::ForwardPlan(const Dispatch& dp, const Shape& s, Blocking chosen, in
   block_elems = reblock::block_elems(depth, sub_width, vnni);
   tile_ld = padded_ld(kGates * b.cols, sizeof(float));
   for (int q = 0; q < kGates; ++q) {
-    BrgemmDesc d;
-    d.k = depth;
-    d.lda = a_stride;
-    d.ldb = vnni ? 2 * sub_width : sub_width;
-    d.ldc = tile_ld;
-    d.ab = mul_dt;
-    d.c = DType::f32;
+    BrgemmDesc d = desc(depth, a_stride, sub_width, tile_ld);
     d.bias = true;
     d.act = kGateAct[q];
     gate_kernels[q].emplace(d, s.n, s.k, b.rows, sub_width, isa);
   }
 }
 
-namespace {
-
-BrgemmDesc dh_desc(int64_t depth, int64_t copy_ld, bool vnni, int64_t sub_width, int64_t k, DType mul_dt) {
-  BrgemmDesc d;
-  d.k = depth;
-  d.lda = copy_ld;
-  d.ldb = vnni ? 2 * sub_width : sub_width;
-  d.ldc = k;
-  d.ab = mul_dt;
-  d.c = DType::f32;
-  return d;
-}
-
-}  // namespace
-
 BpttPlan::BpttPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
-    : s(s),
-      b(clamped(chosen, s.n, s.k)),
-      isa(dp.isa),
-      mul_dt(multiply_dtype(s.dt, dp)),
-      vnni(mul_dt == DType::bf16),
-      mul_bytes(dtype_size(mul_dt)),
-      k_blocks(ceil_div(s.k, b.cols)),
-      n_blocks(ceil_div(s.n, b.rows)),
+    : StepPlan(dp, s, chosen, threads),
       depth(reduction_block(kGates * s.k, vnni)),
       depth_blocks(kGates * s.k / depth),
-      sub_width(sub_cols(b.cols, isa, mul_dt)),
-      subpanels(ceil_div(b.cols, sub_width)),
       block_elems(reblock::block_elems(depth, sub_width, vnni)),
       da_ld(da_width(s)),
       copy_ld(padded_ld(kGates * s.k, mul_bytes)),
-      groups(k_blocks, n_blocks, threads),
-      saved_gates(gate_layout(s, dp)),
-      kernels(dh_desc(depth, copy_ld, vnni, sub_width, s.k, mul_dt), s.n, s.k, b.rows, sub_width, dp.isa),
+      kernels(desc(depth, copy_ld, sub_width, s.k), s.n, s.k, b.rows, sub_width, dp.isa),
       cell(cell_backward(s.dt, mul_dt, dp.isa)) {}
 
 std::shared_ptr<const ForwardPlan> forward_plan(const Dispatch& dp, const Shape& s, int64_t threads,

@@ -52,12 +52,26 @@ void for_pieces(int64_t k0, int64_t cols, int64_t block, F&& f) {
 void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, int64_t ldd, int64_t rows,
                int64_t cols, int64_t zero_to);
 
+// What the forward's and the backward's plans share: how they multiply, the blocking of
+// the per-step work ((K-block, group of N-blocks) items, weight panels in sub-panels) and the
+// saved gates' layout.
+struct StepPlan : MultiplyPath {
+  StepPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads);
+
+  const Shape s;
+  const Blocking b;  // rows: the N-block, cols: the K-block
+  const int64_t k_blocks, n_blocks;
+  const int64_t sub_width, subpanels;  // sub-panel columns, sub-panels per K-block
+  const WorkGroups groups;
+  const GateLayout saved_gates;
+};
+
 // The forward: A_t = [x_t | h_{t-1} | 0] for all T steps in one buffer with x's row order
 // (a_ld columns, the multiply dtype), zero-padded to whole reduction blocks; the weight
 // panel of (gate, K-block) holds the blocks of [W; R; 0] in the same order, in sub-panels.
 // Training keeps the buffer: it is the weight update's operand [x | h_prev] (the saved xh),
 // so no pass builds it again.
-struct ForwardPlan {
+struct ForwardPlan : StepPlan {
   ForwardPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads);
 
   // Element offset of sub-panel j of the weight panel of (gate, K-block kb).
@@ -65,16 +79,6 @@ struct ForwardPlan {
     return ((gate * k_blocks + kb) * subpanels + j) * depth_blocks * block_elems;
   }
 
-  const Shape s;
-  const Blocking b;  // rows: the N-block, cols: the K-block
-  const Isa isa;
-  const DType mul_dt;  // the multiply dtype
-  const bool vnni;
-  const size_t mul_bytes;
-  const int64_t k_blocks, n_blocks;
-  const int64_t sub_width, subpanels;  // sub-panel columns, sub-panels per K-block
-  const WorkGroups groups;
-  const GateLayout saved_gates;
   const CellForwardFn cell;
   int64_t h_col = 0;         // h's first column in A
   int64_t depth = 0;         // rows of [W; R] per batch element (the kernel's k)
@@ -90,21 +94,12 @@ struct ForwardPlan {
 // The backward through time: R^T re-blocked [K-block][sub-panel][4K / depth][depth][sub]
 // once per call; two alternating N x 4K buffers hold da_t in the multiply dtype as the next
 // step's A (a compact copy reads faster than da's padded rows).
-struct BpttPlan {
+struct BpttPlan : StepPlan {
   BpttPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads);
 
-  const Shape s;
-  const Blocking b;
-  const Isa isa;
-  const DType mul_dt;
-  const bool vnni;
-  const size_t mul_bytes;
-  const int64_t k_blocks, n_blocks;
   const int64_t depth, depth_blocks;  // the blocks of 4K, the batch of the dh BRGEMM
-  const int64_t sub_width, subpanels, block_elems;
+  const int64_t block_elems;
   const int64_t da_ld, copy_ld;  // the rows of da and of its copies
-  const WorkGroups groups;
-  const GateLayout saved_gates;
   const KernelSet kernels;
   const CellBackwardFn cell;
 };
