@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,42 +19,59 @@ from jax_brgemm._native import ACTIVATION_CODES
 #: The dtypes the kernels read and write.
 KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
+#: The dtypes the ops take: the kernels' and float64, which only survives canonicalization
+#: with ``jax_enable_x64``; the ops then compute in XLA, in float64, as the stock ops do.
+OP_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
+
 #: Fused activations: None (no activation) or a name -> the kernels' code.
 ACTIVATIONS: dict[str | None, int] = {
     (None if name == "none" else name): code for name, code in ACTIVATION_CODES.items()}
 
 
+def canonical(d) -> np.dtype:
+    """``d`` as JAX canonicalizes it: float64 is float32 (int64 int32) unless x64 is on."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(d))
+
+
 def _names(dtypes: Sequence[np.dtype]) -> str:
-    names = [np.dtype(d).name for d in dtypes]
+    # only what can exist now: float64 without x64 is float32, not a dtype of its own
+    names = list(dict.fromkeys(canonical(d).name for d in dtypes))
     return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def array(x: Any, arg: str, op: str, dtypes: Sequence[np.dtype] = KERNEL_DTYPES):
-    """``x`` as a JAX array of one of ``dtypes``; Python scalars and lists become float32."""
+    """``x`` as a JAX array whose canonical dtype is one of ``dtypes`` (a NumPy float64 array
+    becomes float32 as in ``jnp.asarray``, unless x64 is on); Python scalars and lists
+    become float32."""
     if not hasattr(x, "dtype"):
         try:
             x = jnp.asarray(x, dtype=jnp.float32)
         except (TypeError, ValueError):
             raise TypeError(f"{op}: {arg} must be an array, got {type(x).__name__}") from None
-    if np.dtype(x.dtype) not in dtypes:
+    try:
+        d = canonical(x.dtype)
+    except (TypeError, ValueError):  # a dtype JAX has no array of (object, str)
+        raise TypeError(f"{op}: {arg} must be {_names(dtypes)}, got {x.dtype}") from None
+    if d not in dtypes:
         raise TypeError(f"{op}: {arg} must be {_names(dtypes)}, got {x.dtype}")
     return jnp.asarray(x)
 
 
 def dtype(value: Any, arg: str, op: str, dtypes: Sequence[np.dtype] = KERNEL_DTYPES) -> np.dtype:
-    """A dtype argument (``dtype=``, ``out_dtype=``) as a numpy dtype among ``dtypes``."""
+    """A dtype argument (``dtype=``, ``out_dtype=``), canonicalized as JAX does, as a numpy
+    dtype among ``dtypes``."""
     try:
-        d = np.dtype(value)
-    except TypeError:
+        d = canonical(np.dtype(value))
+    except (TypeError, ValueError):
         raise TypeError(f"{op}: {arg} must be a dtype ({_names(dtypes)}), got {value!r}") from None
     if d not in dtypes:
-        raise TypeError(f"{op}: {arg} must be {_names(dtypes)}, got {d}")
+        raise TypeError(f"{op}: {arg} must be {_names(dtypes)}, got {np.dtype(value)}")
     return d
 
 
 def compute_dtype(op: str, requested: Any, *arrays, dtypes: Sequence[np.dtype] = KERNEL_DTYPES):
     """The computation dtype: ``requested`` (the ``dtype=`` argument) or, when None, the
-    promotion of the arrays' dtypes (as ``jnp.result_type``; None entries skipped)."""
+    promotion of the arrays' canonical dtypes (as ``jnp.result_type``; None entries skipped)."""
     if requested is not None:
         return dtype(requested, "dtype", op, dtypes)
     d = np.dtype(jnp.result_type(*(a for a in arrays if a is not None)))
@@ -86,6 +104,16 @@ def same_dtype(op: str, **arrays) -> None:
     if len(set(dtypes.values())) > 1:
         listed = ", ".join(f"{name} is {d}" for name, d in dtypes.items())
         raise TypeError(f"{op}: {' and '.join(dtypes)} must have one dtype, but {listed}")
+
+
+def integers(op: str, **values) -> None:
+    """Every named value (a stride, a size given as a number) is an int or a NumPy integer,
+    as ``lax`` requires: a TypeError, never a truncation, for 1.5 or 2.0, and for a bool."""
+    bad = {name: v for name, v in values.items()
+           if isinstance(v, bool) or not isinstance(v, (int, np.integer))}
+    if bad:
+        raise TypeError(f"{op}: " + ", ".join(f"{name} must be an int, got {v!r}"
+                                               for name, v in bad.items()))
 
 
 def positive(op: str, **sizes: int) -> None:

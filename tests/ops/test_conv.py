@@ -175,14 +175,14 @@ def test_bad_input():
         jb.conv2d(x, k, strides=0)
     with pytest.raises(ValueError, match="strides must be >= 1"):
         jb.conv2d(x, k, strides=(1, -2))
+    with pytest.raises(TypeError, match="strides must be an int or a pair of ints"):
+        jb.conv2d(x, k, strides=1.5)
     with pytest.raises(ValueError, match=">= 0"):
         jb.conv2d(x, k, padding=((1, -1), (0, 0)))
     with pytest.raises(ValueError, match="invalid padding"):
         jb.conv2d(x, k, padding=((1, 1, 1), (0, 0)))
     with pytest.raises(ValueError, match="flax.linen.Conv"):
         jb.conv2d(x, k, padding="CIRCULAR")
-    with pytest.raises(ValueError, match="larger than the padded input"):
-        jb.conv2d(x, jnp.ones((7, 7, 3, 4)), padding="VALID")
     with pytest.raises(ValueError, match="bias"):
         jb.conv2d(x, k, jnp.ones((3,)))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
@@ -279,3 +279,68 @@ def test_grad_of_grad(activation, strides, padding):
     got = jax.jit(outer(fast_conv))(x, w, b)
     for a, e in zip(got, want, strict=True):
         np.testing.assert_allclose(a, e, rtol=2e-4, atol=2e-4)
+
+
+def accelerated(module):
+    def apply(*args):
+        with jb.accelerate():
+            return module.apply(*args)
+    return apply
+
+
+@pytest.mark.parametrize("shape,kernel_size,strides,padding", [
+    ((2, 2, 2, 3), (3, 3), 1, "VALID"),      # a kernel larger than the input
+    ((2, 4, 2, 3), (3, 3), (2, 1), "VALID"),  # larger in one dim only
+    ((2, 0, 5, 3), (3, 3), 1, "SAME"),       # H = 0
+    ((2, 5, 0, 3), (1, 1), 2, "VALID"),      # W = 0
+    ((0, 1, 1, 3), (3, 3), 1, "VALID"),      # N = 0 and an empty output
+    ((1, 3, 3, 3), (5, 2), 1, ((0, 1), (0, 0))),  # padded, still too small
+])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_empty_output_is_the_stock_empty_result(shape, kernel_size, strides, padding, activation):
+    """Stock gives an empty result (and zero gradients) where the output has no pixels:
+    jb.conv2d, jb.nn.Conv and a stock nn.Conv inside accelerate() give the same."""
+    x = jnp.ones(shape)
+    ref_apply, ref = stock(4, kernel_size, activation, strides=strides, padding=padding)
+    params = ref.init(jax.random.key(0), jnp.ones((1, 9, 9, 3)))
+    params = jax.tree_util.tree_map(lambda v: v + 0.5, params)
+    ours = jb.nn.Conv(4, kernel_size, strides=strides, padding=padding, activation=activation)
+
+    def op(p, x):
+        return jb.conv2d(x, p["params"]["kernel"], p["params"]["bias"], strides=strides, padding=padding,
+                         activation=activation)
+
+    acc = accelerated(ref)
+    want = ref_apply(params, x)
+    assert 0 in want.shape
+    grad = jax.grad(lambda p, x, f: loss(f, p, x), argnums=(0, 1))
+    for f in (op, ours.apply, lambda p, x: REF_ACT[activation](acc(p, x))):
+        y = f(params, x)
+        assert y.shape == want.shape and y.dtype == want.dtype
+        got, expected = grad(params, x, f), grad(params, x, ref_apply)
+        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected), strict=True):
+            assert a.shape == e.shape and a.dtype == e.dtype
+            np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("strides", [(1.5, 1.5), (2.0, 2.0), (1, 1.5), 1.5, (np.float32(2), 1)])
+def test_non_integer_strides_are_a_type_error(strides):
+    """lax and Flax refuse non-integer strides with a TypeError; so do jb.conv2d,
+    jb.nn.Conv and an accelerated nn.Conv (never a truncation to the int part)."""
+    x, k = jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+    with pytest.raises(TypeError, match="strides"):
+        jb.conv2d(x, k, strides=strides)
+    with pytest.raises(TypeError):
+        fnn.Conv(4, (3, 3), strides=strides).init(jax.random.key(0), x)
+    with pytest.raises(TypeError):
+        jb.nn.Conv(4, (3, 3), strides=strides).init(jax.random.key(0), x)
+    params = fnn.Conv(4, (3, 3)).init(jax.random.key(0), x)
+    with pytest.raises(TypeError):
+        accelerated(fnn.Conv(4, (3, 3), strides=strides))(params, x)
+
+
+def test_integer_like_strides_are_taken():
+    x, k = jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+    want = jb.conv2d(x, k, strides=(2, 1))
+    np.testing.assert_array_equal(jb.conv2d(x, k, strides=(np.int64(2), np.int32(1))), want)
+    np.testing.assert_array_equal(jb.conv2d(x, k, strides=np.array([2, 1])), want)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import PromoteDtypeFn, canonicalize_padding, default_kernel_init
@@ -27,9 +28,10 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
     """``(y, "")``: a Dense ``layer``'s result on the kernels, or ``(None, why not)``.
 
     ``layer`` has ``flax.linen.Dense``'s fields (``dtype``, ``promote_dtype``,
-    ``dot_general``, ``dot_general_cls``): a stock module or this module's ``Dense``.
+    ``dot_general``, ``dot_general_cls``) or ``flax.nnx.Linear``'s: a stock module or a
+    jax_brgemm one.
     """
-    if layer.dot_general is not None or layer.dot_general_cls is not None:
+    if _adapt.custom_dot_general(layer):
         return None, "custom dot_general"
     operands, why = _adapt.kernel_operands(layer, inputs, kernel, bias)
     if operands is None:
@@ -310,10 +312,10 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
 
     ``layer`` has ``flax.linen.Conv``'s fields (``kernel_size``, ``strides``, ``padding``,
     dilations, ``feature_group_count``, ``mask``, ``dtype``, ``promote_dtype``,
-    ``conv_general_dilated(_cls)``): a stock module or this module's ``Conv``. ``inputs``
-    are the layer's call argument, ``kernel`` and ``bias`` its parameters (the kernel not
-    yet masked); the result is what the layer returns (batch dims restored), with
-    ``activation`` fused.
+    ``conv_general_dilated(_cls)``) or ``flax.nnx.Conv``'s: a stock module or a jax_brgemm
+    one. ``inputs`` are the layer's call argument, ``kernel`` and ``bias`` its parameters
+    (the kernel not yet masked); the result is what the layer returns (batch dims
+    restored), with ``activation`` fused.
     """
     kernel_size = _kernel_size(layer)
     rank = len(kernel_size)
@@ -321,17 +323,20 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         return None, f"{rank}-D convolution"
     if layer.feature_group_count != 1:
         return None, "feature groups"
-    if layer.conv_general_dilated is not None or layer.conv_general_dilated_cls is not None:
+    if _adapt.custom_conv(layer):
         return None, "custom conv_general_dilated"
     strides, input_dilation, kernel_dilation = (
         _per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in strides):
+        return None, "non-integer strides"  # the stock code raises lax's TypeError
     if any(d != 1 for d in input_dilation):
         return None, "input dilation"
     if any(d != 1 for d in kernel_dilation):
         return None, "kernel dilation"
     inputs = jnp.asarray(inputs)
     batch_dims = inputs.ndim - (rank + 1)
-    if batch_dims < 0 or jnp.shape(kernel) != kernel_size + (inputs.shape[-1], layer.features):
+    features = _adapt.out_features(layer)
+    if batch_dims < 0 or jnp.shape(kernel) != kernel_size + (inputs.shape[-1], features):
         return None, "unexpected shapes"
     batch_shape = inputs.shape[:batch_dims]
     if batch_dims != 1:

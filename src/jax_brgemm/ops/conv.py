@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm.ops import fc_passes
+
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
 
@@ -51,11 +53,15 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
 
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
+
+    Sizes of 0 (N, H, W, C or K) and outputs without pixels (a VALID kernel larger than the
+    input) compute what ``lax.conv_general_dilated`` computes, in XLA: an empty result, or
+    for C = 0 the activation of the bias. So does float64 (with ``jax_enable_x64``).
     """
-    x = check.array(x, "x", _OP)
-    kernel = check.array(kernel, "kernel", _OP)
+    x = check.array(x, "x", _OP, check.OP_DTYPES)
+    kernel = check.array(kernel, "kernel", _OP, check.OP_DTYPES)
     if bias is not None:
-        bias = check.array(bias, "bias", _OP)
+        bias = check.array(bias, "bias", _OP, check.OP_DTYPES)
     act = check.activation(activation, _OP)
     check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
     check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
@@ -68,21 +74,27 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
                          f"C = {c}{hint}")
     if bias is not None:
         check.shape(bias, "bias", _OP, (k,), "(K,)")
-    zero = {name: d for name, d in dict(H=h, W=w, C=c, K=k, R=r, S=s).items() if d < 1}
-    if zero:
-        raise ValueError(f"{_OP}: sizes must be >= 1, got " + ", ".join(f"{a}={d}" for a, d in zero.items()))
+    if r < 1 or s < 1:  # lax refuses an empty window too
+        raise ValueError(f"{_OP}: the kernel's window must be at least 1x1, got R={r}, S={s}")
     st = _strides(strides)
     pads = resolve_padding(padding, (h, w), (r, s), st)
-    p = (h + pads[0][0] + pads[0][1] - r) // st[0] + 1
-    q = (w + pads[1][0] + pads[1][1] - s) // st[1] + 1
-    if h + pads[0][0] + pads[0][1] < r or w + pads[1][0] + pads[1][1] < s:
-        raise ValueError(f"{_OP}: the {r}x{s} kernel is larger than the padded input "
-                         f"({h}x{w} with padding {pads})")
-    dtype = check.compute_dtype(_OP, dtype, x, kernel, bias)
+    dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
-    if n == 0:
-        return jnp.zeros((0, p, q, k), dtype)
+    out = _out_shape(x.shape, kernel.shape, (act, st, pads))
+    if min(out + (c,)) < 1 or dtype not in check.KERNEL_DTYPES:
+        return _conv_xla(x, kernel, bias, activation, st, pads, dtype)
     return _conv(x, kernel, bias, (act, st, pads))
+
+
+def _conv_xla(x, kernel, bias, activation, strides, pads, dtype):
+    """What the kernels compute, in XLA: for sizes they do not take (0, or no output
+    pixels) and for float64."""
+    acc = jnp.promote_types(dtype, jnp.float32)
+    y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads,
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=acc)
+    if bias is not None:
+        y = y + bias.astype(acc)
+    return _activations.apply(activation, y).astype(dtype)
 
 
 def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int]):
@@ -118,15 +130,16 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
 
 
 def _strides(strides):
+    """A pair of ints >= 1. Like lax, a non-integer (1.5, or 2.0) is a TypeError, never
+    truncated; a wrong count or a stride < 1 is a ValueError."""
     if isinstance(strides, (int, np.integer)) and not isinstance(strides, bool):
-        strides = (int(strides),) * 2
-    try:
-        st = tuple(int(v) for v in strides)
-        ok = len(st) == 2 and all(not isinstance(v, bool) for v in strides)
-    except TypeError:
-        ok = False
-    if not ok:
+        strides = (strides,) * 2
+    if not isinstance(strides, (Sequence, np.ndarray)) or np.ndim(strides) != 1:
+        raise TypeError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
+    if len(strides) != 2:
         raise ValueError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
+    check.integers(_OP, **{f"strides[{i}]": v for i, v in enumerate(strides)})
+    st = tuple(int(v) for v in strides)
     if min(st) < 1:
         raise ValueError(f"{_OP}: strides must be >= 1, got {st}")
     return st
