@@ -42,14 +42,15 @@ def _counting(module, name):
 def pytest_configure(config):
     import flax.nnx
 
+    import jax_brgemm.nn
     import jax_brgemm.nnx as jbnnx
-    from jax_brgemm.nnx import _adapt, recurrent
 
     for name in ("Linear", "Conv", "RNN"):
         setattr(flax.nnx, name, getattr(jbnnx, name))
-    _counting(_adapt, "linear")
-    _counting(_adapt, "conv")
-    _counting(recurrent, "fused_lstm")
+    # every layer call on the kernels goes through one of these (jb.nnx and accelerate()
+    # call them as attributes of jax_brgemm.nn)
+    for name in ("dense_on_kernels", "conv_on_kernels", "lstm_on_kernels"):
+        _counting(jax_brgemm.nn, name)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -9,12 +9,37 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax import lax
 
 from jax_brgemm import _validate as check
 
 #: The LSTM's gates in the order the fused layer (and ``OptimizedLSTMCell``) computes them.
 GATES = "ifgo"
+
+_F32, _BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+
+
+def custom_dot_general(layer) -> bool:
+    """A Dense / Linear ``layer`` multiplies with something else than ``lax.dot_general``
+    (linen's fields default to None, NNX's to ``lax.dot_general`` itself)."""
+    if isinstance(layer, nnx.Module):
+        return layer.dot_general is not lax.dot_general
+    return layer.dot_general is not None or layer.dot_general_cls is not None
+
+
+def custom_conv(layer) -> bool:
+    """A Conv ``layer`` convolves with something else than ``lax.conv_general_dilated``."""
+    if isinstance(layer, nnx.Module):
+        return layer.conv_general_dilated is not lax.conv_general_dilated
+    return layer.conv_general_dilated is not None or layer.conv_general_dilated_cls is not None
+
+
+def out_features(layer) -> int:
+    """A linen layer's ``features``, an NNX layer's ``out_features``."""
+    return layer.out_features if isinstance(layer, nnx.Module) else layer.features
 
 
 def computation_dtype(requested, *arrays):
@@ -30,28 +55,43 @@ def computation_dtype(requested, *arrays):
 
 
 def kernel_operands(layer, inputs, kernel, bias):
-    """``((inputs, kernel, bias, dtype), "")``: a Dense or Conv layer's operands as the
-    kernels take them, with the computation dtype, from the layer's ``dtype`` and
-    ``promote_dtype`` fields.
+    """``((inputs, kernel, bias, dtype), "")``: a Dense / Linear or Conv layer's operands as
+    the kernels take them, with the computation dtype, from the layer's ``dtype`` and
+    ``promote_dtype`` (and, for NNX layers, ``preferred_element_type``) fields.
 
-    With Flax's own ``promote_dtype`` the dtype is Flax's and only the inputs are cast to it:
-    the kernel and bias go in as they are and are cast inside the custom call, so their
-    gradients stay in the parameter dtype without a rounding to the computation dtype in
-    between. A custom ``promote_dtype`` is called, and its arrays are taken when they share
-    a dtype the kernels compute in.
+    With Flax's own ``promote_dtype`` (linen's or NNX's) the dtype is Flax's and only the
+    inputs are cast to it: the kernel and bias go in as they are and are cast inside the
+    custom call, so their gradients stay in the parameter dtype without a rounding to the
+    computation dtype in between. A custom ``promote_dtype`` is called (an NNX layer's with
+    the arrays as one tuple, as NNX does), and its arrays are taken when they share a dtype
+    the kernels compute in. ``preferred_element_type=float32`` over a bfloat16 computation
+    is float32 products of the bfloat16-rounded operands (exact), so it runs as a float32
+    computation on them.
     """
-    if layer.promote_dtype is promote_dtype:
+    if layer.promote_dtype is promote_dtype or layer.promote_dtype is nnx_dtypes.promote_dtype:
         dtype, why = computation_dtype(layer.dtype, inputs, kernel, bias)
         if dtype is None:
             return None, why
         kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
                         for a in (kernel, bias))
-        return (jnp.asarray(inputs, dtype), kernel, bias, dtype), ""
-    inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
-    dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
-    if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
-        return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
-    return (inputs, kernel, bias, dtypes.pop()), ""
+        inputs = jnp.asarray(inputs, dtype)
+    else:
+        if isinstance(layer, nnx.Module):
+            inputs, kernel, bias = layer.promote_dtype((inputs, kernel, bias), dtype=layer.dtype)
+        else:
+            inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
+        dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
+        if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
+            return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
+        dtype = dtypes.pop()
+    preferred = getattr(layer, "preferred_element_type", None)
+    if preferred is not None and np.dtype(preferred) != dtype:
+        if not (np.dtype(preferred) == _F32 and dtype == _BF16):
+            return None, f"preferred_element_type {np.dtype(preferred)} over a {dtype} computation"
+        inputs, kernel, bias = (a if a is None else jnp.asarray(a, _BF16).astype(_F32)
+                                for a in (inputs, kernel, bias))
+        dtype = _F32
+    return (inputs, kernel, bias, dtype), ""
 
 
 def lstm_params(cell):

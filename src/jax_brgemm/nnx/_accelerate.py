@@ -12,7 +12,9 @@ from typing import Any, Callable
 from flax.nnx.nn import linear as stock_linear
 from flax.nnx.nn import recurrent as stock_recurrent
 
-from jax_brgemm.nnx import _adapt, _intercept
+from jax_brgemm import nn as jbnn
+from jax_brgemm.nnx import _intercept
+from jax_brgemm.nnx.linear import kernel_and_bias
 from jax_brgemm.nnx.recurrent import rnn_call
 
 _RNN_KWARGS = {"initial_carry", "seq_lengths", "return_carry", "time_major", "reverse",
@@ -35,7 +37,7 @@ def linear(module, next_call, args, kwargs):
     why = _one_input(module, args, kwargs)
     y = None
     if not why:
-        y, why = _adapt.linear(module, args[0], None)
+        y, why = jbnn.dense_on_kernels(module, args[0], *kernel_and_bias(module))
     return (y, "") if y is not None else (next_call(*args, **kwargs), why)
 
 
@@ -45,10 +47,7 @@ def conv(module, next_call, args, kwargs):
         why = "inputs without spatial dims"
     y = None
     if not why:
-        try:
-            y, why = _adapt.conv(module, args[0], None)
-        except ValueError as e:  # e.g. a padding the stock layer rejects: it says so itself
-            y, why = None, str(e)
+        y, why = jbnn.conv_on_kernels(module, args[0], *kernel_and_bias(module))
     return (y, "") if y is not None else (next_call(*args, **kwargs), why)
 
 

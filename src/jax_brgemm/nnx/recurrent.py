@@ -16,15 +16,15 @@ from flax.nnx.nn import initializers
 from flax.nnx.nn import linear as stock_linear
 from flax.nnx.nn import recurrent as stock_recurrent
 from flax.nnx.nn.linear import default_kernel_init
-from flax.nnx.nn.recurrent import flip_sequences
 from flax.nnx.transforms import iteration
 from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from jax import lax
 
 from jax_brgemm import _validate as check
+from jax_brgemm import nn as jbnn
+from jax_brgemm.nn import _adapt
 from jax_brgemm.nnx import _intercept
 from jax_brgemm.nnx.linear import _positive_int
-from jax_brgemm.ops.lstm import lstm
 
 Array = tp.Any
 
@@ -163,41 +163,12 @@ def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
                          f"{jax.tree.map(jnp.shape, initial_carry)}")
     c0, h0 = (jnp.asarray(a) for a in initial_carry)
     kernel_i, kernel_h, bias = params
-    try:  # the stock cell's computation dtype over the whole sequence
-        dtype = np.dtype(nnx_dtypes.canonicalize_dtype(
-            inputs, h0, kernel_i, kernel_h, bias, dtype=cell.dtype))
-    except ValueError as e:  # the stock computation raises it again
-        return fallback(f"dtype ({e})")
-    if dtype not in check.KERNEL_DTYPES:
-        return fallback(f"{dtype} computation")
-    return fused_lstm(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0), dtype=dtype,
-                      seq_lengths=seq_lengths, **opts), ""
-
-
-def fused_lstm(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, time_major=False,
-               reverse=False, keep_order=False, seq_lengths=None, return_carry=False):
-    """What ``flax.nnx.RNN`` over an LSTM cell computes on ``inputs`` (any number of batch
-    dims) as one ``jb.lstm`` call: the stock conventions for ``reverse`` / ``keep_order`` /
-    ``seq_lengths`` (which only changes the flips) and the stock output dtypes."""
-    features = kernel_h.shape[0]
-    batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
-    n = int(np.prod(batch_dims))
-    c0, h0 = initial_carry
-    # the stock cell's outputs take the dtype of f * c + i * g
-    out_dtype = jnp.result_type(dtype, c0.dtype, h0.dtype)
-    flip = dict(num_batch_dims=len(batch_dims), time_major=time_major)
-    if reverse:
-        inputs = flip_sequences(inputs, seq_lengths, **flip)
-    t = inputs.shape[0] if time_major else inputs.shape[-2]
-    x = inputs.reshape((t, n, -1) if time_major else (n, t, -1))
-    carry0 = (jnp.reshape(c0, (n, features)), jnp.reshape(h0, (n, features)))
-    (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
-                     dtype=dtype)
-    y = y.astype(out_dtype).reshape(inputs.shape[:-1] + (features,))
-    carry = (c.astype(out_dtype).reshape(c0.shape), h.astype(out_dtype).reshape(h0.shape))
-    if reverse and keep_order:
-        y = flip_sequences(y, seq_lengths, **flip)
-    return (carry, y) if return_carry else y
+    # the stock cell's computation dtype over the whole sequence
+    dtype, why = _adapt.computation_dtype(cell.dtype, inputs, h0, kernel_i, kernel_h, bias)
+    if dtype is None:
+        return fallback(why)
+    return jbnn.lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),
+                                dtype=dtype, seq_lengths=seq_lengths, **opts), ""
 
 
 class LSTM(RNN):
