@@ -1,5 +1,6 @@
 """A Flax layer's computation and parameters adapted to the kernels: what the modules of
-``jax_brgemm.nn`` and ``accelerate()`` (which runs stock Flax modules) share.
+``jax_brgemm.nn`` and ``jax_brgemm.nnx`` and ``accelerate()`` (which runs stock Flax
+modules) share, for linen and NNX layers alike.
 
 Every function answers ``(result, "")`` or ``(None, why not)``: a configuration the kernels
 cannot take falls back to the stock computation, and ``accelerate()`` reports the reason.
