@@ -8,8 +8,9 @@ from jax_brgemm.ops.lstm import lstm
 from jax_brgemm.memory import reuse_freed_memory
 from jax_brgemm.peak import peak_gflops
 from jax_brgemm import nn
+from jax_brgemm import nnx
 from jax_brgemm.accelerate import accelerate
 
-__all__ = ["accelerate", "brgemm", "conv2d", "dense", "export_safety_checks", "isa", "lstm", "nn", "peak_gflops",
-           "reuse_freed_memory"]
+__all__ = ["accelerate", "brgemm", "conv2d", "dense", "export_safety_checks", "isa", "lstm", "nn",
+           "nnx", "peak_gflops", "reuse_freed_memory"]
 __version__ = "0.1.0"

@@ -1,24 +1,27 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
 Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv`` and LSTM ``flax.linen.RNN``
-call that the kernels support computes with ``jax_brgemm.nn``'s layers on exactly the
-parameters the stock module created; everything else runs the stock module unchanged.
-Parameter creation (``init``) always runs the stock code, so the parameter trees, and
-checkpoints, are the stock ones by construction::
+call, and every ``flax.nnx.Linear``, ``flax.nnx.Conv`` and LSTM ``flax.nnx.RNN`` call, that
+the kernels support computes with the code of ``jax_brgemm.nn`` / ``jax_brgemm.nnx`` on
+exactly the parameters the stock module created; everything else runs the stock module
+unchanged. Parameter creation (linen's ``init``, NNX constructors) always runs the stock
+code, so the parameter trees, and checkpoints, are the stock ones by construction::
 
     model = MyFlaxModel()                      # written against flax.linen only
     params = model.init(key, x)                # the same tree inside the context or not
     with jax_brgemm.accelerate():
         y = jax.jit(model.apply)(params, x)    # Dense layers traced here run on the kernels
 
-The interception happens while JAX *traces*: a function jitted and traced outside the
-context keeps its stock computation when it is called inside it (and the other way round).
+The interception happens while JAX *traces*, in the thread that entered the context: a
+function jitted and traced outside the context keeps its stock computation when it is called
+inside it (and the other way round), and other threads are not affected.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -29,20 +32,26 @@ import numpy as np
 from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
 from jax_brgemm.nn import _adapt
+from jax_brgemm.nnx import _accelerate as nnx_rules
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One intercepted layer call: the module's path and class, and how it ran."""
+    """One intercepted layer call: the module's path (an NNX module, which has none: its
+    class and sizes) and class, and how it ran."""
 
     path: str
     layer: str
     accelerated: bool
     reason: str  # why it fell back to the stock module ("" when accelerated)
+    # the stock recurrent scan (or cell call) this call is one time step of, "" if none:
+    # such a layer runs on the kernels once per step, the recurrence itself stays stock
+    step_of: str = ""
 
     def __str__(self):
         how = "brgemm" if self.accelerated else f"stock ({self.reason})"
-        return f"{self.path or '<top>'} [{self.layer}]: {how}"
+        step = f", per step of {self.step_of}" if self.step_of else ""
+        return f"{self.path or '<top>'} [{self.layer}]: {how}{step}"
 
 
 class Accelerate(contextlib.ContextDecorator):
@@ -62,35 +71,93 @@ class Accelerate(contextlib.ContextDecorator):
         self.calls = []
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(nn.intercept_methods(self._intercept))
+        self._stack.enter_context(nnx_rules.intercept_calls(self._intercept_nnx))
         return self
 
     def __exit__(self, *exc):
         self._stack.close()
         if self.report:
             print(self.summary())
+            if not self.calls and exc[0] is None:
+                warnings.warn(_NOTHING_SEEN, stacklevel=2)
         return False
 
     def summary(self) -> str:
         fast = sum(c.accelerated for c in self.calls)
         lines = [f"jax_brgemm.accelerate: {fast} of {len(self.calls)} layer calls on the kernels"]
+        steps = sum(c.accelerated and bool(c.step_of) for c in self.calls)
+        if steps:
+            lines[0] += (f"; {steps} of them are layers inside stock recurrent scans, on the "
+                         f"kernels once per time step (the recurrence itself runs stock)")
         return "\n".join(lines + [f"  {c}" for c in self.calls])
 
-    def _record(self, module, accelerated, reason=""):
-        call = Call("/".join(module.scope.path) if module.scope else "", type(module).__name__,
-                    accelerated, reason)
+    def _add(self, call: Call):
         if call not in self.calls:
             self.calls.append(call)
 
+    def _record(self, module, accelerated, reason=""):
+        self._add(Call("/".join(module.scope.path) if module.scope else "",
+                       type(module).__name__, accelerated, reason,
+                       nnx_rules.enclosing_stock_scan() or ""))
+
     def _intercept(self, next_fun, args, kwargs, context):
         module = context.module
+        if module.scope is None or module.is_initializing():
+            return next_fun(*args, **kwargs)  # parameters are created by the stock code
+        if isinstance(module, nn.recurrent.RNNCellBase):
+            return self._cell_steps(module, next_fun, args, kwargs, context.method_name)
         rule = _RULES.get(type(module))
-        if rule is None or context.method_name != "__call__" or module.scope is None:
-            return next_fun(*args, **kwargs)
-        if module.is_initializing():  # parameters are created by the stock code
+        if rule is None or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         y, reason = rule(module, args, kwargs)
         self._record(module, y is not None, reason)
-        return next_fun(*args, **kwargs) if y is None else y
+        if y is not None:
+            return y
+        if type(module) is nn.RNN:  # the stock scan: its cell's layers run per step
+            with nnx_rules.stock_scan(_path(module) + f" [RNN over {type(module.cell).__name__}]",
+                                      reason):
+                return next_fun(*args, **kwargs)
+        return next_fun(*args, **kwargs)
+
+    def _cell_steps(self, cell, next_fun, args, kwargs, method):
+        """A linen RNN cell called by something other than an intercepted ``nn.RNN`` (a
+        ``nn.scan`` over the cell, as in Flax's sst2 example, or a loop): listed, with its
+        layers as per-step work."""
+        if (method != "__call__" or type(cell) not in _CELLS
+                or nnx_rules.enclosing_stock_scan()):
+            return next_fun(*args, **kwargs)
+        name = type(cell).__name__
+        why = f"{name} called step by step (nn.scan over the cell, or a loop)"
+        self._record(cell, False, why + "; nn.RNN over OptimizedLSTMCell / LSTMCell is fused")
+        with nnx_rules.stock_scan(f"{_path(cell)} [{name}]", why):
+            return next_fun(*args, **kwargs)
+
+    def _intercept_nnx(self, module, next_call, *args, **kwargs):
+        rule = nnx_rules.RULES.get(type(module))
+        if rule is not None:
+            y, reason = rule(module, next_call, args, kwargs)
+            self._add(Call(nnx_rules.describe(module), type(module).__name__, not reason,
+                           reason, nnx_rules.enclosing_stock_scan() or ""))
+            return y
+        if type(module) in nnx_rules.CELLS and not nnx_rules.enclosing_stock_scan():
+            why = f"{type(module).__name__} called step by step"
+            self._add(Call(nnx_rules.describe(module), type(module).__name__, False,
+                           why + "; nnx.RNN over OptimizedLSTMCell / LSTMCell is fused"))
+            with nnx_rules.stock_scan(nnx_rules.describe(module), why):
+                return next_call(*args, **kwargs)
+        return next_call(*args, **kwargs)
+
+
+_NOTHING_SEEN = (
+    "jax_brgemm.accelerate(report=True) saw no layer call: nothing ran on the kernels. The "
+    "likely cause: the model's function was jitted and traced before the context was entered "
+    "(jax.jit / nnx.jit reuse that stock trace; trace it inside the context, or clear its "
+    "cache), or it ran in another thread, or the model has no flax Dense / Linear, Conv or "
+    "RNN layers.")
+
+
+def _path(module) -> str:
+    return ("/".join(module.scope.path) if module.scope else "") or "<top>"
 
 
 def accelerate(report: bool = False) -> Accelerate:
@@ -109,8 +176,16 @@ def accelerate(report: bool = False) -> Accelerate:
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
     ``seq_lengths`` with ``return_carry=True`` (each sequence's own last carry).
-    ``report=True`` prints, on exit, which calls ran
-    on the kernels and why the others did not (also in ``.calls``).
+
+    NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
+    over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
+    see there), under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and ``nnx.scan``.
+
+    ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
+    not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
+    when the context saw no layer call at all. A recurrent cell run step by step (``nn.scan``
+    over a cell, a stock RNN fallback, a loop) is listed with its reason, and the layers
+    inside it, which run on the kernels once per time step, say so.
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
     """
@@ -206,5 +281,7 @@ def _rnn(module: nn.RNN, args, kwargs):
 
 
 _RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn}
+_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCell,
+          nn.ConvLSTMCell)
 
 __all__ = ["accelerate", "Accelerate", "Call"]

@@ -65,5 +65,30 @@ RULES: dict[type, Callable[..., Any]] = {
     stock_recurrent.RNN: rnn,
 }
 
-intercept_calls = _intercept.intercept_calls
+#: The stock cells: called by anything but an intercepted RNN (a loop, ``nnx.scan``), their
+#: layers are per-step work, which a report says.
+CELLS = (stock_recurrent.OptimizedLSTMCell, stock_recurrent.LSTMCell, stock_recurrent.GRUCell,
+         stock_recurrent.SimpleCell)
+
+stock_scan = _intercept.stock_scan
 enclosing_stock_scan = _intercept.enclosing_stock_scan
+
+
+def intercept_calls(interceptor):
+    """Within the context, in this thread, calls of the ``RULES`` and ``CELLS`` classes go
+    through ``interceptor(module, next_call, *args, **kwargs)``."""
+    return _intercept.intercept_calls(interceptor, (*RULES, *CELLS))
+
+
+def describe(module) -> str:
+    """A name for an NNX layer in a report (NNX modules do not know their path): the class
+    and its sizes, e.g. ``nnx.Linear(784 -> 128)``."""
+    name = f"nnx.{type(module).__name__}"
+    if isinstance(module, stock_recurrent.RNN):
+        return f"{name}({describe(module.cell)})"
+    sizes = [getattr(module, a, None) for a in ("in_features", "out_features",
+                                                 "hidden_features")]
+    text = " -> ".join(str(v) for v in sizes if v is not None)
+    if isinstance(module, stock_linear.Conv):
+        text += f", kernel {tuple(module.kernel_size)}"
+    return f"{name}({text})"
