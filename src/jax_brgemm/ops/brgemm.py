@@ -11,7 +11,7 @@ import numpy as np
 from jax_brgemm import _validate as check
 from jax_brgemm.ops import partitioning
 
-_F32, _BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+_F32, _BF16, _F64 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)
 
 
 def brgemm(a, b, c=None, *, out_dtype=None):
@@ -25,14 +25,16 @@ def brgemm(a, b, c=None, *, out_dtype=None):
         inputs, bfloat16. Defaults to ``c.dtype`` when ``c`` is given.
 
     Leading dims broadcast numpy-style. Returns ``(..., M, N)``. Any size of 0 (a leading
-    dim, B, M, K or N) gives what ``jnp.einsum`` gives, computed in XLA.
+    dim, B, M, K or N) gives what ``jnp.einsum`` gives, computed in XLA; so does float64
+    (which exists with ``jax_enable_x64`` only: a NumPy float64 array is float32 otherwise,
+    as JAX canonicalizes it), with a float64 result and ``c``.
 
     Differentiable to any order in reverse mode (the backward is BRGEMM calls, themselves
     differentiable); forward mode (``jax.jvp``) is not supported.
     """
     op = "jb.brgemm"
-    a = check.array(a, "a", op)
-    b = check.array(b, "b", op)
+    a = check.array(a, "a", op, check.OP_DTYPES)
+    b = check.array(b, "b", op, check.OP_DTYPES)
     check.same_dtype(op, a=a, b=b)
     check.rank(a, "a", op, "(..., B, M, K)", at_least=3)
     check.rank(b, "b", op, "(..., B, K, N)", at_least=3)
@@ -41,7 +43,7 @@ def brgemm(a, b, c=None, *, out_dtype=None):
         raise ValueError(f"{op}: a {a.shape} and b {b.shape} disagree on the batch B or "
                          f"the reduced size K: expected (..., B, M, K) and (..., B, K, N)")
     if c is not None:
-        c = check.array(c, "c", op)
+        c = check.array(c, "c", op, check.OP_DTYPES)
     out = _out_dtype(op, a.dtype, c, out_dtype)
     leads = {"a": a.shape[:-3], "b": b.shape[:-3]}
     if c is not None:
@@ -50,7 +52,7 @@ def brgemm(a, b, c=None, *, out_dtype=None):
             raise ValueError(f"{op}: c must be (..., M, N) = (..., {m}, {n}), got {c.shape}")
         leads["c"] = c.shape[:-2]
     lead = check.broadcast(op, **leads)
-    if 0 in (nb, m, k, n) or 0 in lead:
+    if 0 in (nb, m, k, n) or 0 in lead or a.dtype == _F64:
         return _brgemm_xla(a, b, c, out)
     if c is None:
         return _brgemm(a, b, out)
@@ -59,6 +61,16 @@ def brgemm(a, b, c=None, *, out_dtype=None):
 
 def _out_dtype(op, ab_dtype, c, out_dtype):
     """The result dtype, with the error naming the argument that asked for it."""
+    if ab_dtype == _F64:  # x64: computed in XLA, in float64 throughout
+        if out_dtype is not None:
+            check.dtype(out_dtype, "out_dtype", op, (_F64,))
+        if c is not None and c.dtype != _F64:
+            raise TypeError(f"{op}: c has dtype {c.dtype}, but float64 a and b give a float64 "
+                            f"result; pass c as float64")
+        return _F64
+    if c is not None and c.dtype == _F64:
+        raise TypeError(f"{op}: c must be {np.dtype(ab_dtype).name} or float32 with "
+                        f"{np.dtype(ab_dtype).name} a and b, got float64")
     if out_dtype is not None:
         out = check.dtype(out_dtype, "out_dtype", op)
         if ab_dtype == _F32 and out != _F32:
@@ -77,10 +89,12 @@ def _out_dtype(op, ab_dtype, c, out_dtype):
 
 
 def _brgemm_xla(a, b, c, out_dtype):
-    """What the kernel computes, in XLA: for sizes the kernel does not take (0)."""
-    y = jnp.einsum("...bmk,...bkn->...mn", a, b, preferred_element_type=jnp.float32)
+    """What the kernel computes, in XLA: for sizes the kernel does not take (0) and for
+    float64."""
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    y = jnp.einsum("...bmk,...bkn->...mn", a, b, preferred_element_type=acc)
     if c is not None:
-        y = y + c.astype(jnp.float32)
+        y = y + c.astype(acc)
     return y.astype(out_dtype)
 
 

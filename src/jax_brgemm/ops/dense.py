@@ -46,13 +46,14 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
       in float32 without a bfloat16 rounding in between.
 
     Sizes of 0 (no rows, C = 0 or K = 0) compute what ``x @ kernel + bias`` computes, in
-    XLA: an empty result, or for C = 0 the activation of the bias.
+    XLA: an empty result, or for C = 0 the activation of the bias. So does float64 (NumPy's
+    default is float32 here, as JAX canonicalizes it, unless ``jax_enable_x64`` is on).
     """
     op = "jb.dense"
-    x = check.array(x, "x", op)
-    kernel = check.array(kernel, "kernel", op)
+    x = check.array(x, "x", op, check.OP_DTYPES)
+    kernel = check.array(kernel, "kernel", op, check.OP_DTYPES)
     if bias is not None:
-        bias = check.array(bias, "bias", op)
+        bias = check.array(bias, "bias", op, check.OP_DTYPES)
     act = check.activation(activation, op)
     check.rank(x, "x", op, "(..., C)", at_least=1)
     check.rank(kernel, "kernel", op, "(C, K)", exactly=2)
@@ -62,10 +63,10 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
                          f"{kernel.shape} expects C = {c}")
     if bias is not None:
         check.shape(bias, "bias", op, (k,), "(K,)")
-    dtype = check.compute_dtype(op, dtype, x, kernel, bias)
+    dtype = check.compute_dtype(op, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
 
     lead = x.shape[:-1]
-    if x.size == 0 or kernel.size == 0:
+    if x.size == 0 or kernel.size == 0 or dtype not in check.KERNEL_DTYPES:
         return _dense_xla(x, kernel, bias, activation, dtype)
     x2 = x.astype(dtype).reshape((-1, c))
     y, _ = fc_passes.forward(x2, kernel, bias, act)
@@ -73,10 +74,12 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
 
 
 def _dense_xla(x, kernel, bias, activation, dtype):
-    """What the kernels compute, in XLA: for sizes the kernels do not take (0)."""
-    y = jnp.matmul(x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
+    """What the kernels compute, in XLA: for sizes the kernels do not take (0) and for
+    float64."""
+    acc = jnp.promote_types(dtype, jnp.float32)
+    y = jnp.matmul(x.astype(dtype), kernel.astype(dtype), preferred_element_type=acc)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(acc)
     return _activations.apply(activation, y).astype(dtype)
 
 
