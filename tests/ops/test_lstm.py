@@ -249,7 +249,62 @@ def test_lstm_bad_input():
         jb.lstm(x, wi.astype(jnp.float16), wh, b)
     with pytest.raises(ValueError, match=r"kernel_i must have shape \(C, 4K\)"):
         jb.lstm(x, wi[:-1], wh, b)
-    with pytest.raises(ValueError, match="no features"):
-        jb.lstm(x[:, :, :0], wi[:0], wh, b)
     with pytest.raises(ValueError, match="inputs must be"):
         jb.nn.LSTM(5).init(jax.random.key(0), x[0])
+
+
+@pytest.mark.parametrize("n,t,c,k", [(0, 3, 4, 5), (2, 0, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0), (0, 0, 0, 0)])
+@pytest.mark.parametrize("time_major", [False, True])
+def test_lstm_zero_sizes_compute_what_the_scan_computes(n, t, c, k, time_major):
+    """Any size of 0 (N, T, C or K) gives the stock scan's result and gradients."""
+    args = _args(jax.random.key(1), n, t, c, k, time_major)
+    ref = lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
+    close(_ours(time_major)(*args), ref(*args), 2e-5)
+    close(_loss(_ours(time_major), time_major)(*args), _loss(ref, time_major)(*args), 1e-5)
+
+
+def _penalty(fn, time_major):
+    """grad of grad: the first derivative (w.r.t. x and the weights) inside a loss,
+    differentiated again w.r.t. every argument, the initial carry included."""
+    first = jax.grad(lambda *a: _scalar(fn(*a)), argnums=(0, 1, 2))
+
+    def outer(*a):
+        return sum(jnp.sum(jnp.sin(g)) for g in first(*a))
+    return jax.grad(outer, argnums=range(6))
+
+
+def _scalar(out):
+    (c, h), y = out
+    return jnp.sum(y * jnp.sin(3 * y)) + jnp.sum(jnp.tanh(c) * h) + jnp.sum(h * h)
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("n,t,c,k", [(3, 4, 5, 6), (2, 1, 3, 17)])
+def test_lstm_grad_of_grad_matches_the_scan(n, t, c, k, time_major):
+    args = _args(jax.random.key(n + k), n, t, c, k, time_major)
+    ref = lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
+    want = jax.jit(_penalty(ref, time_major))(*args)
+    close(jax.jit(_penalty(_ours(time_major), time_major))(*args), want, 2e-4)
+    # under vmap with shared weights too
+    shared = (0, None, None, None, 0, None)
+    xs, c0s = jnp.stack([args[0], -args[0]]), jnp.stack([args[4], 0.5 * args[4]])
+    close(jax.vmap(_penalty(_ours(time_major), time_major), shared)(xs, *args[1:4], c0s, args[5]),
+          jax.vmap(_penalty(ref, time_major), shared)(xs, *args[1:4], c0s, args[5]), 2e-4)
+
+
+def test_lstm_third_order_matches_the_scan():
+    args = _args(jax.random.key(9), 2, 3, 3, 4)
+    x = args[0]
+
+    def third(fn):
+        f = lambda x: _scalar(fn(x, *args[1:]))  # noqa: E731
+        return jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x) ** 2))(x)
+    close(third(_ours(False)), third(scan_lstm), 2e-4)
+
+
+def test_lstm_first_order_backward_stays_on_the_kernels():
+    """The backward of a first-order gradient is the bptt call and two FC passes, no scan."""
+    args = _args(jax.random.key(0), 3, 4, 5, 6)
+    hlo = _loss(_ours(False), False).lower(*args).as_text()
+    assert hlo.count("jb_lstm_fwd") == 1 and hlo.count("jb_lstm_bptt") == 1
+    assert "while" not in hlo

@@ -61,50 +61,75 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
       ``(carry, y)``: ``carry = (c_T, h_T)`` with ``c_T`` float32 and ``h_T`` ``(N, K)`` in
       the computation dtype, and ``y`` every ``h_t``, shaped like ``x`` with K features.
       Differentiable in ``x``, both kernels, the bias and the initial carry, from ``y`` and
-      from the final carry.
+      from the final carry, to any order in reverse mode: the first derivative on the
+      kernels, higher ones through the reference scan's derivatives in XLA.
+
+    Sizes of 0 (N, T, C or K) compute what the stock scan computes, in XLA (for T = 0 the
+    initial carry passes through); so does float64 (with ``jax_enable_x64``: a NumPy
+    float64 array is float32 otherwise, as JAX canonicalizes it), with a float64 cell state.
     """
     op = "jb.lstm"
-    x = check.array(x, "x", op)
-    kernel_i = check.array(kernel_i, "kernel_i", op)
-    kernel_h = check.array(kernel_h, "kernel_h", op)
-    bias = check.array(bias, "bias", op)
+    x = check.array(x, "x", op, check.OP_DTYPES)
+    kernel_i = check.array(kernel_i, "kernel_i", op, check.OP_DTYPES)
+    kernel_h = check.array(kernel_h, "kernel_h", op, check.OP_DTYPES)
+    bias = check.array(bias, "bias", op, check.OP_DTYPES)
     check.rank(x, "x", op, "(T, N, C)" if time_major else "(N, T, C)", exactly=3)
     check.rank(kernel_h, "kernel_h", op, "(K, 4K)", exactly=2)
     k = kernel_h.shape[0]
-    if k < 1 or kernel_h.shape[1] != 4 * k:
-        raise ValueError(f"{op}: kernel_h must be (K, 4K) with K >= 1, got shape {kernel_h.shape}")
+    if kernel_h.shape[1] != 4 * k:
+        raise ValueError(f"{op}: kernel_h must be (K, 4K), got shape {kernel_h.shape}")
     t, n, c = (x.shape if time_major else (x.shape[1], x.shape[0], x.shape[2]))
-    if c < 1:
-        raise ValueError(f"{op}: x {x.shape} has no features (C = 0)")
     check.rank(kernel_i, "kernel_i", op, "(C, 4K)", exactly=2)
     check.shape(kernel_i, "kernel_i", op, (c, 4 * k), "(C, 4K)")
     check.shape(bias, "bias", op, (4 * k,), "(4K,)")
-    dtype = check.compute_dtype(op, dtype, x, kernel_i, kernel_h)
+    dtype = check.compute_dtype(op, dtype, x, kernel_i, kernel_h, dtypes=check.OP_DTYPES)
+    # the cell state's dtype: float32 on the kernels, float64 in float64
+    state = jnp.promote_types(dtype, jnp.float32)
     x = x.astype(dtype)
     # The kernels go in as they are (cast while re-blocked) when both share a dtype.
     wdt = jnp.result_type(kernel_i, kernel_h)
     kernel_i, kernel_h = kernel_i.astype(wdt), kernel_h.astype(wdt)
-    bias = bias.astype(jnp.float32)
+    bias = bias.astype(state)
 
     if initial_carry is None:
-        c0 = jnp.zeros((n, k), jnp.float32)
+        c0 = jnp.zeros((n, k), state)
         h0 = jnp.zeros((n, k), dtype)
     else:
         if not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2:
             raise ValueError(f"{op}: initial_carry must be a pair (c0, h0) of (N, K) arrays")
-        floats = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
+        floats = (*check.OP_DTYPES, np.dtype(np.float16))
         c0 = check.array(initial_carry[0], "initial_carry[0] (c0)", op, floats)
         h0 = check.array(initial_carry[1], "initial_carry[1] (h0)", op, floats)
         check.shape(c0, "initial_carry[0] (c0)", op, (n, k), "(N, K)")
         check.shape(h0, "initial_carry[1] (h0)", op, (n, k), "(N, K)")
-        c0 = c0.astype(jnp.float32)
+        c0 = c0.astype(state)
         h0 = h0.astype(dtype)
 
-    if n == 0 or t == 0:  # nothing to run: an empty output, the carry passes through
-        y = jnp.zeros(((t, n, k) if time_major else (n, t, k)), dtype)
-        return (c0, h0), y
+    if min(n, t, c, k) < 1 or dtype not in check.KERNEL_DTYPES:
+        return reference(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major))
     (c_t, h_t), y = _lstm(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major))
     return (c_t, h_t), y
+
+
+def reference(x, wi, wh, b, c0, h0, time_major):
+    """What the kernels compute, as ``flax.linen.OptimizedLSTMCell`` in a ``lax.scan``:
+    products in ``x``'s dtype accumulated in ``c0``'s (the cell state's: float32, or
+    float64), element-wise math in it, ``h`` in ``x``'s dtype. For the sizes and dtypes the
+    kernels do not take (a size of 0, float64), and for derivatives of order two and more."""
+    state = c0.dtype
+    wi, wh = wi.astype(x.dtype), wh.astype(x.dtype)
+
+    def step(carry, xt):
+        cs, h = carry
+        z = (jnp.matmul(xt, wi, preferred_element_type=state)
+             + jnp.matmul(h, wh, preferred_element_type=state) + b.astype(state))
+        i, f, g, o = jnp.split(z, 4, axis=-1)
+        cs = jax.nn.sigmoid(f) * cs + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = (jax.nn.sigmoid(o) * jnp.tanh(cs)).astype(x.dtype)
+        return (cs, h), h
+
+    carry, y = jax.lax.scan(step, (c0, h0), x if time_major else jnp.swapaxes(x, 0, 1))
+    return carry, (y if time_major else jnp.swapaxes(y, 0, 1))
 
 
 # --- the custom calls --------------------------------------------------------------------
@@ -241,6 +266,16 @@ def _bptt_vmappable(time_major):
     return bptt
 
 
+# --- differentiation ----------------------------------------------------------------------
+# First order runs on the kernels: the forward saves what bptt reads, the backward is bptt
+# and two fully-connected passes. The backward is itself a custom_vjp whose own backward
+# differentiates the reference's VJP in XLA, so grad of grad (and higher) is exact through
+# stock autodiff. The saved tensors are functions of the arguments that the backward's
+# derivative accounts for through the arguments themselves: their cotangents are zero.
+# Every fwd rule computes its outputs by calling its own custom_vjp function, so an outer
+# differentiation never meets a bare custom call.
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _lstm(x, wi, wh, b, c0, h0, time_major):
     y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, save=False)
@@ -248,16 +283,43 @@ def _lstm(x, wi, wh, b, c0, h0, time_major):
 
 
 def _lstm_fwd(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, gates, cs, xh = forward_call(x, wi, wh, b, c0, h0, time_major, save=True)
-    return ((c_t, h_t), y), (wi, wh, gates, cs, c0, xh)
+    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, time_major)
+    return ((c_t, h_t), y), (x, wi, wh, b, c0, h0, *saved)
 
 
 def _lstm_bwd(time_major, res, g):
-    wi, wh, gates, cs, c0, xh = res
     (dc_t, dh_t), dy = g
+    return _backward(*res, dc_t, dh_t, dy, time_major)
+
+
+_lstm.defvjp(_lstm_fwd, _lstm_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _forward_saving(x, wi, wh, b, c0, h0, time_major):
+    """``(y, c_T, h_T, gates, cell states, xh)``: the forward that saves for bptt."""
+    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, save=True))
+
+
+def _forward_saving_fwd(x, wi, wh, b, c0, h0, time_major):
+    outs = _forward_saving(x, wi, wh, b, c0, h0, time_major)
+    return outs, (x, wi, wh, b, c0, h0, *outs[3:])
+
+
+def _forward_saving_bwd(time_major, res, g):
+    dy, dc_t, dh_t, *_ = g  # the saved tensors' cotangents are zero (see above)
+    return _backward(*res, dc_t, dh_t, dy, time_major)
+
+
+_forward_saving.defvjp(_forward_saving_fwd, _forward_saving_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major):
+    """The gradients of x, wi, wh, b, c0, h0 from the cotangents of c_T, h_T and y."""
     dt = xh.dtype
     da, db, dc0, dh0 = bptt_call(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
-                             dh_t.astype(dt), time_major)
+                                 dh_t.astype(dt), time_major)
     c, k = wi.shape[0], wh.shape[0]
     rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
@@ -266,7 +328,26 @@ def _lstm_bwd(time_major, res, g):
     # every step, one GEMM reducing over all rows into C + K output rows; da is read once.
     dwr = fc_passes.weight_update_call(xh.reshape(rows, xh.shape[2]), da2, (c + k, 4 * k),
                                        wi.dtype, False)[0]
-    return dx, dwr[:c], dwr[c:], db, dc0, dh0
+    return (dx.astype(x.dtype), dwr[:c], dwr[c:], db.astype(b.dtype), dc0.astype(c0.dtype),
+            dh0.astype(h0.dtype))
 
 
-_lstm.defvjp(_lstm_fwd, _lstm_bwd)
+def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major):
+    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major)
+    return grads, (x, wi, wh, b, c0, h0, dc_t, dh_t, dy)
+
+
+def _backward_bwd(time_major, res, g):
+    args, cotangents = res[:6], res[6:]
+
+    def reference_vjp(args, cotangents):
+        dc_t, dh_t, dy = cotangents
+        _, vjp = jax.vjp(lambda *a: reference(*a, time_major), *args)
+        return vjp(((dc_t, dh_t), dy))
+
+    _, vjp = jax.vjp(reference_vjp, args, cotangents)
+    d_args, d_cotangents = vjp(tuple(g))
+    return (*d_args, None, None, None, *d_cotangents)
+
+
+_backward.defvjp(_backward_fwd, _backward_bwd)
