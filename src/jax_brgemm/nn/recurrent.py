@@ -10,10 +10,9 @@ import numpy as np
 from flax.linen import initializers
 from flax.linen.linear import default_kernel_init
 from flax.linen.module import Module, compact
-from flax.linen.recurrent import DenseParams, flip_sequences
+from flax.linen.recurrent import RNN, DenseParams, OptimizedLSTMCell, flip_sequences
 from flax.typing import Array, Dtype, Initializer
 
-from jax_brgemm import _validate as check
 from jax_brgemm.nn import _adapt
 from jax_brgemm.ops.lstm import lstm
 
@@ -72,9 +71,10 @@ class LSTM(Module):
       return_carry: return ``(carry, outputs)`` instead of the outputs (default: False).
       reverse: process the sequence from last to first (default: False).
       keep_order: with ``reverse``, return the outputs in the original order.
-      dtype: the computation dtype, float32 or bfloat16 (default: infer from inputs and
-        params). bfloat16 multiplies with float32 accumulation; the cell state and the
-        element-wise math are float32 either way.
+      dtype: the computation dtype (default: infer from inputs and params). float32 and
+        bfloat16 run on the kernels: bfloat16 multiplies with float32 accumulation, the
+        cell state and the element-wise math are float32 either way. Other dtypes
+        (float16, float64) compute as the stock module does.
       param_dtype: the dtype passed to parameter initializers (default: float32).
       kernel_init, recurrent_kernel_init, bias_init, carry_init: as
         ``flax.linen.OptimizedLSTMCell``'s.
@@ -124,10 +124,25 @@ class LSTM(Module):
             mem_shape = tuple(batch_dims) + (self.features,)
             initial_carry = (self.carry_init(key1, mem_shape, self.param_dtype),
                              self.carry_init(key2, mem_shape, self.param_dtype))
-        dtype = check.compute_dtype("jb.nn.LSTM", self.dtype, inputs, kernel_i, bias)
+        dtype, _ = _adapt.computation_dtype(self.dtype, inputs, kernel_i, bias)
+        if dtype is None:  # a dtype the kernels do not take (float16, float64): stock
+            return self._stock(inputs, kernel_i, kernel_h, bias, initial_carry, time_major=time_major,
+                               reverse=reverse, keep_order=keep_order, seq_lengths=seq_lengths,
+                               return_carry=return_carry)
         return lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, dtype=dtype,
                                time_major=time_major, reverse=reverse, keep_order=keep_order,
                                seq_lengths=seq_lengths, return_carry=return_carry)
+
+    def _stock(self, inputs, kernel_i, kernel_h, bias, initial_carry, **call):
+        """``flax.linen.RNN(OptimizedLSTMCell)``'s own computation on these parameters."""
+        k = self.features
+        cell = {}
+        for j, gate in enumerate(_adapt.GATES):
+            cols = slice(j * k, (j + 1) * k)
+            cell[f"i{gate}"] = {"kernel": kernel_i[:, cols]}
+            cell[f"h{gate}"] = {"kernel": kernel_h[:, cols], "bias": bias[cols]}
+        stock = RNN(OptimizedLSTMCell(k, dtype=self.dtype, param_dtype=self.param_dtype))
+        return stock.apply({"params": {"cell": cell}}, inputs, initial_carry=initial_carry, **call)
 
 
 def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, time_major=False,
@@ -148,8 +163,9 @@ def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, t
     if reverse:
         inputs = flip_sequences(inputs, seq_lengths, num_batch_dims=len(batch_dims),
                                 time_major=time_major)
-    t = inputs.shape[0] if time_major else inputs.shape[-2]
-    x = inputs.reshape((t, n, -1) if time_major else (n, t, -1))
+    t, c = (inputs.shape[0] if time_major else inputs.shape[-2]), inputs.shape[-1]
+    # explicit sizes: a -1 cannot be inferred when N or T is 0
+    x = inputs.astype(dtype).reshape((t, n, c) if time_major else (n, t, c))
     carry0 = (jnp.reshape(c0, (n, features)), jnp.reshape(h0, (n, features)))
     (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
                      dtype=dtype)
