@@ -14,7 +14,6 @@ Writes bench/results/<cpu-kind>/accelerate.{json,png}.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import flax.linen as nn
@@ -27,9 +26,13 @@ import common
 import jax_brgemm as jb
 
 
-class MLP(nn.Module):
+class Model(nn.Module):
+    """A benchmark model built of stock Flax layers, computing in `dtype`."""
+
     dtype: object = None
 
+
+class MLP(Model):
     @nn.compact
     def __call__(self, x, train=True):
         x = x.reshape((x.shape[0], -1))
@@ -38,9 +41,7 @@ class MLP(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(x)
 
 
-class CNN(nn.Module):
-    dtype: object = None
-
+class CNN(Model):
     @nn.compact
     def __call__(self, x, train=True):
         x = nn.relu(nn.Conv(32, (3, 3), dtype=self.dtype)(x))
@@ -52,9 +53,7 @@ class CNN(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(x)
 
 
-class ResNet(nn.Module):
-    dtype: object = None
-
+class ResNet(Model):
     @nn.compact
     def __call__(self, x, train=True):
         norm = lambda: nn.BatchNorm(use_running_average=not train, dtype=self.dtype)
@@ -68,9 +67,7 @@ class ResNet(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
 
 
-class RNN(nn.Module):  # an RNN classifier: images as 28 rows of 28 pixels, 2 LSTM-128 + Dense
-    dtype: object = None
-
+class RNN(Model):  # an RNN classifier: images as 28 rows of 28 pixels, 2 LSTM-128 + Dense
     @nn.compact
     def __call__(self, x, train=True):
         x = x.reshape(x.shape[:3])
@@ -116,9 +113,7 @@ def contenders(name, dtype):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--min-time", type=float, default=0.2)
+    p = common.arg_parser(__doc__, 9, 0.2)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args(argv)
     rows = []

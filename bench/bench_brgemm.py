@@ -10,7 +10,6 @@ measured by the probe in the same run. Writes bench/results/<cpu-kind>/brgemm.{j
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
@@ -60,10 +59,8 @@ def operands(shape, dtype, calls, seed):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=15)
+    p = common.arg_parser(__doc__, 15, 0.05)
     p.add_argument("--calls", type=int, default=8)
-    p.add_argument("--min-time", type=float, default=0.05)
     args = p.parse_args(argv)
 
     peak = common.measure_peak()

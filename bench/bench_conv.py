@@ -31,7 +31,6 @@ and conv.png (training steps per layer), conv_passes.png (weighted efficiency pe
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import jax
@@ -140,10 +139,8 @@ def contenders(n, h, c, k, r, stride, dtype, torch):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser(__doc__, 7, 0.1)
     p.add_argument("--n", type=int, default=4, help="mini-batch (default 4)")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--min-time", type=float, default=0.1)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--quick", action="store_true", help=f"layers {QUICK} only")
     p.add_argument("--layers", default="", help="comma-separated layer ids (default: all)")

@@ -23,9 +23,6 @@ Writes bench/results/<cpu-kind>/fc.json and fc.png (layer steps), fc_passes.png,
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -154,16 +151,8 @@ def mlp_contenders(n, features, dtype, torch):
 
 # --- running and reporting ----------------------------------------------------------------
 
-def summarize(samples, flops):
-    return {"seconds": {k: common.stats(v) for k, v in samples.items()},
-            "gflops": {k: flops / statistics.median(v) / 1e9 for k, v in samples.items()},
-            "gflops_range": {k: [flops / max(v) / 1e9, flops / min(v) / 1e9] for k, v in samples.items()}}
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--min-time", type=float, default=0.1)
+    p = common.arg_parser(__doc__, 9, 0.1)
     p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
     args = p.parse_args(argv)
     torch = common.torch_or_none()
@@ -184,7 +173,7 @@ def main(argv=None):
                 samples = common.interleaved(fns, fargs, repeats=args.repeats, min_time=args.min_time)
                 flops = 2.0 * n * c * c * (3 if pas == "step" else 1)
                 row = {"dtype": dname, "n": n, "c": c, "k": c, "pass": pas, "flops": flops,
-                       **summarize(samples, flops)}
+                       **common.summarize(samples, flops)}
                 row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
                 row["peak_fraction_fp32"] = row["gflops"]["jax_brgemm"] / peak["float32"]
                 row["vs_flax"] = row["gflops"]["jax_brgemm"] / row["gflops"]["flax"]
@@ -204,7 +193,7 @@ def main(argv=None):
                                          repeats=args.repeats, min_time=args.min_time)
             widths = (784, *features, 10)
             flops = 6.0 * n * sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-            row = {"dtype": dname, "n": n, "widths": list(widths), "flops": flops, **summarize(samples, flops)}
+            row = {"dtype": dname, "n": n, "widths": list(widths), "flops": flops, **common.summarize(samples, flops)}
             med = {k: v["median"] for k, v in row["seconds"].items()}
             row["vs_flax"] = med["flax"] / med["jax_brgemm"]
             row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]

@@ -25,8 +25,6 @@ Writes bench/results/<cpu-kind>/<name>.json and .png.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 
 import flax.linen as fnn
 import jax
@@ -83,16 +81,8 @@ def contenders(n, c, dtype, torch):
     return out, gemm
 
 
-def summarize(samples, flops):
-    return {"seconds": {k: common.stats(v) for k, v in samples.items()},
-            "gflops": {k: flops / statistics.median(v) / 1e9 for k, v in samples.items()},
-            "gflops_range": {k: [flops / max(v) / 1e9, flops / min(v) / 1e9] for k, v in samples.items()}}
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--min-time", type=float, default=0.2)
+    p = common.arg_parser(__doc__, 7, 0.2)
     p.add_argument("--quick", action="store_true", help="C=K=512, N=168 only, fewer repeats")
     p.add_argument("--n", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--c", type=int, nargs="+", default=list(WIDTHS))
@@ -124,7 +114,7 @@ def main(argv=None):
                     samples = common.interleaved(fns, fargs, repeats=args.repeats, min_time=args.min_time)
                     flops = fwd_flops * (3 if pas == "train" else 1)
                     row = {"dtype": dname, "t": T, "n": n, "c": c, "k": c, "pass": pas, "flops": flops,
-                           **summarize(samples, flops)}
+                           **common.summarize(samples, flops)}
                     g = row["gflops"]
                     row["peak_fraction"] = g["jax_brgemm"] / peak[dname]
                     row["peak_fraction_fp32"] = g["jax_brgemm"] / peak["float32"]

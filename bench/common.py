@@ -6,6 +6,7 @@ repeated runs in one process (min / median / max), side by side with the stock b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -95,6 +96,23 @@ def torch_or_none():
 
 def stats(samples) -> dict:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
+
+
+def summarize(samples: dict, flops: float) -> dict:
+    """Seconds and GFLOP/s (median and range) per contender, for a results row."""
+    return {"seconds": {k: stats(v) for k, v in samples.items()},
+            "gflops": {k: flops / statistics.median(v) / 1e9 for k, v in samples.items()},
+            "gflops_range": {k: [flops / max(v) / 1e9, flops / min(v) / 1e9] for k, v in samples.items()}}
+
+
+def arg_parser(doc: str, repeats: int, min_time: float | None = None) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring as help, --repeats and (when it times loops)
+    --min-time with the script's defaults."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=repeats)
+    if min_time is not None:
+        p.add_argument("--min-time", type=float, default=min_time)
+    return p
 
 
 def interleaved(fns: dict, args: dict, repeats: int = 15, min_time: float = 0.05) -> dict:

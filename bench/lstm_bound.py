@@ -20,7 +20,6 @@ allow. Prints medians and ranges of the rounds; writes bench/results/<cpu-kind>/
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -61,11 +60,9 @@ def gemms(n, c, torch):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser(__doc__, 7, 0.2)
     p.add_argument("--n", type=int, nargs="+", default=[168])
     p.add_argument("--c", type=int, nargs="+", default=[256, 512, 1024])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--min-time", type=float, default=0.2)
     p.add_argument("--name", default="lstm_bound", help="results file name (bench/results/<cpu-kind>/NAME.json)")
     args = p.parse_args(argv)
     torch = common.torch_or_none()

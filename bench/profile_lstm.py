@@ -22,7 +22,6 @@ Interleaved, medians and ranges over `--repeats` rounds. Prints a table; writes 
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 
@@ -84,12 +83,10 @@ def faults_per_call(fn, args, calls=3):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.arg_parser(__doc__, 7, 0.2)
     p.add_argument("--n", type=int, default=168)
     p.add_argument("--c", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--min-time", type=float, default=0.2)
     args = p.parse_args(argv)
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
 
