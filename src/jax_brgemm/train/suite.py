@@ -208,28 +208,23 @@ def _lstm_model(impl, dtype):
     return LSTMClassifier(features=(128, 128), num_classes=10, impl=impl, dtype=dtype)
 
 
-MLP = _fashion_mnist(
-    "flat",
-    name="mlp",
-    description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
-    model=_mlp_model,
-    target=0.90,
-    max_epochs=16,
-    hparams=_hparams(256, "sgd", 0.05, 1.0, 16.0, **_image_optimizers(sgd_weight_decay=0.0)),
-    tunable=_tunable("sgd", "lars", "adam", "adamw", "lamb"),
-)
+def _image_classifier(layout: str, hparams: dict, sgd_weight_decay: float, **fields) -> Benchmark:
+    """An image benchmark (mlp, resnet): ``hparams`` (``_hparams``) plus the image
+    classifiers' per-optimizer references, and the same five optimizers tunable."""
+    hparams = {**hparams, **_image_optimizers(sgd_weight_decay)}
+    return _fashion_mnist(layout, hparams=hparams, tunable=_tunable("sgd", "lars", "adam", "adamw", "lamb"),
+                          **fields)
 
-RESNET = _fashion_mnist(
-    "nhwc",
-    name="resnet",
-    description="ResNet-8 (small images, width 16-64, BatchNorm) on Fashion-MNIST",
-    model=_resnet_model,
-    model_state=("batch_stats",),
-    target=0.90,
-    max_epochs=8,
-    hparams=_hparams(128, "sgd", 0.1, 0.5, 8.0, **_image_optimizers(sgd_weight_decay=5e-4)),
-    tunable=_tunable("sgd", "lars", "adam", "adamw", "lamb"),
-)
+
+MLP = _image_classifier(
+    "flat", _hparams(256, "sgd", 0.05, 1.0, 16.0), sgd_weight_decay=0.0,
+    name="mlp", description="MLP 784-1024-1024-1024-10 (ReLU) on Fashion-MNIST",
+    model=_mlp_model, target=0.90, max_epochs=16)
+
+RESNET = _image_classifier(
+    "nhwc", _hparams(128, "sgd", 0.1, 0.5, 8.0), sgd_weight_decay=5e-4,
+    name="resnet", description="ResNet-8 (small images, width 16-64, BatchNorm) on Fashion-MNIST",
+    model=_resnet_model, model_state=("batch_stats",), target=0.90, max_epochs=8)
 
 LSTM = _fashion_mnist(
     "rows",
