@@ -2,14 +2,18 @@
 
     python bench/bench_accelerate.py [--repeats 9] [--min-time 0.2]
 
-Four models written against flax.linen only, in the style of the Flax examples: an MLP
-784-1024-1024-1024-10, the MNIST example's CNN, a small ResNet with BatchNorm and an RNN
+Models written against stock Flax only, in the style of the Flax examples. In flax.linen: an
+MLP 784-1024-1024-1024-10, the MNIST example's CNN, a small ResNet with BatchNorm, an RNN
 classifier (2 stacked nn.RNN(nn.OptimizedLSTMCell(128)) over the 28 rows of an image, then
-Dense), trained on batches of 28x28 images (N=256 for the MLP and the RNN, 128 otherwise)
-with optax SGD + momentum,
-fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock"
-is traced outside the context, "accelerate" inside it; timed round-robin in one process.
-Writes bench/results/<cpu-kind>/accelerate.{json,png}.
+Dense) and the sst2 example's shape of text classifier (nn.Embed, a bidirectional nn.scan
+over nn.OptimizedLSTMCell(256), a Dense head) on 48 tokens. In flax.nnx: the NNX MNIST
+tutorial's CNN (two nnx.Conv, average pooling, two nnx.Linear) and the RNN classifier as
+nnx.RNN(nnx.OptimizedLSTMCell) + nnx.Linear. Trained on batches of 28x28 images (N=256 for
+the MLPs and the RNNs, 128 otherwise) or of token ids (N=64) with optax SGD + momentum, fp32
+and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
+traced outside the context, "accelerate" inside it; timed round-robin in one process. Each
+row has the layer calls that ran on the kernels out of those accelerate() saw (its report's
+records) and the ones left stock. Writes bench/results/<cpu-kind>/accelerate.{json,png}.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 
 import flax.linen as nn
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -76,7 +81,52 @@ class RNN(Model):  # an RNN classifier: images as 28 rows of 28 pixels, 2 LSTM-1
         return nn.Dense(10, dtype=self.dtype)(x[:, -1])
 
 
-MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256)}
+SST2_VOCAB, SST2_TOKENS = 8192, 48
+
+
+class SST2(Model):  # sst2's text classifier: embedding, bidirectional scanned LSTM, Dense head
+    @nn.compact
+    def __call__(self, tokens, train=True):
+        x = nn.Embed(SST2_VOCAB, 300, dtype=self.dtype)(tokens)
+        scan = nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params",
+                       split_rngs={"params": False}, in_axes=1, out_axes=1)
+        carry = nn.OptimizedLSTMCell(256, parent=None).initialize_carry(
+            jax.random.key(0), x[:, 0].shape)
+        _, forward = scan(256, dtype=self.dtype, name="forward")(carry, x)
+        _, backward = scan(256, dtype=self.dtype, name="backward")(carry, x[:, ::-1])
+        x = jnp.concatenate([forward, backward[:, ::-1]], -1)
+        return nn.Dense(2, dtype=self.dtype)(jnp.mean(x, axis=1))
+
+
+class NnxCNN(nnx.Module):  # the CNN of flax's NNX MNIST tutorial
+    def __init__(self, *, dtype=None, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), dtype=dtype, rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), dtype=dtype, rngs=rngs)
+        self.linear1 = nnx.Linear(7 * 7 * 64, 256, dtype=dtype, rngs=rngs)
+        self.linear2 = nnx.Linear(256, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.avg_pool(nnx.relu(self.conv1(x)), (2, 2), (2, 2))
+        x = nnx.avg_pool(nnx.relu(self.conv2(x)), (2, 2), (2, 2))
+        x = nnx.relu(self.linear1(x.reshape((x.shape[0], -1))))
+        return self.linear2(x)
+
+
+class NnxRNN(nnx.Module):  # the RNN classifier in NNX: 2 LSTM-128 over the rows + Linear
+    def __init__(self, *, dtype=None, rngs: nnx.Rngs):
+        self.rnns = nnx.List([nnx.RNN(nnx.OptimizedLSTMCell(n, 128, dtype=dtype, rngs=rngs))
+                              for n in (28, 128)])
+        self.head = nnx.Linear(128, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[:3])
+        for rnn in self.rnns:
+            x = rnn(x)
+        return self.head(x[:, -1])
+
+
+MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256),
+          "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
@@ -96,20 +146,54 @@ def train_step(model, opt):
     return step
 
 
+def nnx_train_step(graphdef, opt):
+    """The same step for an NNX model: its state merged into the model, nnx.grad over the
+    parameters, the state split off again."""
+    def step(state, opt_state, x, labels):
+        def loss(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                                   labels).mean()
+
+        model = nnx.merge(graphdef, state)
+        grads = nnx.grad(loss)(model)
+        params = nnx.state(model, nnx.Param)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        nnx.update(model, optax.apply_updates(params, updates))
+        return nnx.state(model), opt_state
+
+    return step
+
+
 def contenders(name, dtype):
+    """The stock and accelerated training steps, compiled, with their arguments; the layer
+    calls on the kernels ("accelerated/seen") and the report's lines for those left stock."""
     cls, n = MODELS[name]
-    model = cls(dtype=dtype)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((n, 28, 28, 1)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 10, n))
-    variables = model.init(jax.random.key(0), x)
+    if cls is SST2:
+        x = jnp.asarray(rng.integers(0, SST2_VOCAB, (n, SST2_TOKENS)), jnp.int32)
+        labels = jnp.asarray(rng.integers(0, 2, n))
+    else:
+        x = jnp.asarray(rng.standard_normal((n, 28, 28, 1)), jnp.float32)
+        labels = jnp.asarray(rng.integers(0, 10, n))
     opt = optax.sgd(0.01, momentum=0.9)
-    args = (variables, opt.init(variables["params"]), x, labels)
-    stock = jax.jit(train_step(model, opt)).lower(*args).compile()
+    if issubclass(cls, nnx.Module):
+        graphdef, state = nnx.split(cls(dtype=dtype, rngs=nnx.Rngs(0)))
+        make_step = lambda: nnx_train_step(graphdef, opt)  # noqa: E731
+        args = (state, opt.init(nnx.state(nnx.merge(graphdef, state), nnx.Param)))
+    else:
+        model = cls(dtype=dtype)
+        variables = model.init(jax.random.key(0), x)
+        make_step = lambda: train_step(model, opt)  # noqa: E731
+        args = (variables, opt.init(variables["params"]))
+    args += (x, labels)
+    stock = jax.jit(make_step()).lower(*args).compile()
     with jb.accelerate() as acc:
-        fast = jax.jit(train_step(model, opt)).lower(*args).compile()
+        fast = jax.jit(make_step()).lower(*args).compile()
     accelerated = sum(c.accelerated for c in acc.calls)
-    return {"stock": (stock, args), "accelerate": (fast, args)}, f"{accelerated}/{len(acc.calls)}"
+    calls = {"on_kernels": f"{accelerated}/{len(acc.calls)}",
+             "stock": [str(c) for c in acc.calls if not c.accelerated]}
+    return {"stock": (stock, args), "accelerate": (fast, args)}, calls
 
 
 def main(argv=None):
@@ -124,12 +208,13 @@ def main(argv=None):
                                          {k: v[1] for k, v in cont.items()},
                                          repeats=args.repeats, min_time=args.min_time)
             med = {k: statistics.median(v) for k, v in samples.items()}
-            row = {"model": name, "dtype": dname, "batch": MODELS[name][1], "accelerated_calls": calls,
+            row = {"model": name, "dtype": dname, "batch": MODELS[name][1],
+                   "accelerated_calls": calls["on_kernels"], "stock_calls": calls["stock"],
                    "seconds": {k: common.stats(v) for k, v in samples.items()},
                    "speedup": med["stock"] / med["accelerate"]}
             rows.append(row)
             print(f"{name:7s} {dname:8s} stock {1e3 * med['stock']:8.2f} ms  accelerate "
-                  f"{1e3 * med['accelerate']:8.2f} ms  | {row['speedup']:.2f}x ({calls} layer calls "
+                  f"{1e3 * med['accelerate']:8.2f} ms  | {row['speedup']:.2f}x ({calls['on_kernels']} layer calls "
                   f"on the kernels)", flush=True)
     common.write_results("accelerate", {"repeats": args.repeats, "min_time": args.min_time, "rows": rows})
     labels = [f"{r['model']} {r['dtype']}" for r in rows]
