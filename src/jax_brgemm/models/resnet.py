@@ -22,50 +22,45 @@ from .layers import layers
 ModuleDef = Any
 
 
-class ResNetBlock(nn.Module):
-    """Basic block: two 3x3 convolutions (ResNet-18 / 34)."""
-
+class _Block(nn.Module):
     filters: int
     conv: ModuleDef
     norm: ModuleDef
     act: Callable
     strides: Tuple[int, int] = (1, 1)
 
-    @nn.compact
-    def __call__(self, x):
-        residual = x
-        y = self.conv(self.filters, (3, 3), self.strides)(x)
-        y = self.act(self.norm()(y))
-        y = self.conv(self.filters, (3, 3))(y)
+    def _join(self, residual, y, out_filters):
+        """The last BatchNorm (zero-initialized scale, so the block starts as the identity),
+        a projection shortcut where the shapes differ, the sum and the activation."""
         y = self.norm(scale_init=nn.initializers.zeros_init())(y)
         if residual.shape != y.shape:
-            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+            residual = self.conv(out_filters, (1, 1), self.strides, name="conv_proj")(residual)
             residual = self.norm(name="norm_proj")(residual)
         return self.act(residual + y)
 
 
-class BottleneckResNetBlock(nn.Module):
-    """Bottleneck block: 1x1, 3x3 (with the stride: v1.5), 1x1 to 4x the filters."""
-
-    filters: int
-    conv: ModuleDef
-    norm: ModuleDef
-    act: Callable
-    strides: Tuple[int, int] = (1, 1)
+class ResNetBlock(_Block):
+    """Basic block: two 3x3 convolutions (ResNet-18 / 34)."""
 
     @nn.compact
     def __call__(self, x):
-        residual = x
+        y = self.conv(self.filters, (3, 3), self.strides)(x)
+        y = self.act(self.norm()(y))
+        y = self.conv(self.filters, (3, 3))(y)
+        return self._join(x, y, self.filters)
+
+
+class BottleneckResNetBlock(_Block):
+    """Bottleneck block: 1x1, 3x3 (with the stride: v1.5), 1x1 to 4x the filters."""
+
+    @nn.compact
+    def __call__(self, x):
         y = self.conv(self.filters, (1, 1))(x)
         y = self.act(self.norm()(y))
         y = self.conv(self.filters, (3, 3), self.strides)(y)
         y = self.act(self.norm()(y))
         y = self.conv(self.filters * 4, (1, 1))(y)
-        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-        if residual.shape != y.shape:
-            residual = self.conv(self.filters * 4, (1, 1), self.strides, name="conv_proj")(residual)
-            residual = self.norm(name="norm_proj")(residual)
-        return self.act(residual + y)
+        return self._join(x, y, self.filters * 4)
 
 
 class ResNet(nn.Module):
