@@ -135,36 +135,12 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
 
 }  // namespace
 
-#define JB_CONV_GEOMETRY                                                                    \
-  .Attr<int64_t>("sh").Attr<int64_t>("sw").Attr<int64_t>("pt").Attr<int64_t>("pb")          \
-      .Attr<int64_t>("pl").Attr<int64_t>("pr")
+// The attributes after each pass's operands: strides, then padding top, bottom, left, right.
+#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr"
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<F32>()             // bias
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // z
-                                  .Attr<int32_t>("act") JB_CONV_GEOMETRY);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // dz
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                      JB_CONV_GEOMETRY);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_upd, conv_upd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dz
-                                  .Ret<ffi::AnyBuffer>()  // dw
-                                  .Ret<F32>()             // db
-                                      JB_CONV_GEOMETRY);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd, ffi_util::bind(conv_fwd, "act", JB_CONV_GEOMETRY));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd, ffi_util::bind(conv_bwd, JB_CONV_GEOMETRY));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_upd, conv_upd, ffi_util::bind(conv_upd, JB_CONV_GEOMETRY));
 
 #undef JB_CONV_GEOMETRY
 

@@ -181,56 +181,11 @@ ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<F32>()             // bias
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // z
-                                  .Attr<int32_t>("act"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // saved
-                                  .Ret<ffi::AnyBuffer>()  // dz
-                                  .Attr<int32_t>("act"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // dz
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Ret<ffi::AnyBuffer>());  // dx
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dz
-                                  .Ret<ffi::AnyBuffer>()  // dw
-                                  .Ret<F32>());           // db
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd, ffi_util::bind(fc_fwd, "act"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad, ffi_util::bind(fc_act_grad, "act"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd, ffi_util::bind(fc_bwd));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd, ffi_util::bind(fc_upd));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dz
-                                  .Arg<F32>()             // w
-                                  .Arg<F32>()             // mw
-                                  .Arg<F32>()             // b
-                                  .Arg<F32>()             // mb
-                                  .Arg<F32>()             // lr
-                                  .Arg<ffi::AnyBuffer>()  // after: ordering only, not read
-                                  .Ret<F32>()             // w
-                                  .Ret<F32>()             // mw
-                                  .Ret<F32>()             // b
-                                  .Ret<F32>()             // mb
-                                  .Attr<float>("momentum")
-                                  .Attr<float>("weight_decay")
-                                  .Attr<bool>("nesterov"));
+                              ffi_util::bind(fc_upd_sgd, "momentum", "weight_decay", "nesterov"));
 
 }  // namespace jb

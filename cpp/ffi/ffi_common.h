@@ -9,6 +9,8 @@
 #include <exception>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "brgemm/brgemm.h"
@@ -207,6 +209,47 @@ inline ffi::Error expect_db(const char* op, ffi::AnyBuffer::Dimensions db, ffi::
                             std::equal(dw.begin(), dw.end() - w_inner, db.begin())))
     return ffi::Error::Success();
   return invalid(std::string(op) + ": db " + dims_str(db) + " must be dw's leading dims + (K,), or empty");
+}
+
+// ---------------------------------------------------------------------------------------
+// Binding. A handler's binding follows its parameters: the thread pool as context, buffers
+// as operands, ffi::Result<...> as results, any other type as an attribute named by the
+// next of `bind`'s names. The handler's signature is thus the one list of its operands.
+
+template <class P>
+constexpr bool is_operand = !std::is_void_v<typename ffi::ArgBinding<P>::Arg>;
+template <class P>
+constexpr bool is_result = !std::is_void_v<typename ffi::RetBinding<P>::Ret>;
+template <class P>
+constexpr bool is_attribute = !std::is_same_v<P, ffi::ThreadPool> && !is_operand<P> && !is_result<P>;
+
+// Binding has no public move constructor, so each step returns the next binding as a prvalue.
+template <class P, class Binding>
+auto bind_one(Binding&& binding, const char* name) {
+  if constexpr (std::is_same_v<P, ffi::ThreadPool>)
+    return std::move(binding).template Ctx<ffi::ThreadPool>();
+  else if constexpr (is_operand<P>)
+    return std::move(binding).template Arg<typename ffi::ArgBinding<P>::Arg>();
+  else if constexpr (is_result<P>)
+    return std::move(binding).template Ret<typename ffi::RetBinding<P>::Ret>();
+  else
+    return std::move(binding).template Attr<P>(name);
+}
+
+template <class P, class... Rest, class Binding>
+auto bind_params(Binding&& binding, const char* const* names) {
+  if constexpr (sizeof...(Rest) == 0)
+    return bind_one<P>(std::move(binding), *names);
+  else
+    return bind_params<Rest...>(bind_one<P>(std::move(binding), *names), is_attribute<P> ? names + 1 : names);
+}
+
+// The binding of `handler`, its attributes named in order: bind(fc_fwd, "act").
+template <class... P, class... Names>
+auto bind(ffi::Error (*)(P...), Names... attribute_names) {
+  static_assert(sizeof...(Names) == (size_t(0) + ... + size_t(is_attribute<P>)), "one name per attribute");
+  const char* const names[] = {attribute_names..., nullptr};
+  return bind_params<P...>(ffi::Ffi::Bind(), names);
 }
 
 // ---------------------------------------------------------------------------------------

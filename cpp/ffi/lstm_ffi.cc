@@ -131,38 +131,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // w
-                                  .Arg<ffi::AnyBuffer>()  // r
-                                  .Arg<F32>()             // bias
-                                  .Arg<F32>()             // c0
-                                  .Arg<ffi::AnyBuffer>()  // h0
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<F32>()             // c_last
-                                  .Ret<ffi::AnyBuffer>()  // h_last
-                                  .Ret<ffi::AnyBuffer>()  // gates
-                                  .Ret<F32>()             // cs
-                                  .Ret<ffi::AnyBuffer>()  // xh
-                                  .Attr<bool>("time_major")
-                                  .Attr<int32_t>("variant"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // r
-                                  .Arg<ffi::AnyBuffer>()  // gates
-                                  .Arg<F32>()             // cs
-                                  .Arg<F32>()             // c0
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<F32>()             // dc_last
-                                  .Arg<ffi::AnyBuffer>()  // dh_last
-                                  .Ret<ffi::AnyBuffer>()  // da
-                                  .Ret<F32>()             // db
-                                  .Ret<F32>()             // dc0
-                                  .Ret<ffi::AnyBuffer>()  // dh0
-                                  .Attr<bool>("time_major"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd, ffi_util::bind(lstm_fwd, "time_major", "variant"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt, ffi_util::bind(lstm_bptt, "time_major"));
 
 }  // namespace jb
