@@ -19,24 +19,22 @@ inline float gelu_grad(float z) {
   return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * c * (1.0f + 3.0f * a * z * z);
 }
 
+// y[i] = f(z[i]), computed in fp32 and stored as T.
+template <class T, class F>
+JB_INLINE void map_loop(const T* z, T* y, int64_t n, F f) {
+  for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(f(to_f32(z[i])));
+}
+
 template <class T>
 JB_INLINE void activate_loop(Activation act, const T* z, T* y, int64_t n) {
   switch (act) {
     case Activation::none:
       for (int64_t i = 0; i < n; ++i) y[i] = z[i];
       break;
-    case Activation::relu:
-      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(relu_f(to_f32(z[i])));
-      break;
-    case Activation::gelu:
-      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(gelu_f(to_f32(z[i])));
-      break;
-    case Activation::sigmoid:
-      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(sigmoid_f(to_f32(z[i])));
-      break;
-    case Activation::tanh:
-      for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(tanh_f(to_f32(z[i])));
-      break;
+    case Activation::relu: map_loop(z, y, n, relu_f); break;
+    case Activation::gelu: map_loop(z, y, n, gelu_f); break;
+    case Activation::sigmoid: map_loop(z, y, n, sigmoid_f); break;
+    case Activation::tanh: map_loop(z, y, n, tanh_f); break;
   }
 }
 
