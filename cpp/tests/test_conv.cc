@@ -20,13 +20,8 @@
 
 namespace {
 
-using jbtest::act_ref;
-using jbtest::close;
-using jbtest::Tensor;
-using jbtest::TestPool;
-
-using jb::Activation;
-using jb::DType;
+using jbtest::act_ref, jbtest::close, jbtest::Tensor, jbtest::TestPool;
+using jb::Activation, jb::DType;
 namespace conv = jb::conv;
 
 struct Case {

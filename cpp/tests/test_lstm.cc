@@ -19,9 +19,7 @@
 
 namespace {
 
-using jbtest::Tensor;
-using jbtest::TestPool;
-
+using jbtest::Tensor, jbtest::TestPool;
 using jb::DType;
 namespace lstm = jb::lstm;
 
