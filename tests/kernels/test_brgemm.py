@@ -78,22 +78,33 @@ def test_leading_dims_broadcast():
     np.testing.assert_allclose(got, reference(a, b, c), rtol=1e-5, atol=1e-4)
 
 
+def grad_operands(m, k, n, dtype, with_c):
+    """a (2, 3, m, k) and b (1, 3, k, n) in dtype, c (m, n) or None, the loss weights
+    w (2, m, n), and the argnums to differentiate (c's too when it is given)."""
+    a, b = operands((2, 3, m, k), (1, 3, k, n), dtype)
+    c = jax.random.normal(jax.random.PRNGKey(5), (m, n), F32) if with_c else None
+    w = jax.random.normal(jax.random.PRNGKey(9), (2, m, n), F32)
+    return a, b, c, w, (0, 1, 2) if with_c else (0, 1)
+
+
+def assert_grads_match(got, want, inputs, **tols):
+    """Each gradient has its input's shape and dtype and matches the reference's."""
+    for g, r, x in zip(got, want, inputs[:len(got)], strict=True):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(g.astype(F32), r.astype(F32), **tols)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("with_c", [False, True])
 def test_grads_match_jax_grad_of_einsum(dtype, with_c):
-    a, b = operands((2, 3, 13, 17), (1, 3, 17, 11), dtype)
-    c = jax.random.normal(jax.random.PRNGKey(5), (13, 11), F32) if with_c else None
-    w = jax.random.normal(jax.random.PRNGKey(9), (2, 13, 11), F32)
+    a, b, c, w, argnums = grad_operands(13, 17, 11, dtype, with_c)
 
     def loss(fn, a, b, c):
         return jnp.sum(w * fn(a, b, c))
 
-    argnums = (0, 1, 2) if with_c else (0, 1)
     got = jax.jit(jax.grad(lambda *x: loss(jb.brgemm, *x), argnums))(a, b, c)
     want = jax.grad(lambda *x: loss(reference, *x), argnums)(a, b, c)
-    for g, r, x in zip(got, want, (a, b, c)[:len(argnums)], strict=True):
-        assert g.shape == x.shape and g.dtype == x.dtype
-        np.testing.assert_allclose(g.astype(F32), r.astype(F32), **tol(dtype, 3 * 17))
+    assert_grads_match(got, want, (a, b, c), **tol(dtype, 3 * 17))
 
 
 def test_first_order_of_a_sum_of_squares():
@@ -235,16 +246,11 @@ def penalized(fn, w):
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("with_c", [False, True])
 def test_grad_of_grad_matches_stock(dtype, with_c):
-    a, b = operands((2, 3, 6, 7), (1, 3, 7, 5), dtype)
-    c = jax.random.normal(jax.random.PRNGKey(5), (6, 5), F32) if with_c else None
-    w = jax.random.normal(jax.random.PRNGKey(9), (2, 6, 5), F32)
-    argnums = (0, 1, 2) if with_c else (0, 1)
+    a, b, c, w, argnums = grad_operands(6, 7, 5, dtype, with_c)
     got = jax.jit(jax.grad(penalized(jb.brgemm, w), argnums))(a, b, c)
     want = jax.grad(penalized(reference, w), argnums)(a, b, c)
     tols = dict(rtol=5e-2, atol=0.5) if dtype == BF16 else dict(rtol=1e-4, atol=1e-4)
-    for g, r, x in zip(got, want, (a, b, c)[:len(argnums)], strict=True):
-        assert g.shape == x.shape and g.dtype == x.dtype
-        np.testing.assert_allclose(g.astype(F32), r.astype(F32), **tols)
+    assert_grads_match(got, want, (a, b, c), **tols)
 
 
 def test_grad_of_grad_runs_on_the_kernel():
