@@ -73,9 +73,7 @@ struct Avx512 {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(t.b.at(bi)) + t.b_off;
       for (int64_t p = 0; p < pairs; ++p, b += t.ldb) {
         __m512i bv[NV];
-#pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j)
-          bv[j] = MASKED && j == NV - 1 ? _mm512_maskz_loadu_epi32(last, b + 32 * j) : _mm512_loadu_si512(b + 32 * j);
+        load_pair_row<NV, MASKED>(bv, b, last);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           uint32_t pair;  // A[i][2p], A[i][2p + 1]: one 32-bit broadcast
@@ -88,9 +86,7 @@ struct Avx512 {
       }
       if (t.k % 2) {  // odd k: the last row pairs with the zero pad of packed B
         __m512i bv[NV];
-        #pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j)
-          bv[j] = MASKED && j == NV - 1 ? _mm512_maskz_loadu_epi32(last, b + 32 * j) : _mm512_loadu_si512(b + 32 * j);
+        load_pair_row<NV, MASKED>(bv, b, last);
         #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const __m512i av = _mm512_set1_epi32(int(a[i * t.lda + 2 * pairs]));
@@ -101,6 +97,14 @@ struct Avx512 {
       }
     }
     store<MR, NV>(acc, last, t);
+  }
+
+  // One VNNI-2 row pair of B: NV vectors of 16 bf16 pairs, the last masked when partial.
+  template <int NV, bool MASKED>
+  __attribute__((always_inline)) static void load_pair_row(__m512i (&bv)[NV], const uint16_t* b, __mmask16 last) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j)
+      bv[j] = MASKED && j == NV - 1 ? _mm512_maskz_loadu_epi32(last, b + 32 * j) : _mm512_loadu_si512(b + 32 * j);
   }
 
   static __mmask16 tail_mask(int tail) { return __mmask16((1u << tail) - 1u); }
