@@ -1,11 +1,12 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
-Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv`` and LSTM ``flax.linen.RNN``
-call, and every ``flax.nnx.Linear``, ``flax.nnx.Conv`` and LSTM ``flax.nnx.RNN`` call, that
-the kernels support computes with the code of ``jax_brgemm.nn`` / ``jax_brgemm.nnx`` on
-exactly the parameters the stock module created; everything else runs the stock module
-unchanged. Parameter creation (linen's ``init``, NNX constructors) always runs the stock
-code, so the parameter trees, and checkpoints, are the stock ones by construction::
+Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv``, LSTM ``flax.linen.RNN``
+and ``nn.scan`` over an LSTM cell call, and every ``flax.nnx.Linear``, ``flax.nnx.Conv`` and
+LSTM ``flax.nnx.RNN`` call, that the kernels support computes with the code of
+``jax_brgemm.nn`` / ``jax_brgemm.nnx`` on exactly the parameters the stock module created;
+everything else runs the stock module unchanged. Parameter creation (linen's ``init``, NNX
+constructors) always runs the stock code, so the parameter trees, and checkpoints, are the
+stock ones by construction::
 
     model = MyFlaxModel()                      # written against flax.linen only
     params = model.init(key, x)                # the same tree inside the context or not
@@ -22,17 +23,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import lift
+from flax.core.scope import in_filter
 
 from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
 from jax_brgemm.nn import _adapt
 from jax_brgemm.nnx import _accelerate as nnx_rules
+from jax_brgemm.nnx import _intercept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Accelerate(contextlib.ContextDecorator):
         self.calls = []
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(nn.intercept_methods(self._intercept))
-        self._stack.enter_context(nnx_rules.intercept_calls(self._intercept_nnx))
+        _watch_scans()
+        self._stack.enter_context(nnx_rules.intercept_calls(self._intercept_call))
         return self
 
     def __exit__(self, *exc):
@@ -95,9 +101,9 @@ class Accelerate(contextlib.ContextDecorator):
         if call not in self.calls:
             self.calls.append(call)
 
-    def _record(self, module, accelerated, reason=""):
+    def _record(self, module, accelerated, reason="", layer=""):
         self._add(Call("/".join(module.scope.path) if module.scope else "",
-                       type(module).__name__, accelerated, reason,
+                       layer or type(module).__name__, accelerated, reason,
                        nnx_rules.enclosing_stock_scan() or ""))
 
     def _intercept(self, next_fun, args, kwargs, context):
@@ -127,12 +133,29 @@ class Accelerate(contextlib.ContextDecorator):
                 or nnx_rules.enclosing_stock_scan()):
             return next_fun(*args, **kwargs)
         name = type(cell).__name__
-        why = f"{name} called step by step (nn.scan over the cell, or a loop)"
-        self._record(cell, False, why + "; nn.RNN over OptimizedLSTMCell / LSTMCell is fused")
+        why = f"{name} called step by step (nn.scan over a method calling it, or a loop)"
+        self._record(cell, False, why + "; nn.RNN and nn.scan over OptimizedLSTMCell / "
+                                        "LSTMCell are fused")
         with nnx_rules.stock_scan(f"{_path(cell)} [{name}]", why):
             return next_fun(*args, **kwargs)
 
-    def _intercept_nnx(self, module, next_call, *args, **kwargs):
+    def _scanned_cell(self, module, settings, next_call, args, kwargs):
+        """A call of a class ``nn.scan(OptimizedLSTMCell or LSTMCell, ...)`` made: the whole
+        scan as one fused call when its settings are the plain ones, else stock, listed."""
+        if module.scope is None or module.is_initializing():
+            return next_call(*args, **kwargs)  # parameters are created by the stock code
+        layer = f"nn.scan({settings[0].__name__})"
+        y, reason = _scan_over_lstm(module, *settings, args, kwargs)
+        self._record(module, y is not None, reason, layer)
+        if y is not None:
+            return y
+        with nnx_rules.stock_scan(f"{_path(module)} [{layer}]", reason):
+            return next_call(*args, **kwargs)
+
+    def _intercept_call(self, module, next_call, *args, **kwargs):
+        settings = _SCANS.get(type(module))
+        if settings is not None:
+            return self._scanned_cell(module, settings, next_call, args, kwargs)
         rule = nnx_rules.RULES.get(type(module))
         if rule is not None:
             y, reason = rule(module, next_call, args, kwargs)
@@ -176,6 +199,11 @@ def accelerate(report: bool = False) -> Accelerate:
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
     ``seq_lengths`` with ``return_carry=True`` (each sequence's own last carry).
+    ``nn.scan(OptimizedLSTMCell or LSTMCell, variable_broadcast="params", ...)`` (Flax's
+    sst2 pattern), called on ``(carry, inputs)``, runs fused too, for ``reverse`` either way
+    and the time axis 0 or 1 of 3-D inputs and outputs (``in_axes`` / ``out_axes``); stock,
+    listed with the reason, for per-step or carried parameters, a ``data_transform``, other
+    axes or shapes. ``nn.scan`` over a method that calls a cell stays stock.
 
     NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
     over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
@@ -183,9 +211,9 @@ def accelerate(report: bool = False) -> Accelerate:
 
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
     not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
-    when the context saw no layer call at all. A recurrent cell run step by step (``nn.scan``
-    over a cell, a stock RNN fallback, a loop) is listed with its reason, and the layers
-    inside it, which run on the kernels once per time step, say so.
+    when the context saw no layer call at all. A recurrent cell run step by step (a stock
+    ``nn.scan`` over a cell or a method, a stock RNN fallback, a loop) is listed with its
+    reason, and the layers inside it, which run on the kernels once per time step, say so.
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
     """
@@ -222,15 +250,24 @@ _RNN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(nn.RNN)
                  if f.name in ("variable_axes", "variable_broadcast", "variable_carry")}
 
 
+def _lstm_cell_why(cell, cell_class: type) -> str:
+    """Why the fused layer does not compute what this cell (of class ``cell_class``, or made
+    by nn.scan over it) does ("" when it does)."""
+    if cell_class not in _LSTM_CELLS:
+        return f"cell {cell_class.__name__}"
+    if cell.gate_fn not in _SIGMOIDS or cell.activation_fn not in _TANHS:
+        return "gate_fn / activation_fn other than sigmoid / tanh"
+    return ""
+
+
 def _rnn(module: nn.RNN, args, kwargs):
     """RNN over OptimizedLSTMCell / LSTMCell: both cells create the same parameters and
     compute the same gates (i, f, g, o = sigmoid, sigmoid, tanh, sigmoid; c' = f c + i g,
     h' = o tanh c'), which the fused layer takes concatenated (``_adapt.lstm_params``)."""
     cell = module.cell
-    if type(cell) not in (nn.OptimizedLSTMCell, nn.LSTMCell):
-        return None, f"cell {type(cell).__name__}"
-    if cell.gate_fn not in _SIGMOIDS or cell.activation_fn not in _TANHS:
-        return None, "gate_fn / activation_fn other than sigmoid / tanh"
+    why = _lstm_cell_why(cell, type(cell))
+    if why:
+        return None, why
     for name, default in _RNN_DEFAULTS.items():
         if getattr(module, name) != default:
             return None, f"non-default {name}"
@@ -251,6 +288,19 @@ def _rnn(module: nn.RNN, args, kwargs):
         params = cell.variables.get("params", {}) if cell.scope is not None else {}
     except Exception:  # an unbound cell  # noqa: BLE001
         params = {}
+    initial_carry = kwargs.get("initial_carry")
+    if initial_carry is None and _adapt.lstm_params(params)[0] is not None:
+        time_axis = 0 if opt["time_major"] else inputs.ndim - 2
+        init_key = kwargs.get("init_key")
+        initial_carry = cell.initialize_carry(
+            jax.random.key(0) if init_key is None else init_key,
+            inputs.shape[:time_axis] + inputs.shape[time_axis + 1:])
+    return _lstm_on_kernels(cell, params, inputs, initial_carry, seq_lengths=seq_lengths, **opt)
+
+
+def _lstm_on_kernels(cell, params, inputs, initial_carry, **options):
+    """A whole sequence of an LSTM cell with the stock parameters ``params`` as one fused
+    call (``options`` those of ``jbnn.lstm_on_kernels``), or (None, why not)."""
     fused, why = _adapt.lstm_params(params)
     if fused is None:
         return None, why
@@ -258,13 +308,6 @@ def _rnn(module: nn.RNN, args, kwargs):
     k = cell.features
     if kernel_h.shape != (k, 4 * k) or kernel_i.shape != (inputs.shape[-1], 4 * k):
         return None, "parameter shapes do not match the inputs"
-    initial_carry = kwargs.get("initial_carry")
-    if initial_carry is None:
-        time_axis = 0 if opt["time_major"] else inputs.ndim - 2
-        init_key = kwargs.get("init_key")
-        initial_carry = cell.initialize_carry(
-            jax.random.key(0) if init_key is None else init_key,
-            inputs.shape[:time_axis] + inputs.shape[time_axis + 1:])
     try:
         c0, h0 = initial_carry
     except (TypeError, ValueError):
@@ -277,7 +320,104 @@ def _rnn(module: nn.RNN, args, kwargs):
     if any(np.dtype(a.dtype) not in check.KERNEL_DTYPES for a in (kernel_i, kernel_h, bias)):
         return None, "parameters neither float32 nor bfloat16"
     return jbnn.lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),
-                                dtype=dtype, seq_lengths=seq_lengths, **opt), ""
+                                dtype=dtype, **options), ""
+
+
+# --- nn.scan over an LSTM cell (Flax's sst2 example) ---------------------------------------
+# nn.scan(cell_class, ...) makes a subclass of the cell whose __call__ runs the scan; flax
+# marks that __call__ as already wrapped, so linen's intercept_methods never sees the scan,
+# and keeps the scan's settings only in the __call__'s closure. Such classes are routed
+# through the call interceptors of jax_brgemm.nnx._intercept instead, once and for good.
+
+_LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
+# the classes nn.scan made over an LSTM cell -> (the cell class, nn.scan's keyword arguments)
+_SCANS: weakref.WeakKeyDictionary[type, tuple[type, dict]] = weakref.WeakKeyDictionary()
+
+
+def _scan_settings(cls: type):
+    """``(cell class, nn.scan's keyword arguments)`` for a class that ``nn.scan(cell class,
+    ...)`` made over ``__call__`` (flax.linen.transforms.module_class_lift_transform), read
+    from its transformed ``__call__``'s closure; None for any other class."""
+    call = cls.__dict__.get("__call__")
+    names = getattr(getattr(call, "__code__", None), "co_freevars", ())
+    try:
+        free = {n: c.cell_contents for n, c in zip(names, call.__closure__ or ())}
+    except (AttributeError, ValueError):  # no closure, or a cell not filled
+        return None
+    if (free.get("transform") is not lift.scan or free.get("fn_name") != "__call__"
+            or free.get("trafo_args") != () or not isinstance(free.get("trafo_kwargs"), dict)
+            or free.get("module_class") not in _LSTM_CELLS):
+        return None
+    return free["module_class"], dict(free["trafo_kwargs"])
+
+
+def _watch_scan(cls: type) -> None:
+    settings = _scan_settings(cls)
+    if settings is not None and cls not in _SCANS:
+        _SCANS[cls] = settings
+        _intercept.wrap(cls)
+
+
+def _watch_scans() -> None:
+    """Routes through the interceptors the scans already made over the LSTM cells, and (a
+    hook on the cells' ``__init_subclass__``, installed once) every one made later."""
+    for base in _LSTM_CELLS:
+        if "_jax_brgemm_watched" not in base.__dict__:
+            previous = base.__dict__.get("__init_subclass__")
+
+            def hook(cls, _base=base, _previous=previous, **kwargs):
+                if _previous is not None:
+                    _previous.__get__(None, cls)(**kwargs)
+                else:
+                    super(_base, cls).__init_subclass__(**kwargs)
+                _watch_scan(cls)
+
+            base.__init_subclass__ = classmethod(hook)
+            base._jax_brgemm_watched = True
+        for cls in base.__subclasses__():
+            _watch_scan(cls)
+
+
+def _time_axis(axis, ndim: int):
+    """An nn.scan in_axes / out_axes as 0 or 1 of a 3-D array, None for anything else."""
+    if isinstance(axis, (tuple, list)) and len(axis) == 1:
+        axis = axis[0]
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        return None
+    axis %= ndim
+    return axis if axis in (0, 1) else None
+
+
+def _scan_over_lstm(module, cell_class: type, scan: dict, args, kwargs):
+    """``nn.scan(OptimizedLSTMCell / LSTMCell, variable_broadcast="params", ...)`` called on
+    ``(carry, inputs)``: one fused call when the parameters are broadcast over time (not
+    stacked, not carried), the time axis of the inputs and outputs is 0 or 1 of 3-D arrays
+    and there is no data_transform; ``reverse`` runs the sequence from its end, each output
+    in its own place (the RNN's reverse with keep_order)."""
+    why = _lstm_cell_why(module, cell_class)
+    if why:
+        return None, why
+    if scan.get("variable_axes") or not in_filter(scan.get("variable_broadcast"), "params"):
+        return None, "nn.scan whose parameters are not variable_broadcast (one set per step)"
+    if in_filter(scan.get("variable_carry"), "params") or scan.get("data_transform") is not None:
+        return None, "nn.scan with the parameters in variable_carry or a data_transform"
+    if len(args) != 2 or kwargs:
+        return None, "unexpected arguments"
+    carry, inputs = args
+    if getattr(inputs, "ndim", None) != 3:
+        return None, "inputs other than one 3-D array"
+    in_axis, out_axis = _time_axis(scan.get("in_axes"), 3), _time_axis(scan.get("out_axes"), 3)
+    if in_axis is None or out_axis is None:
+        return None, "nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays"
+    if scan.get("length") not in (None, inputs.shape[in_axis]):
+        return None, "nn.scan length other than the inputs' time steps"
+    result, why = _lstm_on_kernels(module, module.variables.get("params", {}), inputs, carry,
+                                   time_major=in_axis == 0, reverse=bool(scan.get("reverse")),
+                                   keep_order=True, return_carry=True)
+    if result is None:
+        return None, why
+    carry, outputs = result
+    return (carry, outputs if in_axis == out_axis else jnp.swapaxes(outputs, 0, 1)), ""
 
 
 _RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn}

@@ -1,12 +1,16 @@
 """jax_brgemm.accelerate() over the recurrent patterns of Flax's linen examples: nn.Bidirectional
-over fused LSTMs, and the patterns that stay stock (sst2's nn.scan over a cell, seq2seq's
-seq_lengths with return_carry, a custom cell) listed with their reasons, the layers inside
-them marked as per-step work rather than counted as accelerated recurrent layers."""
+and nn.scan over an LSTM cell (sst2) fused, and the patterns that stay stock (a scan with
+per-step parameters, a scan over a method, seq2seq's seq_lengths with return_carry, a custom
+cell) listed with their reasons, the layers inside them marked as per-step work rather than
+counted as accelerated recurrent layers."""
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_brgemm as jb
 
@@ -17,6 +21,11 @@ def _close(a, b, tol=2e-5):
                                    rtol=tol, atol=tol)
 
 
+# made when the test module is imported, before any accelerate() context: found all the same
+ModuleLevelScan = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
+                          in_axes=1, out_axes=1)
+
+
 class SST2Encoder(nn.Module):  # flax's sst2 example: a bidirectional nn.scan over a cell
     @nn.compact
     def __call__(self, x):
@@ -25,21 +34,107 @@ class SST2Encoder(nn.Module):  # flax's sst2 example: a bidirectional nn.scan ov
         carry = nn.OptimizedLSTMCell(6, parent=None).initialize_carry(
             jax.random.key(0), x[:, 0].shape)
         _, forward = scan(features=6, name="forward")(carry, x)
-        _, backward = scan(features=6, name="backward")(carry, x[:, ::-1])
+        _, backward = ModuleLevelScan(features=6, name="backward")(carry, x[:, ::-1])
         return nn.Dense(2)(jnp.concatenate([forward, backward[:, ::-1]], -1))
 
 
-def test_sst2_scan_listed_as_stock_with_its_reason():
+def test_sst2_scan_runs_fused():
     model, x = SST2Encoder(), jax.random.normal(jax.random.key(0), (3, 5, 4))
     params = model.init(jax.random.key(1), x)
+    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)  # noqa: E731
     with jb.accelerate() as acc:
         y = jax.jit(model.apply)(params, x)
+        g = jax.jit(jax.grad(loss))(params)
+        hlo = jax.jit(model.apply).lower(params, x).as_text()
     _close(y, model.apply(params, x))
-    cells = [c for c in acc.calls if c.layer == "OptimizedLSTMCell"]
-    assert [c.path for c in cells] == ["forward", "backward"]
-    assert all(not c.accelerated and "step by step" in c.reason for c in cells)
-    assert [(c.path, c.accelerated, c.step_of) for c in acc.calls if c.layer == "Dense"] == [
-        ("Dense_0", True, "")]
+    _close(g, jax.grad(loss)(params), 1e-4)
+    assert [(c.path, c.layer, c.accelerated) for c in acc.calls] == [
+        ("forward", "nn.scan(OptimizedLSTMCell)", True), ("backward", "nn.scan(LSTMCell)", True),
+        ("Dense_0", "Dense", True)]
+    assert hlo.count("jb_lstm_fwd") == 2
+
+
+def _scan_model(cell, features=5, **settings):
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, carry, x):
+            return nn.scan(cell, **settings)(features, dtype=x.dtype, name="lstm")(carry, x)
+
+    return Scanned()
+
+
+@pytest.mark.parametrize("axes", [(1, 1), (0, 0), (1, 0), (0, -2), ((1,), 1)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("cell", [nn.OptimizedLSTMCell, nn.LSTMCell])
+def test_scan_settings_fused_as_stock_computes_them(axes, reverse, cell):
+    model = _scan_model(cell, variable_broadcast="params", split_rngs={"params": False},
+                        in_axes=axes[0], out_axes=axes[1], reverse=reverse)
+    x = jax.random.normal(jax.random.key(0), (4, 3, 2))  # time is axis 0 or 1
+    time_axis = axes[0][0] if isinstance(axes[0], tuple) else axes[0]
+    batch = x.shape[1 - time_axis]
+    carry = tuple(jax.random.normal(jax.random.key(k), (batch, 5)) for k in (1, 2))
+    params = model.init(jax.random.key(3), carry, x)
+    with jb.accelerate() as acc:
+        got = jax.jit(model.apply)(params, carry, x)
+    _close(got, model.apply(params, carry, x))
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [(f"nn.scan({cell.__name__})", True)]
+
+
+def test_bfloat16_scan_fused():
+    model = _scan_model(nn.OptimizedLSTMCell, variable_broadcast="params",
+                        split_rngs={"params": False}, in_axes=1, out_axes=1)
+    x = jax.random.normal(jax.random.key(0), (3, 4, 2)).astype(jnp.bfloat16)
+    carry = (jnp.zeros((3, 5), jnp.bfloat16),) * 2
+    params = model.init(jax.random.key(1), carry, x)
+    with jb.accelerate() as acc:
+        got = jax.jit(model.apply)(params, carry, x)
+    want = model.apply(params, carry, x)
+    assert [a.dtype for a in jax.tree_util.tree_leaves(got)] == [
+        a.dtype for a in jax.tree_util.tree_leaves(want)]
+    _close(got, want, 5e-2)
+    assert acc.calls[0].accelerated
+
+
+@pytest.mark.parametrize("settings, shape, reason", [
+    (dict(variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=1, out_axes=1),
+     (2, 3, 4), "not variable_broadcast"),
+    (dict(variable_broadcast="params", split_rngs={"params": False}, in_axes=2, out_axes=2),
+     (2, 3, 2, 4), "3-D"),
+])
+def test_other_scans_stock_with_their_reason(settings, shape, reason):
+    model = _scan_model(nn.LSTMCell, **settings)
+    x = jax.random.normal(jax.random.key(0), shape)
+    time_axis = settings["in_axes"]
+    batch_shape = tuple(n for i, n in enumerate(x.shape[:-1]) if i != time_axis)
+    carry = (jnp.zeros(batch_shape + (5,)),) * 2
+    params = model.init(jax.random.key(1), carry, x)
+    with jb.accelerate() as acc:
+        got = model.apply(params, carry, x)
+    _close(got, model.apply(params, carry, x))
+    scans = [c for c in acc.calls if c.layer == "nn.scan(LSTMCell)"]
+    assert len(scans) == 1 and not scans[0].accelerated and reason in scans[0].reason
+    # the cell's per-step Dense layers say which stock scan they are steps of
+    assert all(c.step_of.startswith("lstm [nn.scan(LSTMCell)]") for c in acc.calls
+               if c.layer == "Dense")
+
+
+class ScannedMethod(nn.Module):  # flax's sst2 SimpleLSTM: nn.scan over a method, listed stock
+    @functools.partial(nn.scan, variable_broadcast="params", in_axes=1, out_axes=1,
+                       split_rngs={"params": False})
+    @nn.compact
+    def __call__(self, carry, x):
+        return nn.OptimizedLSTMCell(6)(carry, x)
+
+
+def test_scan_over_a_method_listed_as_stock_with_its_reason():
+    model, x = ScannedMethod(), jax.random.normal(jax.random.key(0), (3, 5, 4))
+    carry = (jnp.zeros((3, 6)),) * 2
+    params = model.init(jax.random.key(1), carry, x)
+    with jb.accelerate() as acc:
+        y = jax.jit(model.apply)(params, carry, x)
+    _close(y, model.apply(params, carry, x))
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [("OptimizedLSTMCell", False)]
+    assert "step by step" in acc.calls[0].reason
 
 
 def test_bidirectional_runs_both_directions_fused():

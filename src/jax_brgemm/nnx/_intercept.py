@@ -1,5 +1,6 @@
 """Call interception for stock ``flax.nnx`` layers, as ``flax.linen.intercept_methods`` is for
-linen modules: what lets ``accelerate()`` run unmodified NNX models on the kernels.
+linen modules: what lets ``accelerate()`` run unmodified NNX models on the kernels. It also
+serves the linen classes ``nn.scan`` makes, whose calls bypass ``intercept_methods``.
 
 NNX modules are plain Python objects with no interception hook, so the ``__call__`` of each
 intercepted class is wrapped once, for good; the wrapper looks at a thread-local stack of
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 #: ``interceptor(module, next_call, *args, **kwargs)``: the result of ``module(*args,
@@ -20,7 +22,8 @@ Interceptor = Callable[..., Any]
 
 _state = threading.local()
 _lock = threading.Lock()
-_wrapped: dict[type, Callable] = {}
+# weak keys: linen's nn.scan makes a new class each time a model is traced
+_wrapped: weakref.WeakKeyDictionary[type, Callable] = weakref.WeakKeyDictionary()
 
 
 def _stack() -> list[Interceptor]:
@@ -30,7 +33,8 @@ def _stack() -> list[Interceptor]:
     return stack
 
 
-def _wrap(cls: type) -> None:
+def wrap(cls: type) -> None:
+    """Routes ``cls``'s calls through the interceptors of ``intercept_calls`` contexts."""
     with _lock:
         if cls in _wrapped:
             return
@@ -60,7 +64,7 @@ def intercept_calls(interceptor: Interceptor, classes: Iterable[type]):
     """Within the context, in this thread, every call of an instance of ``classes`` (or of a
     subclass that keeps their ``__call__``) goes through ``interceptor``."""
     for cls in classes:
-        _wrap(cls)
+        wrap(cls)
     stack = _stack()
     stack.append(interceptor)
     try:
