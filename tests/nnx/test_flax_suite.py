@@ -48,7 +48,7 @@ def flax_tree():
 
 
 @pytest.mark.slow  # a pytest subprocess per file, ~15-90 s each
-@pytest.mark.parametrize("mode,name", sorted(CASES), ids="-".join)
+@pytest.mark.parametrize("mode,name", sorted(CASES), ids=[f"{m}-{n}" for m, n in sorted(CASES)])
 def test_flax_layer_tests_pass_on_the_kernels(mode, name, flax_tree, tmp_path, record_property):
     test_file = flax_tree / "tests" / name
     assert test_file.is_file(), f"flax's source distribution has no {test_file}"
