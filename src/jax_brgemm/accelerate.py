@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -332,6 +333,7 @@ def _lstm_on_kernels(cell, params, inputs, initial_carry, **options):
 _LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
 # the classes nn.scan made over an LSTM cell -> (the cell class, nn.scan's keyword arguments)
 _SCANS: weakref.WeakKeyDictionary[type, tuple[type, dict]] = weakref.WeakKeyDictionary()
+_watch_lock = threading.Lock()
 
 
 def _scan_settings(cls: type):
@@ -361,21 +363,22 @@ def _watch_scan(cls: type) -> None:
 def _watch_scans() -> None:
     """Routes through the interceptors the scans already made over the LSTM cells, and (a
     hook on the cells' ``__init_subclass__``, installed once) every one made later."""
-    for base in _LSTM_CELLS:
-        if "_jax_brgemm_watched" not in base.__dict__:
-            previous = base.__dict__.get("__init_subclass__")
+    with _watch_lock:  # contexts entered in two threads at once install one hook
+        for base in _LSTM_CELLS:
+            if "_jax_brgemm_watched" not in base.__dict__:
+                previous = base.__dict__.get("__init_subclass__")
 
-            def hook(cls, _base=base, _previous=previous, **kwargs):
-                if _previous is not None:
-                    _previous.__get__(None, cls)(**kwargs)
-                else:
-                    super(_base, cls).__init_subclass__(**kwargs)
+                def hook(cls, _base=base, _previous=previous, **kwargs):
+                    if _previous is not None:
+                        _previous.__get__(None, cls)(**kwargs)
+                    else:
+                        super(_base, cls).__init_subclass__(**kwargs)
+                    _watch_scan(cls)
+
+                base.__init_subclass__ = classmethod(hook)
+                base._jax_brgemm_watched = True
+            for cls in base.__subclasses__():
                 _watch_scan(cls)
-
-            base.__init_subclass__ = classmethod(hook)
-            base._jax_brgemm_watched = True
-        for cls in base.__subclasses__():
-            _watch_scan(cls)
 
 
 def _time_axis(axis, ndim: int):
