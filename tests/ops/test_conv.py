@@ -344,3 +344,29 @@ def test_integer_like_strides_are_taken():
     want = jb.conv2d(x, k, strides=(2, 1))
     np.testing.assert_array_equal(jb.conv2d(x, k, strides=(np.int64(2), np.int32(1))), want)
     np.testing.assert_array_equal(jb.conv2d(x, k, strides=np.array([2, 1])), want)
+
+
+@pytest.mark.parametrize("shape,padding", [((1, 0, 0, 2), 1), ((2, 0, 3, 2), ((2, 1), (0, 0)))])
+def test_empty_input_with_padding_is_all_padding(shape, padding):
+    """No input pixels, but padding: stock gives output pixels that see only padding (the
+    bias, through the activation); the kernels refuse H or W = 0, XLA computes it."""
+    x, k, b = jnp.ones(shape), jnp.ones((1, 1, 2, 3)), jnp.arange(3.0)
+    want = jax.nn.sigmoid(jax.lax.conv_general_dilated(
+        x, k, (1, 1), ((padding, padding),) * 2 if isinstance(padding, int) else padding,
+        dimension_numbers=("NHWC", "HWIO", "NHWC")) + b)
+    got = jb.conv2d(x, k, b, padding=padding, activation="sigmoid")
+    assert got.shape == want.shape and got.size > 0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_module_stock_path_crops_negative_padding():
+    """jb.nn.Conv's stock path (a dtype the kernels do not take) crops negative pads as the
+    kernel path does, rather than XLA's cropping convolution (which reads garbage now and
+    then); the result is the cropped input's stock convolution."""
+    x = jax.random.normal(jax.random.key(0), (2, 6, 5, 3))
+    layer = jb.nn.Conv(4, (3, 3), padding=((-1, 2), (1, -2)), dtype=jnp.float16)
+    params = layer.init(jax.random.key(1), x)
+    hlo = jax.jit(layer.apply).lower(params, x).as_text()
+    assert "jb_conv" not in hlo and "pad = [[0, 2], [1, 0]]" in hlo
+    cropped = fnn.Conv(4, (3, 3), padding=((0, 2), (1, 0)), dtype=jnp.float16)
+    np.testing.assert_array_equal(jax.jit(layer.apply)(params, x), jax.jit(cropped.apply)(params, x[:, 1:, :-2]))

@@ -168,6 +168,20 @@ def _pad_by_mode(inputs, padding, kernel_size, kernel_dilation):
     return inputs, padding
 
 
+def _crop_negative_padding(inputs, padding, rank: int):
+    """``(inputs, padding)`` with the negative pads sliced off the spatial dims of
+    ``inputs`` (N, spatial..., C) and the pads clamped at 0, or None when that leaves no
+    pixels. Stock XLA's own cropping convolution reads garbage now and then."""
+    padding = [tuple(p) for p in padding]
+    if all(v >= 0 for p in padding for v in p):
+        return inputs, padding
+    pairs = list(zip(inputs.shape[1:1 + rank], padding, strict=True))
+    if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in pairs):
+        return None
+    inputs = inputs[(slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0)) for n, (lo, hi) in pairs)]
+    return inputs, [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
+
+
 def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
     """Flax's convolution layout for inputs of rank ``ndim``: (N, spatial..., C) inputs and
     outputs, (spatial..., C, K) kernels."""
@@ -290,7 +304,10 @@ class Conv(Module):
         y, _ = conv_on_kernels(self, raw_inputs, raw_kernel, bias, self.activation)
         if y is not None:
             return y
-        # flax.linen.Conv's computation, for what the kernels cannot run
+        # flax.linen.Conv's computation, for what the kernels cannot run; negative pads
+        # (without input dilation, which they would apply to) as crops, as on the kernels
+        if not isinstance(padding, str) and all(d == 1 for d in input_dilation):
+            inputs, padding = _crop_negative_padding(inputs, padding, rank) or (inputs, padding)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         if self.conv_general_dilated_cls is not None:
             conv = self.conv_general_dilated_cls()
@@ -349,17 +366,10 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         return None, "causal padding of a 2-D convolution"
     inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
     if not isinstance(padding, str):
-        padding = [tuple(p) for p in padding]
-        if any(v < 0 for p in padding for v in p):
-            # a negative pad crops: slice it off here, so the kernels see pads >= 0 (stock
-            # XLA's own cropping convolution reads garbage now and then)
-            spatial = inputs.shape[1:1 + rank]
-            pairs = list(zip(spatial, padding, strict=True))
-            if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in pairs):
-                return None, "padding crops the whole input"
-            inputs = inputs[(slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0))
-                                                   for n, (lo, hi) in pairs)]
-            padding = [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
+        cropped = _crop_negative_padding(inputs, padding, rank)
+        if cropped is None:
+            return None, "padding crops the whole input"
+        inputs, padding = cropped
     elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
         return None, f"padding {padding!r}"
     if layer.mask is not None:

@@ -81,7 +81,8 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
     out = _out_shape(x.shape, kernel.shape, (act, st, pads))
-    if min(out + (c,)) < 1 or dtype not in check.KERNEL_DTYPES:
+    # an empty input with padding can still have output pixels (all padding)
+    if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
         return _conv_xla(x, kernel, bias, activation, st, pads, dtype)
     return _conv(x, kernel, bias, (act, st, pads))
 
