@@ -1,0 +1,207 @@
+// XLA FFI handlers of jb.dot_product_attention: decode and validate, then call
+// cpp/layers/attention.
+//
+//   jb_attention_fwd  q (.., T, N, H), k (.., S, K, H), v like k, bias (.., n, t, s) f32
+//                     or empty, mask (.., n, t, s) pred or empty
+//                     -> o (.., T, N, H), stats (.., N, T, 2) f32 (row max and sum)
+//   jb_attention_bwd  q, k, v, bias, mask as above, o, stats, dout (o's shape)
+//                     -> dq (q's shape), dk, dv (.., S, K, H), dbias (.., N, T, S) f32 or
+//                        empty (not wanted)
+//   attrs scale (f32), causal (bool)
+//
+// The output's leading dims (..) are the items (the batch, and vmap's dims under
+// vmap_method="expand_dims"); every operand's leading dims broadcast to them, and bias and
+// mask dims n, t, s are each N, T, S or 1 (broadcast). q, k, v, o, dout and the gradients
+// share one dtype, float32 or bfloat16.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "ffi/ffi_common.h"
+#include "layers/attention/attention.h"
+
+namespace jb {
+namespace {
+
+namespace ffi = xla::ffi;
+using ffi_util::dims_str;
+using ffi_util::guarded;
+using ffi_util::invalid;
+using ffi_util::Items;
+using ffi_util::Lead;
+
+// Element offsets of every item's first element in an operand laid out as l.
+std::vector<int64_t> offsets(const Items& items, const Lead& l) {
+  std::vector<int64_t> offs(size_t(items.count));
+  for (int64_t i = 0; i < items.count; ++i) offs[size_t(i)] = items.offset(l, i);
+  return offs;
+}
+
+bool dims_are(ffi::AnyBuffer::Dimensions d, const Items& items, const std::vector<int64_t>& inner) {
+  if (d.size() != items.dims.size() + inner.size()) return false;
+  for (size_t i = 0; i < d.size(); ++i)
+    if (d[i] != (i < items.dims.size() ? items.dims[i] : inner[i - items.dims.size()])) return false;
+  return true;
+}
+
+// The decoded inputs both handlers share.
+struct Decoded {
+  attention::Shape s;
+  Items items;
+  std::vector<int64_t> q_offs, k_offs, v_offs, bias_offs, mask_offs;
+  attention::Inputs in;
+};
+
+// Bias or mask: absent when empty; else (.., n, t, s) with n, t, s each full or 1.
+ffi::Error broadcast(const char* op, const char* name, const ffi::AnyBuffer& b, const Decoded& dec,
+                     attention::Broadcast* out, std::vector<int64_t>* offs) {
+  if (b.element_count() == 0) return ffi::Error::Success();
+  const auto d = b.dimensions();
+  const int64_t full[3] = {dec.s.heads, dec.s.t, dec.s.s};
+  bool ok = d.size() >= 3;
+  for (size_t i = 0; ok && i < 3; ++i) ok = d[d.size() - 3 + i] == full[i] || d[d.size() - 3 + i] == 1;
+  if (!ok)
+    return invalid(std::string(op) + ": " + name + " has shape " + dims_str(d) +
+                   ", expected (..., N or 1, T or 1, S or 1) with N, T, S = " + std::to_string(full[0]) + ", " +
+                   std::to_string(full[1]) + ", " + std::to_string(full[2]));
+  const int64_t bn = d[d.size() - 3], bt = d[d.size() - 2], bs = d[d.size() - 1];
+  JB_TRY(lead, ffi_util::operand(op, name, d, {bn, bt, bs}, dec.items));
+  *offs = offsets(dec.items, lead);
+  out->data = b.untyped_data();
+  out->offs = offs->data();
+  out->ss = bs == 1 ? 0 : 1;
+  out->st = bt == 1 ? 0 : bs;
+  out->sn = bn == 1 ? 0 : bt * bs;
+  return ffi::Error::Success();
+}
+
+// Checks q, k, v, bias and mask against the output's items (`out`, shaped like q).
+ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
+                  ffi::AnyBuffer mask, ffi::AnyBuffer::Dimensions out, float scale, bool causal, Decoded* dec) {
+  if (!ffi_util::kernel_dtype(q.element_type(), &dec->s.dt) || k.element_type() != q.element_type() ||
+      v.element_type() != q.element_type())
+    return invalid(std::string(op) + ": q, k and v must all be float32 or all bfloat16");
+  if (bias.element_count() && bias.element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": bias must be float32");
+  if (mask.element_count() && mask.element_type() != ffi::DataType::PRED && mask.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": mask must be bool");
+  const auto kd = k.dimensions();
+  if (out.size() < 3 || kd.size() < 3) return invalid(std::string(op) + ": q and k need rank >= 3");
+  Decoded& d = *dec;
+  d.items = ffi_util::items_of(out, 3);
+  d.s.items = d.items.count;
+  d.s.t = out[out.size() - 3];
+  d.s.heads = out[out.size() - 2];
+  d.s.h = out[out.size() - 1];
+  d.s.s = kd[kd.size() - 3];
+  d.s.kv_heads = kd[kd.size() - 2];
+  d.s.scale = scale;
+  d.s.causal = causal;
+  if (d.s.kv_heads < 1 || d.s.heads % d.s.kv_heads != 0)
+    return invalid(std::string(op) + ": the key/value heads K = " + std::to_string(d.s.kv_heads) +
+                   " must divide the query heads N = " + std::to_string(d.s.heads));
+  JB_TRY(lq, ffi_util::operand(op, "q", q.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(lk, ffi_util::operand(op, "k", kd, {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  JB_TRY(lv, ffi_util::operand(op, "v", v.dimensions(), {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  d.q_offs = offsets(d.items, lq);
+  d.k_offs = offsets(d.items, lk);
+  d.v_offs = offsets(d.items, lv);
+  d.in.q = q.untyped_data(), d.in.k = k.untyped_data(), d.in.v = v.untyped_data();
+  d.in.q_offs = d.q_offs.data(), d.in.k_offs = d.k_offs.data(), d.in.v_offs = d.v_offs.data();
+  if (auto e = broadcast(op, "bias", bias, d, &d.in.bias, &d.bias_offs); e.failure()) return e;
+  if (auto e = broadcast(op, "mask", mask, d, &d.in.mask, &d.mask_offs); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o,
+                         ffi::Result<ffi::AnyBuffer> stats, float scale, bool causal) {
+  const char* op = "jb_attention_fwd";
+  Decoded d;
+  if (auto e = decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, &d); e.failure()) return e;
+  if (o->element_type() != q.element_type()) return invalid("jb_attention_fwd: o must have q's dtype");
+  if (stats->element_type() != ffi::DataType::F32 || !dims_are(stats->dimensions(), d.items, {d.s.heads, d.s.t, 2}))
+    return invalid("jb_attention_fwd: stats must be float32 (..., N, T, 2), got " + dims_str(stats->dimensions()));
+  if (o->element_count() == 0) {  // H = 0: nothing to attend with
+    std::fill_n(static_cast<float*>(stats->untyped_data()), stats->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
+  return guarded(op, [&] {
+    attention::forward(ffi_util::executor(pool), dispatch(), d.s, d.in, o->untyped_data(),
+                       static_cast<float*>(stats->untyped_data()));
+  });
+}
+
+ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer o, ffi::AnyBuffer stats,
+                         ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias, float scale,
+                         bool causal) {
+  const char* op = "jb_attention_bwd";
+  Decoded d;
+  if (auto e = decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, &d); e.failure()) return e;
+  const auto dt = q.element_type();
+  if (o.element_type() != dt || dout.element_type() != dt || dq->element_type() != dt ||
+      dk->element_type() != dt || dv->element_type() != dt)
+    return invalid("jb_attention_bwd: o, dout and the gradients must have q's dtype");
+  if (stats.element_type() != ffi::DataType::F32) return invalid("jb_attention_bwd: stats must be float32");
+  JB_TRY(lo, ffi_util::operand(op, "o", o.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(lg, ffi_util::operand(op, "dout", dout.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(ls, ffi_util::operand(op, "stats", stats.dimensions(), {d.s.heads, d.s.t, 2}, d.items));
+  const std::vector<int64_t> kv_dims = {d.s.s, d.s.kv_heads, d.s.h};
+  if (!dims_are(dk->dimensions(), d.items, kv_dims) || !dims_are(dv->dimensions(), d.items, kv_dims))
+    return invalid("jb_attention_bwd: dk and dv must be (..., S, K, H) like the items of dq, got " +
+                   dims_str(dk->dimensions()) + " and " + dims_str(dv->dimensions()));
+  const bool want_dbias = dbias->element_count() != 0;
+  if (want_dbias && (dbias->element_type() != ffi::DataType::F32 ||
+                     !dims_are(dbias->dimensions(), d.items, {d.s.heads, d.s.t, d.s.s})))
+    return invalid("jb_attention_bwd: dbias must be float32 (..., N, T, S) or empty, got " +
+                   dims_str(dbias->dimensions()));
+  if (dq->element_count() == 0 && dk->element_count() == 0) return ffi::Error::Success();
+  const std::vector<int64_t> o_offs = offsets(d.items, lo), g_offs = offsets(d.items, lg),
+                             s_offs = offsets(d.items, ls);
+  attention::Saved saved;
+  saved.o = o.untyped_data(), saved.dout = dout.untyped_data();
+  saved.stats = static_cast<const float*>(stats.untyped_data());
+  saved.o_offs = o_offs.data(), saved.dout_offs = g_offs.data(), saved.stats_offs = s_offs.data();
+  return guarded(op, [&] {
+    attention::backward(ffi_util::executor(pool), dispatch(), d.s, d.in, saved, dq->untyped_data(),
+                        dk->untyped_data(), dv->untyped_data(),
+                        want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::AnyBuffer>()  // stats
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<ffi::AnyBuffer>()  // mask
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // stats
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dbias
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));
+
+}  // namespace jb

@@ -1,0 +1,183 @@
+// The backward pass: per work item, the panel's K^T, V^T and K re-blocked once; per query
+// block, P and dP recomputed chunk by chunk and dS formed from them; dQ of the block is
+// complete after its chunks, dK^T and dV^T accumulate over every block of the panel (in the
+// item's scratch, or in per-item parts summed afterwards when panels are split).
+#include <algorithm>
+#include <cstring>
+
+#include "layers/attention/attention.h"
+#include "layers/attention/plan.h"
+#include "layers/attention/rows.h"
+#include "layers/common/operand.h"
+#include "layers/common/reblock.h"
+#include "layers/common/scratch.h"
+
+namespace jb::attention {
+
+namespace {
+
+// d[r] = sum_j dO[r, j] * O[r, j] in fp32.
+template <class T>
+void row_dots(const T* dout, const T* o, int64_t ld, int64_t rows, int64_t h, float* d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < h; ++j) sum += to_f32(dout[r * ld + j]) * to_f32(o[r * ld + j]);
+    d[r] = sum;
+  }
+}
+
+template <class T>
+void write_rows(const float* acc, int64_t rows, int64_t h, int64_t ld, T* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < h; ++j) out[r * ld + j] = from_f32<T>(acc[r * h + j]);
+}
+
+// out (S, ld) = the sum of `parts` H x sp fp32 matrices, `part_stride` floats apart, transposed.
+template <class T>
+void write_transposed(const float* parts, int64_t count, int64_t part_stride, int64_t h, int64_t s,
+                      int64_t sp, int64_t ld, T* out) {
+  for (int64_t j = 0; j < s; ++j)
+    for (int64_t c = 0; c < h; ++c) {
+      float sum = parts[c * sp + j];
+      for (int64_t i = 1; i < count; ++i) sum += parts[i * part_stride + c * sp + j];
+      out[j * ld + c] = from_f32<T>(sum);
+    }
+}
+
+}  // namespace
+
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in,
+              const Saved& saved, void* dq, void* dk, void* dv, float* dbias, const Blocks* force) {
+  check_shape(s);
+  if (s.items == 0) return;
+  const int64_t es = int64_t(dtype_size(s.dt));
+  const int64_t q_ld = s.heads * s.h, kv_ld = s.kv_heads * s.h;
+  if (s.t == 0 || s.heads == 0) {  // no queries: the keys and values get no gradient
+    std::memset(dk, 0, size_t(s.items * s.s * kv_ld * es));
+    std::memset(dv, 0, size_t(s.items * s.s * kv_ld * es));
+    return;
+  }
+  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, ex.num_threads, force, true);
+  const Plan& p = *plan;
+  const int64_t ks = int64_t(p.ks);
+  const int64_t b_cols = p.vnni ? 2 : 1;
+  const int64_t panels = s.items * s.kv_heads, per_panel = p.groups.items() / panels;
+  const auto bytes = [](const void* base, int64_t elems, int64_t size) {
+    return static_cast<const char*>(base) + elems * size;
+  };
+  const auto buf = Scratch::get<2>({p.lease.total * size_t(p.groups.concurrency()),
+                                    p.split ? p.part_bytes * size_t(p.groups.items()) : 0});
+  PanelPool leases(buf[0], p.lease.total, p.groups.concurrency());
+  const size_t half = p.part_bytes / 2;
+
+  // dK^T and dV^T of item `it`: its parts, or its lease's.
+  auto accumulators = [&](int64_t it, char* w) {
+    char* base = p.split ? buf[1] + size_t(it) * p.part_bytes : nullptr;
+    return std::make_pair(reinterpret_cast<float*>(base ? base : w + p.dkt),
+                          reinterpret_cast<float*>(base ? base + half : w + p.dvt));
+  };
+  auto write_kv = [&](int64_t panel, const float* dkt, const float* dvt, int64_t count) {
+    const int64_t item = panel / s.kv_heads, kvh = panel % s.kv_heads;
+    const int64_t off = item * s.s * kv_ld + kvh * s.h, stride = int64_t(p.part_bytes / sizeof(float));
+    with_type(s.dt, [&](auto zero) {
+      using T = decltype(zero);
+      write_transposed(dkt, count, stride, s.h, s.s, p.sp, kv_ld, static_cast<T*>(dk) + off);
+      write_transposed(dvt, count, stride, s.h, s.s, p.sp, kv_ld, static_cast<T*>(dv) + off);
+    });
+  };
+
+  parallel_for(ex, p.groups.items(), [&](int64_t it) {
+    const int64_t panel = p.groups.panel(it);
+    const int64_t item = panel / s.kv_heads, kvh = panel % s.kv_heads;
+    const PanelPool::Lease lease(leases);
+    char* w = lease.data;
+    char *kt = w + p.kt, *vt = w + p.vv, *kb = w + p.kb;
+    char *qt = w + p.qt, *dot = w + p.dot, *q_t = w + p.q_t, *do_t = w + p.do_t;
+    auto* st = reinterpret_cast<float*>(w + p.st);
+    auto* dpt = reinterpret_cast<float*>(w + p.dpt);
+    auto* acc = reinterpret_cast<float*>(w + p.acc);
+    auto* m = reinterpret_cast<float*>(w + p.m);
+    auto* inv_l = reinterpret_cast<float*>(w + p.l);
+    auto* d = reinterpret_cast<float*>(w + p.d);
+    const auto [dkt, dvt] = accumulators(it, w);
+    std::fill(dkt, dkt + s.h * p.sp, 0.0f);
+    std::fill(dvt, dvt + s.h * p.sp, 0.0f);
+    const char* kp = bytes(in.k, in.k_offs[item] + kvh * s.h, es);
+    const char* vp = bytes(in.v, in.v_offs[item] + kvh * s.h, es);
+    reblock::pack(kp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, kt, p.isa);
+    reblock::pack(vp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, vt, p.isa);
+    reblock::pack(kp, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, kb, p.isa);
+
+    for (int64_t blk = p.groups.first(it); blk < p.groups.last(it); ++blk) {
+      const int64_t n = kvh * p.group + blk / p.nqb, qb = blk % p.nqb;
+      const int64_t i0 = qb * p.bm, rows = p.rows_of(qb);
+      const bool last = rows != p.bm;
+      const int64_t rp = last ? p.last_rp : p.bmp;
+      const int64_t at = i0 * q_ld + n * s.h;  // the block's first element in (T, N, H)
+      const char* qp = bytes(in.q, in.q_offs[item] + at, es);
+      const char* op = bytes(saved.o, saved.o_offs[item] + at, es);
+      const char* gp = bytes(saved.dout, saved.dout_offs[item] + at, es);
+      reblock::pack(qp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
+      reblock::pack(gp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, dot, p.isa);
+      reblock::pack(qp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
+      reblock::pack(gp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
+      const float* stat = saved.stats + saved.stats_offs[item] + (n * s.t + i0) * 2;
+      for (int64_t r = 0; r < rows; ++r) m[r] = stat[2 * r], inv_l[r] = 1.0f / stat[2 * r + 1];
+      with_type(s.dt, [&](auto zero) {
+        using T = decltype(zero);
+        row_dots(reinterpret_cast<const T*>(gp), reinterpret_cast<const T*>(op), q_ld, rows, s.h, d);
+      });
+      std::fill(acc, acc + rows * s.h, 0.0f);
+
+      const int64_t end = p.keys_end(qb);
+      for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
+        const int64_t width = std::min(p.bn, end - c0);
+        const Brgemm& qk = p.qk(last, width);
+        qk.strided(qt, 0, kt + c0 * b_cols * ks, 0, 1, st);
+        qk.strided(dot, 0, vt + c0 * b_cols * ks, 0, 1, dpt);
+        ScoreTile tile;
+        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = std::min(width, s.s - c0), tile.width = width;
+        tile.scale = s.scale, tile.causal = s.causal, tile.limit0 = i0 - c0 + 1;
+        if (in.bias.data) {
+          const Broadcast& b = in.bias;
+          tile.bias = static_cast<const float*>(b.data) + b.offs[item] + n * b.sn + i0 * b.st + c0 * b.ss;
+          tile.bias_rs = b.st, tile.bias_cs = b.ss;
+        }
+        if (in.mask.data) {
+          const Broadcast& b = in.mask;
+          tile.mask = static_cast<const uint8_t*>(b.data) + b.offs[item] + n * b.sn + i0 * b.st + c0 * b.ss;
+          tile.mask_rs = b.st, tile.mask_cs = b.ss;
+        }
+        float* db = dbias ? dbias + ((item * s.heads + n) * s.t + i0) * s.s + c0 : nullptr;
+        softmax_backward(tile, dpt, p.bn, m, inv_l, d, db, s.s, p.isa);
+        // dQ += dS K, dK^T += Q^T dS, dV^T += dO^T P: fp32 tiles are the operands as they
+        // are; bf16 ones are rounded, and packed in VNNI pairs of rows where they are B.
+        const void *ds_a = dpt, *ds_b = dpt, *p_b = st;
+        if (p.vnni) {
+          auto* dsa = reinterpret_cast<uint16_t*>(w + p.dsa);
+          to_bf16(dpt, p.bn, rows, width, dsa, p.bn, p.isa);
+          reblock::pack(dpt, DType::f32, p.bn, false, rows, width, rp, width, DType::bf16, true, w + p.dsv, p.isa);
+          reblock::pack(st, DType::f32, p.bn, false, rows, width, rp, width, DType::bf16, true, w + p.pvn, p.isa);
+          ds_a = dsa, ds_b = w + p.dsv, p_b = w + p.pvn;
+        }
+        p.pv(last, width).strided(ds_a, 0, kb + c0 * s.h * ks, 0, 1, acc);
+        const Brgemm& kv = p.kv(last, width);
+        kv.strided(q_t, 0, ds_b, 0, 1, dkt + c0);
+        kv.strided(do_t, 0, p_b, 0, 1, dvt + c0);
+      }
+      with_type(s.dt, [&](auto zero) {
+        using T = decltype(zero);
+        write_rows(acc, rows, s.h, q_ld, static_cast<T*>(dq) + item * s.t * q_ld + at);
+      });
+    }
+    if (!p.split) write_kv(panel, dkt, dvt, 1);
+  });
+
+  if (p.split)  // each panel's parts, summed in item order
+    parallel_for(ex, panels, [&](int64_t panel) {
+      const auto* part = reinterpret_cast<const float*>(buf[1] + size_t(panel * per_panel) * p.part_bytes);
+      write_kv(panel, part, part + half / sizeof(float), per_panel);
+    });
+}
+
+}  // namespace jb::attention

@@ -1,0 +1,141 @@
+#include "layers/attention/plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "layers/common/plan_cache.h"
+#include "layers/common/scratch.h"
+
+namespace jb::attention {
+
+namespace {
+
+// Query rows per block: whole AMX tile rows, about 64 (the reduction of the backward's dK
+// and dV updates, and every block re-reads the panel's K and V).
+constexpr int64_t kRows = 64;
+// Keys per chunk: a chunk's fp32 score tiles (64 x 512 x 4 bytes) stay in L2, and sequences
+// up to this long run the forward's softmax in one pass, without rescaling.
+constexpr int64_t kChunk = 512;
+
+bool amx_bf16(const Dispatch& dp, DType kd) { return dp.isa == Isa::amx && kd == DType::bf16; }
+
+Blocking blocks(const Shape& s, DType kd, const Dispatch& dp, const Blocks* force, int64_t kq) {
+  Blocking b;
+  const int64_t tile = amx_bf16(dp, kd) ? 16 : 4;
+  b.rows = std::min(s.t, round_up(ceil_div(s.t, ceil_div(s.t, kRows)), tile));
+  b.cols = std::min(round_up(s.s, kq), kChunk);
+  if (force && force->rows > 0) b.rows = std::min(s.t, force->rows);
+  if (force && force->keys > 0) b.cols = std::min(round_up(s.s, kq), round_up(force->keys, kq));
+  return b;
+}
+
+}  // namespace
+
+void check_shape(const Shape& s) {
+  if (s.items < 0 || s.t < 0 || s.s < 1 || s.heads < 0 || s.kv_heads < 1 || s.h < 1 ||
+      s.heads % s.kv_heads != 0)
+    throw std::invalid_argument("attention: T, N and the batch must be >= 0, S, K and H >= 1, and K must divide N");
+}
+
+Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t threads, const Blocks* force,
+           bool backward)
+    : isa(dp.isa),
+      kd(multiply_dtype(sh.dt, dp)),
+      vnni(kd == DType::bf16),
+      ks(dtype_size(kd)),
+      t(sh.t),
+      s(sh.s),
+      h(sh.h),
+      group(sh.heads / sh.kv_heads),
+      kq(amx_bf16(dp, kd) ? 32 : 16),
+      skip(sh.causal && !bias && !mask),
+      groups(sh.items * sh.kv_heads, group * ceil_div(sh.t, blocks(sh, kd, dp, force, kq).rows), threads) {
+  const Blocking b = blocks(sh, kd, dp, force, kq);
+  bm = b.rows;
+  bn = b.cols;
+  nqb = ceil_div(t, bm);
+  last_rows = t - (nqb - 1) * bm;
+  sp = round_up(s, kq);
+  // AMX multiplies whole 32-deep steps in place; other bf16 kernels whole VNNI pairs.
+  const int64_t kpad = amx_bf16(dp, kd) ? 32 : vnni ? 2 : 1;
+  hp = round_up(h, kpad);
+  bmp = round_up(bm, kpad);
+  last_rp = round_up(last_rows, kpad);
+  split = backward && groups.items() > sh.items * sh.kv_heads;
+
+  const bool has_last = last_rows != bm;
+  BrgemmDesc base;
+  base.ab = kd;
+  base.c = DType::f32;
+  qk = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
+    BrgemmDesc q = base;
+    q.m = last ? last_rows : bm, q.n = w, q.k = hp;
+    q.lda = hp, q.ldb = vnni ? 2 * sp : sp, q.ldc = bn;
+    return q;
+  }, isa);
+  pv = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
+    BrgemmDesc q = base;
+    q.m = last ? last_rows : bm, q.n = h, q.k = w;
+    q.lda = bn, q.ldb = vnni ? 2 * h : h, q.ldc = h, q.accumulate = true;
+    return q;
+  }, isa);
+
+  const size_t f4 = sizeof(float);
+  if (!backward) {
+    kt = lease.add(size_t(hp * sp) * ks);
+    vv = lease.add(size_t(sp * h) * ks);
+    qt = lease.add(size_t(bm * hp) * ks);
+    st = lease.add(size_t(bm * bn) * f4);
+    if (kd != DType::f32) pt = lease.add(size_t(bm * bn) * ks);
+    acc = lease.add(size_t(bm * h) * f4);
+    m = lease.add(size_t(bm) * f4);
+    l = lease.add(size_t(bm) * f4);
+    alpha = lease.add(size_t(bm) * f4);
+    return;
+  }
+  kv = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
+    BrgemmDesc q = base;
+    q.m = h, q.n = w, q.k = last ? last_rp : bmp;
+    q.lda = bmp, q.ldb = vnni ? 2 * w : bn, q.ldc = sp, q.accumulate = true;
+    return q;
+  }, isa);
+  kt = lease.add(size_t(hp * sp) * ks);  // K^T
+  vv = lease.add(size_t(hp * sp) * ks);  // V^T
+  kb = lease.add(size_t(sp * h) * ks);   // K
+  qt = lease.add(size_t(bm * hp) * ks);
+  dot = lease.add(size_t(bm * hp) * ks);
+  q_t = lease.add(size_t(h * bmp) * ks);
+  do_t = lease.add(size_t(h * bmp) * ks);
+  st = lease.add(size_t(bm * bn) * f4);
+  dpt = lease.add(size_t(bm * bn) * f4);
+  if (kd != DType::f32) {
+    pvn = lease.add(size_t(bmp * bn) * ks);
+    dsv = lease.add(size_t(bmp * bn) * ks);
+    dsa = lease.add(size_t(bm * bn) * ks);
+  }
+  acc = lease.add(size_t(bm * h) * f4);
+  m = lease.add(size_t(bm) * f4);
+  l = lease.add(size_t(bm) * f4);
+  d = lease.add(size_t(bm) * f4);
+  part_bytes = 2 * Scratch::aligned(size_t(h * sp) * f4);
+  if (!split) {
+    dkt = lease.add(size_t(h * sp) * f4);
+    dvt = lease.add(size_t(h * sp) * f4);
+  }
+}
+
+int64_t Plan::keys_end(int64_t qb) const {
+  if (!skip) return sp;
+  return std::min(sp, round_up(std::min(s, qb * bm + rows_of(qb)), kq));
+}
+
+std::shared_ptr<const Plan> plan_for(const Dispatch& dp, const Shape& s, bool bias, bool mask,
+                                     int64_t threads, const Blocks* force, bool backward) {
+  static PlanCache<16, Plan> plans;
+  return plans.get({s.items, s.t, s.s, s.heads, s.kv_heads, s.h, int64_t(s.dt), s.causal, bias, mask, threads,
+                    int64_t(dp.isa), int64_t(dp.bf16_multiply), force ? force->rows : -1,
+                    force ? force->keys : -1, backward},
+                   [&] { return Plan(dp, s, bias, mask, threads, force, backward); });
+}
+
+}  // namespace jb::attention

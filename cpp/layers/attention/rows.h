@@ -1,0 +1,50 @@
+// The element-wise work of attention between its products, on one tile of scores (a query
+// block's rows against one key chunk): logits, masking, the online softmax of the forward,
+// and the softmax gradient of the backward. Vectorized for the ISA passed in, like
+// layers/common/eltwise; everything is fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "brgemm/brgemm.h"
+
+namespace jb::attention {
+
+// A rows x cols tile of raw scores S = Q K^T (row stride ld) in a chunk `width` keys wide
+// (cols <= width: the keys past the sequence's end are padding and take no part). The
+// logits are x = scale * S + bias, and kMasked where row r masks key j: j >= limit0 + r
+// (causal), or mask == 0. bias and mask point at the tile's (0, 0) element; each has a row
+// stride and a column stride of 0 (one value per row) or 1.
+struct ScoreTile {
+  float* s = nullptr;
+  int64_t ld = 0;
+  int64_t rows = 0, cols = 0, width = 0;
+  float scale = 1.0f;
+  bool causal = false;
+  int64_t limit0 = 0;
+  const float* bias = nullptr;
+  int64_t bias_rs = 0, bias_cs = 0;
+  const uint8_t* mask = nullptr;
+  int64_t mask_rs = 0, mask_cs = 0;
+};
+
+// The forward's online softmax over one chunk, row by row: the row max m[r] takes in the
+// chunk's logits; alpha[r] = exp(old m - new m) is the factor the row's earlier sums (l[r]
+// here, the output accumulator in the caller) are rescaled by; p = exp(x - m) is written
+// to P (rows x width, row stride ldp, fp32 or bf16 as pt, 0 past cols) and its sum added to
+// l[r]. m starts at -inf and l at 0. t.s is overwritten with the logits.
+void softmax_forward(const ScoreTile& t, float* m, float* l, float* alpha, void* p, int64_t ldp,
+                     DType pt, Isa isa);
+
+// The backward's softmax gradient on one chunk: P = exp(x - m) / l from the saved
+// statistics (inv_l = 1 / l), dS = P * (dP - d) with d[r] = rowsum(dO * O), 0 where masked.
+// Afterwards t.s holds P and dp (row stride lddp) holds scale * dS, both 0 past cols up to
+// width; dbias (row stride lddb), when not null, gets dS itself (the bias gradient).
+void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
+                      const float* inv_l, const float* d, float* dbias, int64_t lddb, Isa isa);
+
+// y = x rounded to bf16 (rows x cols, row strides ldx, ldy).
+void to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
+             Isa isa);
+
+}  // namespace jb::attention
