@@ -1,6 +1,7 @@
 """jax_brgemm: batch-reduce GEMM kernels as differentiable XLA CPU custom calls."""
 
 from jax_brgemm._native import export_safety_checks, isa
+from jax_brgemm.ops.attention import dot_product_attention
 from jax_brgemm.ops.brgemm import brgemm
 from jax_brgemm.ops.conv import conv2d
 from jax_brgemm.ops.dense import dense
@@ -11,6 +12,6 @@ from jax_brgemm import nn
 from jax_brgemm import nnx
 from jax_brgemm.accelerate import accelerate
 
-__all__ = ["accelerate", "brgemm", "conv2d", "dense", "export_safety_checks", "isa", "lstm", "nn",
-           "nnx", "peak_gflops", "reuse_freed_memory"]
+__all__ = ["accelerate", "brgemm", "conv2d", "dense", "dot_product_attention", "export_safety_checks", "isa",
+           "lstm", "nn", "nnx", "peak_gflops", "reuse_freed_memory"]
 __version__ = "0.1.0"

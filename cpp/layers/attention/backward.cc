@@ -16,32 +16,22 @@ namespace jb::attention {
 
 namespace {
 
-// d[r] = sum_j dO[r, j] * O[r, j] in fp32.
-template <class T>
-void row_dots(const T* dout, const T* o, int64_t ld, int64_t rows, int64_t h, float* d) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < h; ++j) sum += to_f32(dout[r * ld + j]) * to_f32(o[r * ld + j]);
-    d[r] = sum;
-  }
-}
-
 template <class T>
 void write_rows(const float* acc, int64_t rows, int64_t h, int64_t ld, T* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < h; ++j) out[r * ld + j] = from_f32<T>(acc[r * h + j]);
 }
 
-// out (S, ld) = the sum of `parts` H x sp fp32 matrices, `part_stride` floats apart, transposed.
-template <class T>
-void write_transposed(const float* parts, int64_t count, int64_t part_stride, int64_t h, int64_t s,
-                      int64_t sp, int64_t ld, T* out) {
-  for (int64_t j = 0; j < s; ++j)
-    for (int64_t c = 0; c < h; ++c) {
-      float sum = parts[c * sp + j];
-      for (int64_t i = 1; i < count; ++i) sum += parts[i * part_stride + c * sp + j];
-      out[j * ld + c] = from_f32<T>(sum);
-    }
+// out (S x H, rows ld apart, dtype dt) = the transpose of the H x sp fp32 matrix at parts,
+// after adding the `count - 1` parts that follow it `part_stride` floats apart (in place);
+// transposed into tmp, then copied row by row.
+void write_transposed(float* parts, int64_t count, int64_t part_stride, int64_t h, int64_t s, int64_t sp,
+                      DType dt, Isa isa, char* tmp, int64_t ld, char* out) {
+  for (int64_t i = 1; i < count; ++i)
+    for (int64_t e = 0; e < h * sp; ++e) parts[e] += parts[i * part_stride + e];
+  reblock::pack(parts, DType::f32, sp, true, s, h, s, h, dt, false, tmp, isa);
+  const size_t row = size_t(h) * dtype_size(dt);
+  for (int64_t j = 0; j < s; ++j) std::memcpy(out + j * ld * int64_t(dtype_size(dt)), tmp + j * int64_t(row), row);
 }
 
 }  // namespace
@@ -76,14 +66,11 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
     return std::make_pair(reinterpret_cast<float*>(base ? base : w + p.dkt),
                           reinterpret_cast<float*>(base ? base + half : w + p.dvt));
   };
-  auto write_kv = [&](int64_t panel, const float* dkt, const float* dvt, int64_t count) {
+  auto write_kv = [&](int64_t panel, float* dkt, float* dvt, int64_t count, char* tmp) {
     const int64_t item = panel / s.kv_heads, kvh = panel % s.kv_heads;
-    const int64_t off = item * s.s * kv_ld + kvh * s.h, stride = int64_t(p.part_bytes / sizeof(float));
-    with_type(s.dt, [&](auto zero) {
-      using T = decltype(zero);
-      write_transposed(dkt, count, stride, s.h, s.s, p.sp, kv_ld, static_cast<T*>(dk) + off);
-      write_transposed(dvt, count, stride, s.h, s.s, p.sp, kv_ld, static_cast<T*>(dv) + off);
-    });
+    const int64_t off = (item * s.s * kv_ld + kvh * s.h) * es, stride = int64_t(p.part_bytes / sizeof(float));
+    write_transposed(dkt, count, stride, s.h, s.s, p.sp, s.dt, p.isa, tmp, kv_ld, static_cast<char*>(dk) + off);
+    write_transposed(dvt, count, stride, s.h, s.s, p.sp, s.dt, p.isa, tmp, kv_ld, static_cast<char*>(dv) + off);
   };
 
   parallel_for(ex, p.groups.items(), [&](int64_t it) {
@@ -117,26 +104,28 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
       const char* qp = bytes(in.q, in.q_offs[item] + at, es);
       const char* op = bytes(saved.o, saved.o_offs[item] + at, es);
       const char* gp = bytes(saved.dout, saved.dout_offs[item] + at, es);
-      reblock::pack(qp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
-      reblock::pack(gp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, dot, p.isa);
+      const char *qa = qp, *ga = gp;
+      if (!p.q_in_place) {
+        reblock::pack(qp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
+        reblock::pack(gp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, dot, p.isa);
+        qa = qt, ga = dot;
+      }
       reblock::pack(qp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
       reblock::pack(gp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
       const float* stat = saved.stats + saved.stats_offs[item] + (n * s.t + i0) * 2;
       for (int64_t r = 0; r < rows; ++r) m[r] = stat[2 * r], inv_l[r] = 1.0f / stat[2 * r + 1];
-      with_type(s.dt, [&](auto zero) {
-        using T = decltype(zero);
-        row_dots(reinterpret_cast<const T*>(gp), reinterpret_cast<const T*>(op), q_ld, rows, s.h, d);
-      });
+      row_dots(gp, op, q_ld, rows, s.h, s.dt, d, p.isa);
       std::fill(acc, acc + rows * s.h, 0.0f);
 
       const int64_t end = p.keys_end(qb);
       for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
         const int64_t width = std::min(p.bn, end - c0);
+        const int64_t cols = std::min(width, s.s - c0);
         const Brgemm& qk = p.qk(last, width);
-        qk.strided(qt, 0, kt + c0 * b_cols * ks, 0, 1, st);
-        qk.strided(dot, 0, vt + c0 * b_cols * ks, 0, 1, dpt);
+        qk.strided(qa, 0, kt + c0 * b_cols * ks, 0, 1, st);
+        qk.strided(ga, 0, vt + c0 * b_cols * ks, 0, 1, dpt);
         ScoreTile tile;
-        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = std::min(width, s.s - c0), tile.width = width;
+        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = cols, tile.width = width;
         tile.scale = s.scale, tile.causal = s.causal, tile.limit0 = i0 - c0 + 1;
         if (in.bias.data) {
           const Broadcast& b = in.bias;
@@ -170,13 +159,14 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
         write_rows(acc, rows, s.h, q_ld, static_cast<T*>(dq) + item * s.t * q_ld + at);
       });
     }
-    if (!p.split) write_kv(panel, dkt, dvt, 1);
+    if (!p.split) write_kv(panel, dkt, dvt, 1, w + p.kv_out);
   });
 
   if (p.split)  // each panel's parts, summed in item order
     parallel_for(ex, panels, [&](int64_t panel) {
-      const auto* part = reinterpret_cast<const float*>(buf[1] + size_t(panel * per_panel) * p.part_bytes);
-      write_kv(panel, part, part + half / sizeof(float), per_panel);
+      const PanelPool::Lease lease(leases);
+      auto* part = reinterpret_cast<float*>(buf[1] + size_t(panel * per_panel) * p.part_bytes);
+      write_kv(panel, part, part + half / sizeof(float), per_panel, lease.data + p.kv_out);
     });
 }
 

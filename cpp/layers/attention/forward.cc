@@ -55,24 +55,26 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
     auto* alpha = reinterpret_cast<float*>(w + p.alpha);
     reblock::pack(kb_ + (in.k_offs[item] + kvh * s.h) * es, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd,
                   p.vnni, kt, p.isa);
-    reblock::pack(vb_ + (in.v_offs[item] + kvh * s.h) * es, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd,
-                  p.vnni, vv, p.isa);
+    const char* v_in = vb_ + (in.v_offs[item] + kvh * s.h) * es;
+    reblock::pack(v_in, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, vv, p.isa);
 
     for (int64_t blk = p.groups.first(it); blk < p.groups.last(it); ++blk) {
       const int64_t n = kvh * p.group + blk / p.nqb, qb = blk % p.nqb;
       const int64_t i0 = qb * p.bm, rows = p.rows_of(qb);
       const bool last = rows != p.bm;
-      reblock::pack(qb_ + (in.q_offs[item] + i0 * q_ld + n * s.h) * es, s.dt, q_ld, false, rows, s.h, rows, p.hp,
-                    p.kd, false, qt, p.isa);
+      const char* q_in = qb_ + (in.q_offs[item] + i0 * q_ld + n * s.h) * es;
+      const char* qa = p.q_in_place ? q_in : qt;
+      if (!p.q_in_place) reblock::pack(q_in, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
       std::fill(l, l + rows, 0.0f);
       std::fill(acc, acc + rows * s.h, 0.0f);
       const int64_t end = p.keys_end(qb);
       for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
         const int64_t width = std::min(p.bn, end - c0);
-        p.qk(last, width).strided(qt, 0, kt + c0 * b_cols * ks, 0, 1, st);
+        const int64_t cols = std::min(width, s.s - c0);
+        p.qk(last, width).strided(qa, 0, kt + c0 * b_cols * ks, 0, 1, st);
         ScoreTile tile;
-        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = std::min(width, s.s - c0), tile.width = width;
+        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = cols, tile.width = width;
         tile.scale = s.scale, tile.causal = s.causal, tile.limit0 = i0 - c0 + 1;
         if (in.bias.data) {
           const Broadcast& b = in.bias;

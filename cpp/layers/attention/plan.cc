@@ -62,6 +62,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   bmp = round_up(bm, kpad);
   last_rp = round_up(last_rows, kpad);
   split = backward && groups.items() > sh.items * sh.kv_heads;
+  q_in_place = kd == sh.dt && hp == h;
 
   const bool has_last = last_rows != bm;
   BrgemmDesc base;
@@ -70,7 +71,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   qk = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
     BrgemmDesc q = base;
     q.m = last ? last_rows : bm, q.n = w, q.k = hp;
-    q.lda = hp, q.ldb = vnni ? 2 * sp : sp, q.ldc = bn;
+    q.lda = q_in_place ? sh.heads * h : hp, q.ldb = vnni ? 2 * sp : sp, q.ldc = bn;
     return q;
   }, isa);
   pv = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
@@ -84,7 +85,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   if (!backward) {
     kt = lease.add(size_t(hp * sp) * ks);
     vv = lease.add(size_t(sp * h) * ks);
-    qt = lease.add(size_t(bm * hp) * ks);
+    if (!q_in_place) qt = lease.add(size_t(bm * hp) * ks);
     st = lease.add(size_t(bm * bn) * f4);
     if (kd != DType::f32) pt = lease.add(size_t(bm * bn) * ks);
     acc = lease.add(size_t(bm * h) * f4);
@@ -101,9 +102,11 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   }, isa);
   kt = lease.add(size_t(hp * sp) * ks);  // K^T
   vv = lease.add(size_t(hp * sp) * ks);  // V^T
-  kb = lease.add(size_t(sp * h) * ks);   // K
-  qt = lease.add(size_t(bm * hp) * ks);
-  dot = lease.add(size_t(bm * hp) * ks);
+  kb = lease.add(size_t(sp * h) * ks);  // K
+  if (!q_in_place) {
+    qt = lease.add(size_t(bm * hp) * ks);
+    dot = lease.add(size_t(bm * hp) * ks);
+  }
   q_t = lease.add(size_t(h * bmp) * ks);
   do_t = lease.add(size_t(h * bmp) * ks);
   st = lease.add(size_t(bm * bn) * f4);
@@ -117,6 +120,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   m = lease.add(size_t(bm) * f4);
   l = lease.add(size_t(bm) * f4);
   d = lease.add(size_t(bm) * f4);
+  kv_out = lease.add(size_t(s * h) * dtype_size(sh.dt));
   part_bytes = 2 * Scratch::aligned(size_t(h * sp) * f4);
   if (!split) {
     dkt = lease.add(size_t(h * sp) * f4);

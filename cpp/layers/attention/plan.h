@@ -65,6 +65,10 @@ struct Plan {
   int64_t hp;                  // H padded: the reduction of Q K^T and dO V^T
   int64_t bmp, last_rp;        // query rows padded: the reduction of the dK, dV updates
   bool skip;  // causal with neither bias nor mask: chunks past the diagonal are skipped
+  // Q and dO, the A operands of Q K^T and dO V^T, are read where they are when the kernel
+  // multiplies in their dtype and H needs no padding (K and V, B operands, are always packed:
+  // read in place, their rows N x H apart fall into few L1 sets and evict each other).
+  bool q_in_place;
   WorkGroups groups;  // panels (item, kv head) x blocks (head of the group, query block)
   bool split;         // panels are split: dK and dV are summed from per-item parts
 
@@ -79,6 +83,7 @@ struct Plan {
   size_t st = 0, dpt = 0, pt = 0, pvn = 0, dsv = 0, dsa = 0;
   size_t acc = 0, m = 0, l = 0, alpha = 0, d = 0;
   size_t dkt = 0, dvt = 0;     // in the lease when the panel is not split
+  size_t kv_out = 0;           // dK or dV transposed, before its copy into the output
   size_t part_bytes = 0;       // one item's dK^T and dV^T parts (split panels)
 };
 

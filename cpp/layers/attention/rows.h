@@ -47,4 +47,20 @@ void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* 
 void to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
              Isa isa);
 
+// d[r] = sum over j < n of a[r, j] * b[r, j] in fp32 (rows ld apart, dtype dt).
+void row_dots(const void* a, const void* b, int64_t ld, int64_t rows, int64_t n, DType dt, float* d, Isa isa);
+
+namespace detail {
+// The row loops of one ISA (rows_<isa>.cc, each compiled with its ISA's flags).
+struct RowFns {
+  void (*forward_f32)(const ScoreTile&, float*, float*, float*, void*, int64_t);
+  void (*forward_bf16)(const ScoreTile&, float*, float*, float*, void*, int64_t);
+  void (*backward)(const ScoreTile&, float*, int64_t, const float*, const float*, const float*, float*, int64_t);
+  void (*bf16)(const float*, int64_t, int64_t, int64_t, uint16_t*, int64_t);
+  void (*dots)(const void*, const void*, int64_t, int64_t, int64_t, DType, float*);
+};
+RowFns rows_avx2();
+RowFns rows_avx512();
+}  // namespace detail
+
 }  // namespace jb::attention
