@@ -4,6 +4,7 @@
 // item's scratch, or in per-item parts summed afterwards when panels are split).
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
@@ -95,6 +96,11 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
     reblock::pack(vp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, vt, p.isa);
     reblock::pack(kp, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, kb, p.isa);
 
+    if (!p.split) {  // dK and dV's rows, written at the end of the item
+      const int64_t off = (item * s.s * kv_ld + kvh * s.h) * es;
+      prefetch_rows_for_write(static_cast<char*>(dk) + off, s.s, s.h * es, kv_ld * es);
+      prefetch_rows_for_write(static_cast<char*>(dv) + off, s.s, s.h * es, kv_ld * es);
+    }
     for (int64_t blk = p.groups.first(it); blk < p.groups.last(it); ++blk) {
       const int64_t n = kvh * p.group + blk / p.nqb, qb = blk % p.nqb;
       const int64_t i0 = qb * p.bm, rows = p.rows_of(qb);
@@ -112,6 +118,17 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
       }
       reblock::pack(qp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
       reblock::pack(gp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
+      if (blk + 1 < p.groups.last(it)) {  // the next block's rows of q, dO and O
+        const int64_t nn = kvh * p.group + (blk + 1) / p.nqb, nq = (blk + 1) % p.nqb;
+        const int64_t nat = nq * p.bm * q_ld + nn * s.h;
+        for (const auto& [base, offs] : {std::pair{in.q, in.q_offs}, {saved.dout, saved.dout_offs}, {saved.o, saved.o_offs}})
+          prefetch_rows(bytes(base, offs[item] + nat, es), p.rows_of(nq), s.h * es, q_ld * es);
+      } else if (it + 1 < p.groups.items()) {  // the next item's k and v
+        const int64_t np = p.groups.panel(it + 1), ni = np / s.kv_heads, nk = np % s.kv_heads;
+        prefetch_rows(bytes(in.k, in.k_offs[ni] + nk * s.h, es), s.s, s.h * es, kv_ld * es);
+        prefetch_rows(bytes(in.v, in.v_offs[ni] + nk * s.h, es), s.s, s.h * es, kv_ld * es);
+      }
+      prefetch_rows_for_write(static_cast<char*>(dq) + (item * s.t * q_ld + at) * es, rows, s.h * es, q_ld * es);
       const float* stat = saved.stats + saved.stats_offs[item] + (n * s.t + i0) * 2;
       for (int64_t r = 0; r < rows; ++r) m[r] = stat[2 * r], inv_l[r] = 1.0f / stat[2 * r + 1];
       row_dots(gp, op, q_ld, rows, s.h, s.dt, d, p.isa);

@@ -65,6 +65,16 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
       const char* q_in = qb_ + (in.q_offs[item] + i0 * q_ld + n * s.h) * es;
       const char* qa = p.q_in_place ? q_in : qt;
       if (!p.q_in_place) reblock::pack(q_in, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
+      if (blk + 1 < p.groups.last(it)) {  // the next block's rows of q
+        const int64_t nq = (blk + 1) % p.nqb, nn = kvh * p.group + (blk + 1) / p.nqb;
+        prefetch_rows(qb_ + (in.q_offs[item] + nq * p.bm * q_ld + nn * s.h) * es, p.rows_of(nq), s.h * es, q_ld * es);
+      } else if (it + 1 < p.groups.items()) {  // the next item's k and v
+        const int64_t np = p.groups.panel(it + 1), ni = np / s.kv_heads, nk = np % s.kv_heads;
+        prefetch_rows(kb_ + (in.k_offs[ni] + nk * s.h) * es, s.s, s.h * es, kv_ld * es);
+        prefetch_rows(vb_ + (in.v_offs[ni] + nk * s.h) * es, s.s, s.h * es, kv_ld * es);
+      }
+      const int64_t o_off = (item * s.t + i0) * q_ld + n * s.h;
+      prefetch_rows_for_write(static_cast<char*>(o) + o_off * es, rows, s.h * es, q_ld * es);
       std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
       std::fill(l, l + rows, 0.0f);
       std::fill(acc, acc + rows * s.h, 0.0f);
@@ -93,7 +103,6 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
               for (int64_t j = 0; j < s.h; ++j) acc[r * s.h + j] *= alpha[r];
         p.pv(last, width).strided(pt, 0, vv + c0 * s.h * ks, 0, 1, acc);
       }
-      const int64_t o_off = (item * s.t + i0) * q_ld + n * s.h;
       with_type(s.dt, [&](auto zero) {
         using T = decltype(zero);
         write_output(acc, l, rows, s.h, q_ld, static_cast<T*>(o) + o_off);

@@ -87,6 +87,21 @@ struct Plan {
   size_t part_bytes = 0;       // one item's dK^T and dV^T parts (split panels)
 };
 
+// Asks for `rows` rows of row_bytes each, ld_bytes apart, to be brought into cache: the next
+// block's or item's inputs, fetched while the current one computes (rows N x H apart in the
+// (T, N, H) layout defeat the hardware prefetchers).
+inline void prefetch_rows(const void* p, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + r * ld_bytes + b, 0, 2);
+}
+// The same for rows about to be written (the outputs' lines, read for ownership).
+inline void prefetch_rows_for_write(void* p, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
+  char* c = static_cast<char*>(p);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + r * ld_bytes + b, 1, 2);
+}
+
 // Throws std::invalid_argument for sizes the passes do not take.
 void check_shape(const Shape& s);
 
