@@ -153,13 +153,16 @@ def markdown(rows, summary, peak):
            " | % of peak | vs stock |" + (" vs torch |" if "torch" in names else ""),
            "|" + "---|" * (len(names) + 7 + ("torch" in names))]
     for r in rows:
-        cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
-        out.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['b']}, {r['t']}, {r['heads']}, {r['h']} | "
-                   f"{r['pass']} | " + " | ".join(cells) + f" | {100 * r['peak_fraction']:.0f}% | {r['vs_stock']:.2f}x |" +
+        lo_hi = {n: r["gflops_range"][n] for n in names}
+        cells = [f"{r['gflops'][n]:.0f} ({lo_hi[n][0]:.0f}-{lo_hi[n][1]:.0f})" for n in names]
+        shape = f"{r['b']}, {r['t']}, {r['heads']}, {r['h']}"
+        out.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {shape} | {r['pass']} | " + " | ".join(cells) +
+                   f" | {100 * r['peak_fraction']:.0f}% | {r['vs_stock']:.2f}x |" +
                    (f" {r['vs_torch']:.2f}x |" if "vs_torch" in r else ""))
     out += ["", "| dtype, pass | vs stock (geomean) | vs stock (min) | vs torch (geomean) |", "|---|---|---|---|"]
     for key, s in summary.items():
-        out.append(f"| {key} | {s['vs_stock_geomean']:.2f}x | {s['vs_stock_min']:.2f}x | {s['vs_torch_geomean']:.2f}x |")
+        out.append(f"| {key} | {s['vs_stock_geomean']:.2f}x | {s['vs_stock_min']:.2f}x | "
+                   f"{s['vs_torch_geomean']:.2f}x |")
     return "\n".join(out)
 
 

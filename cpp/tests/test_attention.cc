@@ -78,7 +78,8 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   at::Shape s;
   s.items = c.items, s.t = c.t, s.s = c.s, s.heads = c.heads, s.kv_heads = c.kv, s.h = c.h, s.dt = c.dt;
   s.scale = 1.0f / std::sqrt(float(c.h)), s.causal = c.causal;
-  std::vector<int64_t> q_offs(size_t(c.items)), k_offs(size_t(c.items)), b_offs(size_t(c.items)), m_offs(size_t(c.items));
+  const size_t ni = size_t(c.items);
+  std::vector<int64_t> q_offs(ni), k_offs(ni), b_offs(ni), m_offs(ni);
   for (int64_t i = 0; i < c.items; ++i) {
     q_offs[size_t(i)] = i * qn;
     k_offs[size_t(i)] = c.shared_kv ? 0 : i * kn;
@@ -105,7 +106,9 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
       for (int64_t i = 0; i < c.t; ++i) {
         const int64_t kh = n / g, kb = (c.shared_kv ? 0 : b) * kn;
         auto qv = [&](int64_t e) { return double(q.f[size_t(b * qn + i * c.heads * c.h + n * c.h + e)]); };
-        auto kval = [&](const Tensor& t, int64_t j, int64_t e) { return double(t.f[size_t(kb + (j * c.kv + kh) * c.h + e)]); };
+        auto kval = [&](const Tensor& t, int64_t j, int64_t e) {
+          return double(t.f[size_t(kb + (j * c.kv + kh) * c.h + e)]);
+        };
         double mx = -INFINITY;
         for (int64_t j = 0; j < c.s; ++j) {
           double dot = 0;
@@ -156,7 +159,8 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   at::Saved sv;
   sv.o = o.data(), sv.dout = dout.data(), sv.stats = stats.data();
   sv.o_offs = dense.data(), sv.dout_offs = dense.data(), sv.stats_offs = st_offs.data();
-  Tensor dq(c.dt, c.items * qn), dk(c.dt, c.items * kn), dv(c.dt, c.items * kn), db(DType::f32, c.items * c.heads * c.t * c.s);
+  Tensor dq(c.dt, c.items * qn), dk(c.dt, c.items * kn), dv(c.dt, c.items * kn);
+  Tensor db(DType::f32, c.items * c.heads * c.t * c.s);
   at::backward(ex, dp, s, in, sv, dq.data(), dk.data(), dv.data(), has_bias ? db.f.data() : nullptr, force);
   const double gt = bf16 ? 4e-2 : 5e-5;
   close(dq, dq_ref, gt, "dq");

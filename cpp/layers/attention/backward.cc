@@ -75,8 +75,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
   };
 
   parallel_for(ex, p.groups.items(), [&](int64_t it) {
-    const int64_t panel = p.groups.panel(it);
-    const int64_t item = panel / s.kv_heads, kvh = panel % s.kv_heads;
+    const Block first = p.block(it, p.groups.first(it), s.kv_heads);
     const PanelPool::Lease lease(leases);
     char* w = lease.data;
     char *kt = w + p.kt, *vt = w + p.vv, *kb = w + p.kb;
@@ -90,93 +89,80 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
     const auto [dkt, dvt] = accumulators(it, w);
     std::fill(dkt, dkt + s.h * p.sp, 0.0f);
     std::fill(dvt, dvt + s.h * p.sp, 0.0f);
-    const char* kp = bytes(in.k, in.k_offs[item] + kvh * s.h, es);
-    const char* vp = bytes(in.v, in.v_offs[item] + kvh * s.h, es);
+    const char* kp = bytes(in.k, in.k_offs[first.item] + first.kvh * s.h, es);
+    const char* vp = bytes(in.v, in.v_offs[first.item] + first.kvh * s.h, es);
     reblock::pack(kp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, kt, p.isa);
     reblock::pack(vp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, vt, p.isa);
     reblock::pack(kp, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, kb, p.isa);
-
     if (!p.split) {  // dK and dV's rows, written at the end of the item
-      const int64_t off = (item * s.s * kv_ld + kvh * s.h) * es;
+      const int64_t off = (first.item * s.s * kv_ld + first.kvh * s.h) * es;
       prefetch_rows_for_write(static_cast<char*>(dk) + off, s.s, s.h * es, kv_ld * es);
       prefetch_rows_for_write(static_cast<char*>(dv) + off, s.s, s.h * es, kv_ld * es);
     }
+
     for (int64_t blk = p.groups.first(it); blk < p.groups.last(it); ++blk) {
-      const int64_t n = kvh * p.group + blk / p.nqb, qb = blk % p.nqb;
-      const int64_t i0 = qb * p.bm, rows = p.rows_of(qb);
-      const bool last = rows != p.bm;
-      const int64_t rp = last ? p.last_rp : p.bmp;
-      const int64_t at = i0 * q_ld + n * s.h;  // the block's first element in (T, N, H)
-      const char* qp = bytes(in.q, in.q_offs[item] + at, es);
-      const char* op = bytes(saved.o, saved.o_offs[item] + at, es);
-      const char* gp = bytes(saved.dout, saved.dout_offs[item] + at, es);
+      const Block b = p.block(it, blk, s.kv_heads);
+      const int64_t rp = b.last ? p.last_rp : p.bmp;
+      const int64_t at = b.i0 * q_ld + b.n * s.h;  // the block's first element in (T, N, H)
+      const char* qp = bytes(in.q, in.q_offs[b.item] + at, es);
+      const char* op = bytes(saved.o, saved.o_offs[b.item] + at, es);
+      const char* gp = bytes(saved.dout, saved.dout_offs[b.item] + at, es);
       const char *qa = qp, *ga = gp;
       if (!p.q_in_place) {
-        reblock::pack(qp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, qt, p.isa);
-        reblock::pack(gp, s.dt, q_ld, false, rows, s.h, rows, p.hp, p.kd, false, dot, p.isa);
+        reblock::pack(qp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.isa);
+        reblock::pack(gp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, dot, p.isa);
         qa = qt, ga = dot;
       }
-      reblock::pack(qp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
-      reblock::pack(gp, s.dt, q_ld, true, s.h, rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
+      reblock::pack(qp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
+      reblock::pack(gp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
       if (blk + 1 < p.groups.last(it)) {  // the next block's rows of q, dO and O
-        const int64_t nn = kvh * p.group + (blk + 1) / p.nqb, nq = (blk + 1) % p.nqb;
-        const int64_t nat = nq * p.bm * q_ld + nn * s.h;
-        for (const auto& [base, offs] : {std::pair{in.q, in.q_offs}, {saved.dout, saved.dout_offs}, {saved.o, saved.o_offs}})
-          prefetch_rows(bytes(base, offs[item] + nat, es), p.rows_of(nq), s.h * es, q_ld * es);
+        const Block nb = p.block(it, blk + 1, s.kv_heads);
+        const int64_t nat = nb.i0 * q_ld + nb.n * s.h;
+        const std::pair<const void*, const int64_t*> next[] = {
+            {in.q, in.q_offs}, {saved.dout, saved.dout_offs}, {saved.o, saved.o_offs}};
+        for (const auto& [base, offs] : next)
+          prefetch_rows(bytes(base, offs[nb.item] + nat, es), nb.rows, s.h * es, q_ld * es);
       } else if (it + 1 < p.groups.items()) {  // the next item's k and v
-        const int64_t np = p.groups.panel(it + 1), ni = np / s.kv_heads, nk = np % s.kv_heads;
-        prefetch_rows(bytes(in.k, in.k_offs[ni] + nk * s.h, es), s.s, s.h * es, kv_ld * es);
-        prefetch_rows(bytes(in.v, in.v_offs[ni] + nk * s.h, es), s.s, s.h * es, kv_ld * es);
+        const Block nb = p.block(it + 1, p.groups.first(it + 1), s.kv_heads);
+        prefetch_rows(bytes(in.k, in.k_offs[nb.item] + nb.kvh * s.h, es), s.s, s.h * es, kv_ld * es);
+        prefetch_rows(bytes(in.v, in.v_offs[nb.item] + nb.kvh * s.h, es), s.s, s.h * es, kv_ld * es);
       }
-      prefetch_rows_for_write(static_cast<char*>(dq) + (item * s.t * q_ld + at) * es, rows, s.h * es, q_ld * es);
-      const float* stat = saved.stats + saved.stats_offs[item] + (n * s.t + i0) * 2;
-      for (int64_t r = 0; r < rows; ++r) m[r] = stat[2 * r], inv_l[r] = 1.0f / stat[2 * r + 1];
-      row_dots(gp, op, q_ld, rows, s.h, s.dt, d, p.isa);
-      std::fill(acc, acc + rows * s.h, 0.0f);
+      char* dq_out = static_cast<char*>(dq) + (b.item * s.t * q_ld + at) * es;
+      prefetch_rows_for_write(dq_out, b.rows, s.h * es, q_ld * es);
+      const float* stat = saved.stats + saved.stats_offs[b.item] + (b.n * s.t + b.i0) * 2;
+      for (int64_t r = 0; r < b.rows; ++r) m[r] = stat[2 * r], inv_l[r] = 1.0f / stat[2 * r + 1];
+      row_dots(gp, op, q_ld, b.rows, s.h, s.dt, d, p.isa);
+      std::fill(acc, acc + b.rows * s.h, 0.0f);
 
-      const int64_t end = p.keys_end(qb);
+      const int64_t end = p.keys_end(b.qb);
       for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
         const int64_t width = std::min(p.bn, end - c0);
-        const int64_t cols = std::min(width, s.s - c0);
-        const Brgemm& qk = p.qk(last, width);
+        const Brgemm& qk = p.qk(b.last, width);
         qk.strided(qa, 0, kt + c0 * b_cols * ks, 0, 1, st);
         qk.strided(ga, 0, vt + c0 * b_cols * ks, 0, 1, dpt);
-        ScoreTile tile;
-        tile.s = st, tile.ld = p.bn, tile.rows = rows, tile.cols = cols, tile.width = width;
-        tile.scale = s.scale, tile.causal = s.causal, tile.limit0 = i0 - c0 + 1;
-        if (in.bias.data) {
-          const Broadcast& b = in.bias;
-          tile.bias = static_cast<const float*>(b.data) + b.offs[item] + n * b.sn + i0 * b.st + c0 * b.ss;
-          tile.bias_rs = b.st, tile.bias_cs = b.ss;
-        }
-        if (in.mask.data) {
-          const Broadcast& b = in.mask;
-          tile.mask = static_cast<const uint8_t*>(b.data) + b.offs[item] + n * b.sn + i0 * b.st + c0 * b.ss;
-          tile.mask_rs = b.st, tile.mask_cs = b.ss;
-        }
-        float* db = dbias ? dbias + ((item * s.heads + n) * s.t + i0) * s.s + c0 : nullptr;
-        softmax_backward(tile, dpt, p.bn, m, inv_l, d, db, s.s, p.isa);
+        float* db = dbias ? dbias + ((b.item * s.heads + b.n) * s.t + b.i0) * s.s + c0 : nullptr;
+        softmax_backward(score_tile(s, in, p, b, st, c0, width), dpt, p.bn, m, inv_l, d, db, s.s, p.isa);
         // dQ += dS K, dK^T += Q^T dS, dV^T += dO^T P: fp32 tiles are the operands as they
         // are; bf16 ones are rounded, and packed in VNNI pairs of rows where they are B.
         const void *ds_a = dpt, *ds_b = dpt, *p_b = st;
         if (p.vnni) {
           auto* dsa = reinterpret_cast<uint16_t*>(w + p.dsa);
-          to_bf16(dpt, p.bn, rows, width, dsa, p.bn, p.isa);
-          reblock::pack(dpt, DType::f32, p.bn, false, rows, width, rp, width, DType::bf16, true, w + p.dsv, p.isa);
-          reblock::pack(st, DType::f32, p.bn, false, rows, width, rp, width, DType::bf16, true, w + p.pvn, p.isa);
+          to_bf16(dpt, p.bn, b.rows, width, dsa, p.bn, p.isa);
+          reblock::pack(dpt, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.dsv, p.isa);
+          reblock::pack(st, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.pvn, p.isa);
           ds_a = dsa, ds_b = w + p.dsv, p_b = w + p.pvn;
         }
-        p.pv(last, width).strided(ds_a, 0, kb + c0 * s.h * ks, 0, 1, acc);
-        const Brgemm& kv = p.kv(last, width);
+        p.pv(b.last, width).strided(ds_a, 0, kb + c0 * s.h * ks, 0, 1, acc);
+        const Brgemm& kv = p.kv(b.last, width);
         kv.strided(q_t, 0, ds_b, 0, 1, dkt + c0);
         kv.strided(do_t, 0, p_b, 0, 1, dvt + c0);
       }
       with_type(s.dt, [&](auto zero) {
         using T = decltype(zero);
-        write_rows(acc, rows, s.h, q_ld, static_cast<T*>(dq) + item * s.t * q_ld + at);
+        write_rows(acc, b.rows, s.h, q_ld, reinterpret_cast<T*>(dq_out));
       });
     }
-    if (!p.split) write_kv(panel, dkt, dvt, 1, w + p.kv_out);
+    if (!p.split) write_kv(p.groups.panel(it), dkt, dvt, 1, w + p.kv_out);
   });
 
   if (p.split)  // each panel's parts, summed in item order

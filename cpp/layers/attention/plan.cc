@@ -128,6 +128,24 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   }
 }
 
+ScoreTile score_tile(const Shape& s, const Inputs& in, const Plan& p, const Block& b, float* st, int64_t c0,
+                     int64_t width) {
+  ScoreTile tile;
+  tile.s = st, tile.ld = p.bn, tile.rows = b.rows, tile.cols = std::min(width, s.s - c0), tile.width = width;
+  tile.scale = s.scale, tile.causal = s.causal, tile.limit0 = b.i0 - c0 + 1;
+  // Each operand's element (item, n, i0, c0).
+  auto first = [&](const Broadcast& o) { return o.offs[b.item] + b.n * o.sn + b.i0 * o.st + c0 * o.ss; };
+  if (in.bias.data) {
+    tile.bias = static_cast<const float*>(in.bias.data) + first(in.bias);
+    tile.bias_rs = in.bias.st, tile.bias_cs = in.bias.ss;
+  }
+  if (in.mask.data) {
+    tile.mask = static_cast<const uint8_t*>(in.mask.data) + first(in.mask);
+    tile.mask_rs = in.mask.st, tile.mask_cs = in.mask.ss;
+  }
+  return tile;
+}
+
 int64_t Plan::keys_end(int64_t qb) const {
   if (!skip) return sp;
   return std::min(sp, round_up(std::min(s, qb * bm + rows_of(qb)), kq));

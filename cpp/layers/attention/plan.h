@@ -12,6 +12,7 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/attention/attention.h"
+#include "layers/attention/rows.h"
 #include "layers/common/blocking.h"
 #include "layers/common/work.h"
 
@@ -47,6 +48,12 @@ struct Layout {
   size_t total = 0;
 };
 
+// One query block of a work item: head n of the batch item's kv head, rows [i0, i0 + rows).
+struct Block {
+  int64_t item, kvh, n, qb, i0, rows;
+  bool last;  // the shorter last block (its own kernels)
+};
+
 struct Plan {
   Plan(const Dispatch& dp, const Shape& s, bool bias, bool mask, int64_t threads, const Blocks* force,
        bool backward);
@@ -54,6 +61,12 @@ struct Plan {
   // The key chunks of query block qb: [0, end) in steps of bn (end a multiple of kq).
   int64_t keys_end(int64_t qb) const;
   int64_t rows_of(int64_t qb) const { return qb + 1 < nqb ? bm : last_rows; }
+  // Block blk (in [groups.first(it), groups.last(it))) of work item it.
+  Block block(int64_t it, int64_t blk, int64_t kv_heads) const {
+    const int64_t panel = groups.panel(it), qb = blk % nqb;
+    return {panel / kv_heads, panel % kv_heads, panel % kv_heads * group + blk / nqb, qb, qb * bm, rows_of(qb),
+            rows_of(qb) != bm};
+  }
 
   Isa isa;
   DType kd;     // the multiply dtype
@@ -101,6 +114,10 @@ inline void prefetch_rows_for_write(void* p, int64_t rows, int64_t row_bytes, in
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(c + r * ld_bytes + b, 1, 2);
 }
+
+// The score tile of block b against the key chunk [c0, c0 + width), with its bias and mask.
+ScoreTile score_tile(const Shape& s, const Inputs& in, const Plan& p, const Block& b, float* st, int64_t c0,
+                     int64_t width);
 
 // Throws std::invalid_argument for sizes the passes do not take.
 void check_shape(const Shape& s);

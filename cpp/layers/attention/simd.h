@@ -1,8 +1,8 @@
 // Vector traits for the attention's row loops: an fp32 vector, a lane mask and the few
 // operations the loops need. The compiler does not vectorize the loops' max and sum
 // reductions on its own (that would reassociate fp32 math), so they are written with these.
-// exp and the bf16 rounding compute what activation.h's exp_approx and brgemm.h's
-// f32_to_bf16 do, lane by lane. Included only by the translation unit of its ISA
+// exp and the bf16 rounding take the steps of activation.h's exp_approx and brgemm.h's
+// f32_to_bf16, lane by lane. Included only by the translation unit of its ISA
 // (rows_avx512.cc, rows_avx2.cc), compiled with that ISA's flags; internal linkage.
 #pragma once
 
@@ -71,8 +71,8 @@ struct Avx512 {
   }
   JB_V512 void store_bf16(uint16_t* p, V v) {
     const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
@@ -143,8 +143,8 @@ struct Avx2 {
   }
   JB_V256 void store_bf16(uint16_t* p, V v) {
     const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), _mm256_and_si256(hi, _mm256_set1_epi32(1))), 16);
+    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
     const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
                                            _mm256_set1_epi32(0x7f800000));
     const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
