@@ -9,19 +9,12 @@
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
 #include "layers/attention/rows.h"
-#include "layers/common/operand.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
 
 namespace jb::attention {
 
 namespace {
-
-template <class T>
-void write_rows(const float* acc, int64_t rows, int64_t h, int64_t ld, T* out) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < h; ++j) out[r * ld + j] = from_f32<T>(acc[r * h + j]);
-}
 
 // out (S x H, rows ld apart, dtype dt) = the transpose of the H x sp fp32 matrix at parts,
 // after adding the `count - 1` parts that follow it `part_stride` floats apart (in place);
@@ -147,7 +140,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
         const void *ds_a = dpt, *ds_b = dpt, *p_b = st;
         if (p.vnni) {
           auto* dsa = reinterpret_cast<uint16_t*>(w + p.dsa);
-          to_bf16(dpt, p.bn, b.rows, width, dsa, p.bn, p.isa);
+          store_rows(dpt, p.bn, nullptr, b.rows, width, dsa, p.bn, DType::bf16, p.isa);
           reblock::pack(dpt, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.dsv, p.isa);
           reblock::pack(st, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.pvn, p.isa);
           ds_a = dsa, ds_b = w + p.dsv, p_b = w + p.pvn;
@@ -157,10 +150,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
         kv.strided(q_t, 0, ds_b, 0, 1, dkt + c0);
         kv.strided(do_t, 0, p_b, 0, 1, dvt + c0);
       }
-      with_type(s.dt, [&](auto zero) {
-        using T = decltype(zero);
-        write_rows(acc, b.rows, s.h, q_ld, reinterpret_cast<T*>(dq_out));
-      });
+      store_rows(acc, s.h, nullptr, b.rows, s.h, dq_out, q_ld, s.dt, p.isa);
     }
     if (!p.split) write_kv(p.groups.panel(it), dkt, dvt, 1, w + p.kv_out);
   });

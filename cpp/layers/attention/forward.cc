@@ -8,23 +8,10 @@
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
 #include "layers/attention/rows.h"
-#include "layers/common/operand.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
 
 namespace jb::attention {
-
-namespace {
-
-template <class T>
-void write_output(const float* acc, const float* l, int64_t rows, int64_t h, int64_t ld, T* o) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.0f / l[r];
-    for (int64_t j = 0; j < h; ++j) o[r * ld + j] = from_f32<T>(acc[r * h + j] * inv);
-  }
-}
-
-}  // namespace
 
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in, void* o,
              float* stats, const Blocks* force) {
@@ -62,14 +49,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
       const char* q_in = qb_ + (in.q_offs[b.item] + b.i0 * q_ld + b.n * s.h) * es;
       const char* qa = p.q_in_place ? q_in : qt;
       if (!p.q_in_place) reblock::pack(q_in, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.isa);
-      if (blk + 1 < p.groups.last(it)) {  // the next block's rows of q
-        const Block nb = p.block(it, blk + 1, s.kv_heads);
-        prefetch_rows(qb_ + (in.q_offs[nb.item] + nb.i0 * q_ld + nb.n * s.h) * es, nb.rows, s.h * es, q_ld * es);
-      } else if (it + 1 < p.groups.items()) {  // the next item's k and v
-        const Block nb = p.block(it + 1, p.groups.first(it + 1), s.kv_heads);
-        prefetch_rows(kb_ + (in.k_offs[nb.item] + nb.kvh * s.h) * es, s.s, s.h * es, kv_ld * es);
-        prefetch_rows(vb_ + (in.v_offs[nb.item] + nb.kvh * s.h) * es, s.s, s.h * es, kv_ld * es);
-      }
+      // The output's rows, read for ownership while the block computes (the forward does not
+      // gain from reading its next inputs ahead).
       const int64_t o_off = (b.item * s.t + b.i0) * q_ld + b.n * s.h;
       prefetch_rows_for_write(static_cast<char*>(o) + o_off * es, b.rows, s.h * es, q_ld * es);
       std::fill(m, m + b.rows, -std::numeric_limits<float>::infinity());
@@ -86,12 +67,9 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
               for (int64_t j = 0; j < s.h; ++j) acc[r * s.h + j] *= alpha[r];
         p.pv(b.last, width).strided(pt, 0, vv + c0 * s.h * ks, 0, 1, acc);
       }
-      with_type(s.dt, [&](auto zero) {
-        using T = decltype(zero);
-        write_output(acc, l, b.rows, s.h, q_ld, static_cast<T*>(o) + o_off);
-      });
       float* st_out = stats + ((b.item * s.heads + b.n) * s.t + b.i0) * 2;
-      for (int64_t r = 0; r < b.rows; ++r) st_out[2 * r] = m[r], st_out[2 * r + 1] = l[r];
+      for (int64_t r = 0; r < b.rows; ++r) st_out[2 * r] = m[r], st_out[2 * r + 1] = l[r], l[r] = 1.0f / l[r];
+      store_rows(acc, s.h, l, b.rows, s.h, static_cast<char*>(o) + o_off * es, q_ld, s.dt, p.isa);
     }
   });
 }

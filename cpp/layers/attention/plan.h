@@ -100,9 +100,9 @@ struct Plan {
   size_t part_bytes = 0;       // one item's dK^T and dV^T parts (split panels)
 };
 
-// Asks for `rows` rows of row_bytes each, ld_bytes apart, to be brought into cache: the next
-// block's or item's inputs, fetched while the current one computes (rows N x H apart in the
-// (T, N, H) layout defeat the hardware prefetchers).
+// Asks for `rows` rows of row_bytes each, ld_bytes apart, to be brought into cache while the
+// current block computes: rows N x H apart in the (T, N, H) layout defeat the hardware
+// prefetchers.
 inline void prefetch_rows(const void* p, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t r = 0; r < rows; ++r)

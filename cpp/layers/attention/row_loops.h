@@ -107,8 +107,10 @@ struct Scalar {
       dp[j] = ds * scale;
     }
   }
-  JB_INLINE static void bf16(const float* x, int j0, int cols, uint16_t* y) {
-    for (int j = j0; j < cols; ++j) y[j] = f32_to_bf16(x[j]);
+  // y = x * scale in T.
+  template <class T>
+  JB_INLINE static void store(const float* x, int j0, int cols, float scale, T* y) {
+    for (int j = j0; j < cols; ++j) y[j] = store_as<T>(x[j] * scale);
   }
   // sum over j of a[j] * b[j], in fp32.
   template <class T>
@@ -175,10 +177,16 @@ struct Vector {
     }
     Scalar::grads<kBias, kMask, kDbias>(s, dp, j, cols, scale, rs, m, inv_l, d, dbias);
   }
-  JB_INLINE static void bf16(const float* x, int, int cols, uint16_t* y) {
+  template <class T>
+  JB_INLINE static void store(const float* x, int, int cols, float scale, T* y) {
+    const V vs = VT::set1(scale);
     int j = 0;
-    for (; j + VT::L <= cols; j += VT::L) VT::store_bf16(y + j, VT::load(x + j));
-    Scalar::bf16(x, j, cols, y);
+    for (; j + VT::L <= cols; j += VT::L) {
+      const V v = VT::mul(VT::load(x + j), vs);
+      if constexpr (sizeof(T) == 4) VT::store(y + j, v);
+      else VT::store_bf16(y + j, v);
+    }
+    Scalar::store(x, j, cols, scale, y);
   }
   template <class T>
   JB_INLINE static V load(const T* p) {
@@ -242,9 +250,10 @@ JB_INLINE void backward_tile(const ScoreTile& t, float* dp, int64_t lddp, const 
   }
 }
 
-template <class R>
-JB_INLINE void bf16_tile(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) R::bf16(x + r * ldx, 0, int(cols), y + r * ldy);
+template <class R, class T>
+JB_INLINE void store_tile(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, T* y,
+                          int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) R::store(x + r * ldx, 0, int(cols), scale ? scale[r] : 1.0f, y + r * ldy);
 }
 
 template <class R, class T>
@@ -263,8 +272,10 @@ void backward_entry(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
   backward_tile<R>(t, dp, lddp, m, inv_l, d, dbias, lddb);
 }
 template <class R>
-void bf16_entry(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy) {
-  bf16_tile<R>(x, ldx, rows, cols, y, ldy);
+void store_entry(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
+                 DType dt) {
+  if (dt == DType::f32) store_tile<R>(x, ldx, scale, rows, cols, static_cast<float*>(y), ldy);
+  else store_tile<R>(x, ldx, scale, rows, cols, static_cast<uint16_t*>(y), ldy);
 }
 template <class R>
 void dots_entry(const void* a, const void* b, int64_t ld, int64_t rows, int64_t n, DType dt, float* d) {
@@ -273,7 +284,7 @@ void dots_entry(const void* a, const void* b, int64_t ld, int64_t rows, int64_t 
 }
 template <class R>
 detail::RowFns row_fns() {
-  return {&forward_entry<R, float>, &forward_entry<R, uint16_t>, &backward_entry<R>, &bf16_entry<R>, &dots_entry<R>};
+  return {&forward_entry<R, float>, &forward_entry<R, uint16_t>, &backward_entry<R>, &store_entry<R>, &dots_entry<R>};
 }
 
 }  // namespace

@@ -30,9 +30,9 @@ void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* 
   fns(isa).backward(t, dp, lddp, m, inv_l, d, dbias, lddb);
 }
 
-void to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
-             Isa isa) {
-  fns(isa).bf16(x, ldx, rows, cols, y, ldy);
+void store_rows(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
+                DType dt, Isa isa) {
+  fns(isa).store(x, ldx, scale, rows, cols, y, ldy, dt);
 }
 
 void row_dots(const void* a, const void* b, int64_t ld, int64_t rows, int64_t n, DType dt, float* d, Isa isa) {

@@ -43,9 +43,9 @@ void softmax_forward(const ScoreTile& t, float* m, float* l, float* alpha, void*
 void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
                       const float* inv_l, const float* d, float* dbias, int64_t lddb, Isa isa);
 
-// y = x rounded to bf16 (rows x cols, row strides ldx, ldy).
-void to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, uint16_t* y, int64_t ldy,
-             Isa isa);
+// y = x * scale[r] in row r (scale null: 1), stored in dt (rows x cols, row strides ldx, ldy).
+void store_rows(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
+                DType dt, Isa isa);
 
 // d[r] = sum over j < n of a[r, j] * b[r, j] in fp32 (rows ld apart, dtype dt).
 void row_dots(const void* a, const void* b, int64_t ld, int64_t rows, int64_t n, DType dt, float* d, Isa isa);
@@ -56,7 +56,7 @@ struct RowFns {
   void (*forward_f32)(const ScoreTile&, float*, float*, float*, void*, int64_t);
   void (*forward_bf16)(const ScoreTile&, float*, float*, float*, void*, int64_t);
   void (*backward)(const ScoreTile&, float*, int64_t, const float*, const float*, const float*, float*, int64_t);
-  void (*bf16)(const float*, int64_t, int64_t, int64_t, uint16_t*, int64_t);
+  void (*store)(const float*, int64_t, const float*, int64_t, int64_t, void*, int64_t, DType);
   void (*dots)(const void*, const void*, int64_t, int64_t, int64_t, DType, float*);
 };
 RowFns rows_avx2();
