@@ -17,14 +17,12 @@ products past the diagonal do no work). jax_brgemm's backward recomputes the sco
 is not counted. torch runs in its own layout (B, N, T, H); jax in (B, T, N, H).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
 `repeats` samples; the machine's peak is measured by the probe in the same run.
-Writes bench/results/attention.json and attention.png (training).
+Writes bench/results/<cpu>/attention.json and attention.png (training).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -72,20 +70,12 @@ def contenders(b, t, n, h, causal, dtype, torch):
     return out
 
 
-def summarize(samples, flops):
-    return {"seconds": {k: common.stats(v) for k, v in samples.items()},
-            "gflops": {k: flops / statistics.median(v) / 1e9 for k, v in samples.items()},
-            "gflops_range": {k: [flops / max(v) / 1e9, flops / min(v) / 1e9] for k, v in samples.items()}}
-
-
 def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--min-time", type=float, default=0.1)
+    p = common.arg_parser(__doc__, 9, 0.1)
     p.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args(argv)
@@ -106,7 +96,7 @@ def main(argv=None):
                     samples = common.interleaved(fns, fargs, repeats=args.repeats, min_time=args.min_time)
                     flops = 4.0 * b * n * t * t * h * (3 if pas == "train" else 1) * (0.5 if causal else 1)
                     row = {"dtype": dname, "b": b, "t": t, "heads": n, "h": h, "causal": causal, "pass": pas,
-                           "flops": flops, **summarize(samples, flops)}
+                           "flops": flops, **common.summarize(samples, flops)}
                     med = {k: v["median"] for k, v in row["seconds"].items()}
                     row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
                     row["vs_stock"] = med["stock"] / med["jax_brgemm"]

@@ -24,11 +24,7 @@ namespace jb {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_util::dims_str;
-using ffi_util::guarded;
-using ffi_util::invalid;
-using ffi_util::Items;
-using ffi_util::Lead;
+using namespace ffi_util;
 
 // Element offsets of every item's first element in an operand laid out as l.
 std::vector<int64_t> offsets(const Items& items, const Lead& l) {
@@ -37,11 +33,11 @@ std::vector<int64_t> offsets(const Items& items, const Lead& l) {
   return offs;
 }
 
-bool dims_are(ffi::AnyBuffer::Dimensions d, const Items& items, const std::vector<int64_t>& inner) {
-  if (d.size() != items.dims.size() + inner.size()) return false;
-  for (size_t i = 0; i < d.size(); ++i)
-    if (d[i] != (i < items.dims.size() ? items.dims[i] : inner[i - items.dims.size()])) return false;
-  return true;
+// An output's expected dims: the items' dims, then `inner`.
+std::vector<int64_t> dims_of(const Items& items, std::initializer_list<int64_t> inner) {
+  std::vector<int64_t> d = items.dims;
+  d.insert(d.end(), inner);
+  return d;
 }
 
 // The decoded inputs both handlers share.
@@ -53,7 +49,8 @@ struct Decoded {
 };
 
 // Bias or mask: absent when empty; else (.., n, t, s) with n, t, s each full or 1.
-ffi::Error broadcast(const char* op, const char* name, const ffi::AnyBuffer& b, const Decoded& dec,
+template <class Buffer>
+ffi::Error broadcast(const char* op, const char* name, const Buffer& b, const Decoded& dec,
                      attention::Broadcast* out, std::vector<int64_t>* offs) {
   if (b.element_count() == 0) return ffi::Error::Success();
   const auto d = b.dimensions();
@@ -65,7 +62,7 @@ ffi::Error broadcast(const char* op, const char* name, const ffi::AnyBuffer& b, 
                    ", expected (..., N or 1, T or 1, S or 1) with N, T, S = " + std::to_string(full[0]) + ", " +
                    std::to_string(full[1]) + ", " + std::to_string(full[2]));
   const int64_t bn = d[d.size() - 3], bt = d[d.size() - 2], bs = d[d.size() - 1];
-  JB_TRY(lead, ffi_util::operand(op, name, d, {bn, bt, bs}, dec.items));
+  JB_TRY(lead, operand(op, name, d, {bn, bt, bs}, dec.items));
   *offs = offsets(dec.items, lead);
   out->data = b.untyped_data();
   out->offs = offs->data();
@@ -76,19 +73,16 @@ ffi::Error broadcast(const char* op, const char* name, const ffi::AnyBuffer& b, 
 }
 
 // Checks q, k, v, bias and mask against the output's items (`out`, shaped like q).
-ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer bias,
+ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const F32& bias,
                   ffi::AnyBuffer mask, ffi::AnyBuffer::Dimensions out, float scale, bool causal, Decoded* dec) {
-  if (!ffi_util::kernel_dtype(q.element_type(), &dec->s.dt) || k.element_type() != q.element_type() ||
-      v.element_type() != q.element_type())
-    return invalid(std::string(op) + ": q, k and v must all be float32 or all bfloat16");
-  if (bias.element_count() && bias.element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": bias must be float32");
+  JB_TRY(dt, kernel_dtype(op, {{"q", q.element_type()}, {"k", k.element_type()}, {"v", v.element_type()}}));
+  dec->s.dt = dt;
   if (mask.element_count() && mask.element_type() != ffi::DataType::PRED && mask.element_type() != ffi::DataType::U8)
     return invalid(std::string(op) + ": mask must be bool");
   const auto kd = k.dimensions();
   if (out.size() < 3 || kd.size() < 3) return invalid(std::string(op) + ": q and k need rank >= 3");
   Decoded& d = *dec;
-  d.items = ffi_util::items_of(out, 3);
+  d.items = items_of(out, 3);
   d.s.items = d.items.count;
   d.s.t = out[out.size() - 3];
   d.s.heads = out[out.size() - 2];
@@ -100,74 +94,62 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   if (d.s.kv_heads < 1 || d.s.heads % d.s.kv_heads != 0)
     return invalid(std::string(op) + ": the key/value heads K = " + std::to_string(d.s.kv_heads) +
                    " must divide the query heads N = " + std::to_string(d.s.heads));
-  JB_TRY(lq, ffi_util::operand(op, "q", q.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
-  JB_TRY(lk, ffi_util::operand(op, "k", kd, {d.s.s, d.s.kv_heads, d.s.h}, d.items));
-  JB_TRY(lv, ffi_util::operand(op, "v", v.dimensions(), {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  JB_TRY(lq, operand(op, "q", q.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(lk, operand(op, "k", kd, {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  JB_TRY(lv, operand(op, "v", v.dimensions(), {d.s.s, d.s.kv_heads, d.s.h}, d.items));
   d.q_offs = offsets(d.items, lq);
   d.k_offs = offsets(d.items, lk);
   d.v_offs = offsets(d.items, lv);
   d.in.q = q.untyped_data(), d.in.k = k.untyped_data(), d.in.v = v.untyped_data();
   d.in.q_offs = d.q_offs.data(), d.in.k_offs = d.k_offs.data(), d.in.v_offs = d.v_offs.data();
-  if (auto e = broadcast(op, "bias", bias, d, &d.in.bias, &d.bias_offs); e.failure()) return e;
-  if (auto e = broadcast(op, "mask", mask, d, &d.in.mask, &d.mask_offs); e.failure()) return e;
+  JB_CHECK(broadcast(op, "bias", bias, d, &d.in.bias, &d.bias_offs));
+  JB_CHECK(broadcast(op, "mask", mask, d, &d.in.mask, &d.mask_offs));
   return ffi::Error::Success();
 }
 
-ffi::Error attention_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o,
-                         ffi::Result<ffi::AnyBuffer> stats, float scale, bool causal) {
+ffi::Error attention_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                         ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale, bool causal) {
   const char* op = "jb_attention_fwd";
   Decoded d;
-  if (auto e = decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, &d); e.failure()) return e;
-  if (o->element_type() != q.element_type()) return invalid("jb_attention_fwd: o must have q's dtype");
-  if (stats->element_type() != ffi::DataType::F32 || !dims_are(stats->dimensions(), d.items, {d.s.heads, d.s.t, 2}))
-    return invalid("jb_attention_fwd: stats must be float32 (..., N, T, 2), got " + dims_str(stats->dimensions()));
+  JB_CHECK(decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, &d));
+  JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o->element_type()}}));
+  JB_CHECK(expect_dims(op, "stats", stats->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, 2})));
   if (o->element_count() == 0) {  // H = 0: nothing to attend with
-    std::fill_n(static_cast<float*>(stats->untyped_data()), stats->element_count(), 0.0f);
+    std::fill_n(stats->typed_data(), stats->element_count(), 0.0f);
     return ffi::Error::Success();
   }
   return guarded(op, [&] {
-    attention::forward(ffi_util::executor(pool), dispatch(), d.s, d.in, o->untyped_data(),
-                       static_cast<float*>(stats->untyped_data()));
+    attention::forward(executor(pool), dispatch(), d.s, d.in, o->untyped_data(), stats->typed_data());
   });
 }
 
-ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer o, ffi::AnyBuffer stats,
-                         ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias, float scale,
-                         bool causal) {
+ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
+                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal) {
   const char* op = "jb_attention_bwd";
   Decoded d;
-  if (auto e = decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, &d); e.failure()) return e;
-  const auto dt = q.element_type();
-  if (o.element_type() != dt || dout.element_type() != dt || dq->element_type() != dt ||
-      dk->element_type() != dt || dv->element_type() != dt)
-    return invalid("jb_attention_bwd: o, dout and the gradients must have q's dtype");
-  if (stats.element_type() != ffi::DataType::F32) return invalid("jb_attention_bwd: stats must be float32");
-  JB_TRY(lo, ffi_util::operand(op, "o", o.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
-  JB_TRY(lg, ffi_util::operand(op, "dout", dout.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
-  JB_TRY(ls, ffi_util::operand(op, "stats", stats.dimensions(), {d.s.heads, d.s.t, 2}, d.items));
-  const std::vector<int64_t> kv_dims = {d.s.s, d.s.kv_heads, d.s.h};
-  if (!dims_are(dk->dimensions(), d.items, kv_dims) || !dims_are(dv->dimensions(), d.items, kv_dims))
-    return invalid("jb_attention_bwd: dk and dv must be (..., S, K, H) like the items of dq, got " +
-                   dims_str(dk->dimensions()) + " and " + dims_str(dv->dimensions()));
+  JB_CHECK(decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, &d));
+  JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o.element_type()}, {"dout", dout.element_type()},
+                                               {"dq", dq->element_type()}, {"dk", dk->element_type()},
+                                               {"dv", dv->element_type()}}));
+  JB_TRY(lo, operand(op, "o", o.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(lg, operand(op, "dout", dout.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(ls, operand(op, "stats", stats.dimensions(), {d.s.heads, d.s.t, 2}, d.items));
+  JB_CHECK(expect_dims(op, "dk", dk->dimensions(), dims_of(d.items, {d.s.s, d.s.kv_heads, d.s.h})));
+  JB_CHECK(expect_dims(op, "dv", dv->dimensions(), dims_of(d.items, {d.s.s, d.s.kv_heads, d.s.h})));
   const bool want_dbias = dbias->element_count() != 0;
-  if (want_dbias && (dbias->element_type() != ffi::DataType::F32 ||
-                     !dims_are(dbias->dimensions(), d.items, {d.s.heads, d.s.t, d.s.s})))
-    return invalid("jb_attention_bwd: dbias must be float32 (..., N, T, S) or empty, got " +
-                   dims_str(dbias->dimensions()));
+  if (want_dbias) JB_CHECK(expect_dims(op, "dbias", dbias->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, d.s.s})));
   if (dq->element_count() == 0 && dk->element_count() == 0) return ffi::Error::Success();
   const std::vector<int64_t> o_offs = offsets(d.items, lo), g_offs = offsets(d.items, lg),
                              s_offs = offsets(d.items, ls);
   attention::Saved saved;
   saved.o = o.untyped_data(), saved.dout = dout.untyped_data();
-  saved.stats = static_cast<const float*>(stats.untyped_data());
+  saved.stats = stats.typed_data();
   saved.o_offs = o_offs.data(), saved.dout_offs = g_offs.data(), saved.stats_offs = s_offs.data();
   return guarded(op, [&] {
-    attention::backward(ffi_util::executor(pool), dispatch(), d.s, d.in, saved, dq->untyped_data(),
-                        dk->untyped_data(), dv->untyped_data(),
-                        want_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr);
+    attention::backward(executor(pool), dispatch(), d.s, d.in, saved, dq->untyped_data(), dk->untyped_data(),
+                        dv->untyped_data(), want_dbias ? dbias->typed_data() : nullptr);
   });
 }
 
@@ -179,10 +161,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<F32>()             // bias
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::AnyBuffer>()  // stats
+                                  .Ret<F32>()             // stats
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal"));
 
@@ -192,15 +174,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // bias
+                                  .Arg<F32>()             // bias
                                   .Arg<ffi::AnyBuffer>()  // mask
                                   .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // stats
+                                  .Arg<F32>()             // stats
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::AnyBuffer>()  // dbias
+                                  .Ret<F32>()             // dbias
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal"));
 

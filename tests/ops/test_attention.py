@@ -155,6 +155,24 @@ def test_zero_sizes():
         np.testing.assert_array_equal(y, jax.nn.dot_product_attention(q, k, v))
 
 
+def test_numpy_float64_and_x64():
+    """NumPy float64 inputs are float32 as JAX canonicalizes them; with x64 on, float64
+    computes in float64 as jax.nn.dot_product_attention does (in XLA)."""
+    rng = np.random.default_rng(8)
+    q, k, v = rng.standard_normal((2, 5, 2, 8)), rng.standard_normal((2, 6, 1, 8)), rng.standard_normal((2, 6, 1, 8))
+    bias = rng.standard_normal((5, 6))
+    y = jb.dot_product_attention(q, k, v, bias, is_causal=True)
+    assert y.dtype == F32
+    assert_close(y, reference(*(jnp.asarray(a) for a in (q, k, v, bias)), is_causal=True), 2e-5)
+    with jax.enable_x64(True):
+        y = jb.dot_product_attention(q, k, v, bias, is_causal=True)
+        want = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+        q32, k32, v32 = (jnp.asarray(a, F32) for a in (q, k, v))
+        assert "jb_attention_fwd" in jax.jit(jb.dot_product_attention).lower(q32, k32, v32).as_text()
+
+
 def test_vmap():
     """vmap over a new leading axis: batched queries against shared or batched keys, with a
     shared mask; values and gradients match a Python loop."""

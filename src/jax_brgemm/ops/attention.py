@@ -52,12 +52,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     Returns:
       query's shape and dtype. A fully masked row attends uniformly to every key, as in jax.
-      Differentiable in query, key, value and bias.
+      Differentiable in query, key, value and bias. Sizes of 0, and float64 (which exists
+      with ``jax_enable_x64`` only), compute what ``jax.nn.dot_product_attention`` computes,
+      in XLA.
     """
     op = "jb.dot_product_attention"
-    query = check.array(query, "query", op)
-    key = check.array(key, "key", op)
-    value = check.array(value, "value", op)
+    query = check.array(query, "query", op, check.OP_DTYPES)
+    key = check.array(key, "key", op, check.OP_DTYPES)
+    value = check.array(value, "value", op, check.OP_DTYPES)
     for name, a in (("query", query), ("key", key), ("value", value)):
         if a.ndim not in (3, 4):
             raise ValueError(f"{op}: {name} must be (B, {'T' if name == 'query' else 'S'}, heads, H) or "
@@ -84,7 +86,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     scale = _scale(scale, h, op)
     causal = bool(is_causal)
 
-    if 0 in (b, t, n, h, s):  # nothing for the kernels: the stock formula gives the empty or zero result
+    # Nothing for the kernels (a size of 0: an empty or zero result), or float64 (x64): stock.
+    if 0 in (b, t, n, h, s) or np.dtype(q.dtype) == np.dtype(np.float64):
         return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=causal)
     bias4 = None if bias is None else bias.astype(jnp.float32)
     o, _ = _attention(q, k, v, bias4, mask, scale, causal)
