@@ -113,6 +113,8 @@ class Accelerate(contextlib.ContextDecorator):
             return next_fun(*args, **kwargs)  # parameters are created by the stock code
         if isinstance(module, nn.recurrent.RNNCellBase):
             return self._cell_steps(module, next_fun, args, kwargs, context.method_name)
+        if type(module) in jbnn.ATTENTION_MODULES and context.method_name == "__call__":
+            return self._attention(module, next_fun, args, kwargs)
         rule = _RULES.get(type(module))
         if rule is None or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
@@ -153,6 +155,40 @@ class Accelerate(contextlib.ContextDecorator):
         with nnx_rules.stock_scan(f"{_path(module)} [{layer}]", reason):
             return next_call(*args, **kwargs)
 
+    def _attention(self, module, next_fun, args, kwargs):
+        """MultiHeadDotProductAttention: its projections are DenseGeneral calls (their own
+        rule); its attention runs on the kernels by handing the module, for this call, an
+        ``attention_fn`` with Flax's default's signature that computes on them (or, where
+        they do not take the call, runs Flax's default and says why)."""
+        if getattr(module.attention_fn, "_jb_accelerate", False):  # SelfAttention's super() call
+            return next_fun(*args, **kwargs)
+        why = jbnn.attention_module_reason(module, kwargs)
+        if why:
+            self._record(module, False, why)
+            return next_fun(*args, **kwargs)
+
+        def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                         dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                         force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                         attn_weights_value_einsum=None):
+            call = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+                        dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, precision=precision,
+                        module=module, force_fp32_for_softmax=force_fp32_for_softmax,
+                        einsum_dot_general=einsum_dot_general, qk_attn_weights_einsum=qk_attn_weights_einsum,
+                        attn_weights_value_einsum=attn_weights_value_einsum)
+            y, reason = jbnn.attention_on_kernels(query, key, value, **call)
+            self._record(layer, y is not None, reason)
+            return nn.dot_product_attention(query, key, value, **call) if y is None else y
+
+        layer = module
+        attention_fn._jb_accelerate = True
+        # The module is a frozen dataclass; its field is swapped for the call and restored.
+        object.__setattr__(module, "attention_fn", attention_fn)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "attention_fn", nn.dot_product_attention)
+
     def _intercept_call(self, module, next_call, *args, **kwargs):
         settings = _SCANS.get(type(module))
         if settings is not None:
@@ -187,7 +223,11 @@ def _path(module) -> str:
 def accelerate(report: bool = False) -> Accelerate:
     """Runs the supported stock Flax layers traced inside the context on the kernels.
 
-    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation) and
+    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation),
+    ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
+    ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
+    with a float32 softmax, its projections as DenseGeneral; stock for a custom
+    ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``), and
     ``flax.linen.Conv`` (1-D and 2-D, every padding form, a negative pad cropping, strides,
     masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
     ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
@@ -423,7 +463,17 @@ def _scan_over_lstm(module, cell_class: type, scan: dict, args, kwargs):
     return (carry, outputs if in_axis == out_axis else jnp.swapaxes(outputs, 0, 1)), ""
 
 
-_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn}
+def _dense_general(module: nn.DenseGeneral, args, kwargs):
+    params = module.variables.get("params", {})
+    if len(args) != 1 or kwargs or not hasattr(args[0], "ndim"):
+        return None, "unexpected arguments"
+    if "kernel" not in params or (module.use_bias and "bias" not in params):
+        return None, "parameters not created yet"
+    return jbnn.dense_general_on_kernels(module, args[0], params["kernel"], params.get("bias"))
+
+
+_RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn,
+                                          nn.DenseGeneral: _dense_general}
 _CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCell,
           nn.ConvLSTMCell)
 

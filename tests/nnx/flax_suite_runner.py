@@ -83,7 +83,8 @@ def pytest_configure(config):
         flax.linen.Module.init_with_output = _then_apply(flax.linen.Module.init_with_output)
     # every layer call on the kernels goes through one of these (jb.nnx and accelerate()
     # call them as attributes of jax_brgemm.nn)
-    for name in ("dense_on_kernels", "conv_on_kernels", "lstm_on_kernels"):
+    for name in ("dense_on_kernels", "conv_on_kernels", "lstm_on_kernels", "attention_on_kernels",
+                 "dense_general_on_kernels"):
         _counting(jax_brgemm.nn, name)
 
 

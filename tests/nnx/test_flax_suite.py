@@ -4,7 +4,8 @@ jax_brgemm in the way, and a good part of them compute on the kernels:
 * ``substitute``: flax's NNX layer tests (``tests/nnx/nn/linear_test.py``, ``conv_test.py``,
   ``recurrent_test.py``) with ``jax_brgemm.nnx``'s ``Linear`` / ``Conv`` / ``RNN`` in place
   of flax's;
-* ``accelerate``: those and flax's ``linen_linear_test.py`` / ``linen_recurrent_test.py``,
+* ``accelerate``: those and flax's ``linen_linear_test.py`` / ``linen_recurrent_test.py`` /
+  ``linen_attention_test.py``,
   each test inside ``jax_brgemm.accelerate()``, linen's ``init_with_output`` followed by
   ``apply`` (where the kernels run).
 
@@ -39,6 +40,7 @@ CASES = {
     ("accelerate", "nnx/nn/recurrent_test.py"): 16,
     ("accelerate", "linen/linen_linear_test.py"): 200,
     ("accelerate", "linen/linen_recurrent_test.py"): 15,
+    ("accelerate", "linen/linen_attention_test.py"): 16,
 }
 
 

@@ -1,0 +1,125 @@
+"""The Transformer layers of ``flax.linen`` on the kernels: Flax's ``dot_product_attention``
+on the attention kernels (a drop-in ``attention_fn`` for ``MultiHeadDotProductAttention``),
+and ``DenseGeneral`` over trailing axes (its projections) on the FC kernels; what
+``jax_brgemm.accelerate()`` runs those modules with."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from jax_brgemm.nn import _adapt
+from jax_brgemm.nn.linear import dense_on_kernels
+from jax_brgemm.ops.attention import dot_product_attention as _attention
+
+#: MultiHeadDotProductAttention and Flax's own aliases of it.
+ATTENTION_MODULES = (nn.MultiHeadDotProductAttention, nn.MultiHeadAttention, nn.SelfAttention)
+
+
+def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                         dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                         force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                         attn_weights_value_einsum=None):
+    """``(y, "")``: ``flax.linen.dot_product_attention``'s result on the kernels (its
+    arguments), or ``(None, why not)``.
+
+    The kernels take float32 or bfloat16 computations without attention dropout, without
+    custom einsums or ``einsum_dot_general``, and without a ``module`` to sow the attention
+    weights into (the kernels never form them). The softmax is always float32 (Flax's is in
+    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is moot (float32
+    accumulation).
+    """
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    if dropout_rate > 0.0 and not deterministic:
+        return None, "attention dropout"
+    if module is not None:
+        return None, "attention weights sown"
+    if einsum_dot_general is not None or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+        return None, "custom einsum"
+    dtype, why = _adapt.computation_dtype(dtype, query, key, value)
+    if dtype is None:
+        return None, why
+    if not (query.ndim == key.ndim == value.ndim >= 3) or key.shape != value.shape or (
+            query.shape[:-3] != key.shape[:-3] or query.shape[-2:] != key.shape[-2:]):
+        return None, "query, key and value shapes"
+    batch = query.shape[:-3]
+    lead = int(np.prod(batch, dtype=np.int64))
+    q, k, v = (jnp.asarray(a, dtype).reshape((lead,) + a.shape[-3:]) for a in (query, key, value))
+    full = batch + (query.shape[-2], query.shape[-3], key.shape[-3])  # (..., N, T, S)
+    operands = []
+    for name, a in (("bias", bias), ("mask", mask)):
+        if a is not None:
+            a = _batch_folded(jnp.asarray(a), full, lead)
+            if a is None:
+                return None, f"{name} does not broadcast to the attention weights"
+            operands.append(a.astype(bool) if name == "mask" else a)
+        else:
+            operands.append(None)
+    y = _attention(q, k, v, *operands)
+    return y.reshape(query.shape), ""
+
+
+def _batch_folded(a, full, lead):
+    """``a``, broadcastable to ``full`` = (batch..., N, T, S), as (lead or 1, n, t, s)."""
+    if a.ndim > len(full):
+        return None
+    a = a.reshape((1,) * (len(full) - a.ndim) + a.shape)
+    if any(d != 1 and d != f for d, f in zip(a.shape, full)):
+        return None
+    nb = len(full) - 3
+    if all(d == 1 for d in a.shape[:nb]):
+        return a.reshape((1,) + a.shape[nb:])
+    return jnp.broadcast_to(a, full[:nb] + a.shape[nb:]).reshape((lead,) + a.shape[nb:])
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                          force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                          attn_weights_value_einsum=None):
+    """``flax.linen.dot_product_attention`` (the same signature) on the kernels where they
+    take the call (see ``attention_on_kernels``), else Flax's own: an ``attention_fn`` for
+    ``flax.linen.MultiHeadDotProductAttention``."""
+    args = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+                dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, precision=precision,
+                module=module, force_fp32_for_softmax=force_fp32_for_softmax,
+                einsum_dot_general=einsum_dot_general, qk_attn_weights_einsum=qk_attn_weights_einsum,
+                attn_weights_value_einsum=attn_weights_value_einsum)
+    y, _ = attention_on_kernels(query, key, value, **args)
+    return nn.dot_product_attention(query, key, value, **args) if y is None else y
+
+
+def attention_module_reason(module, kwargs) -> str:
+    """Why a MultiHeadDotProductAttention call (with keyword arguments ``kwargs``) cannot run
+    its attention on the kernels, "" if it can (the attention's own arguments are checked by
+    ``attention_on_kernels`` when it runs)."""
+    if module.attention_fn is not nn.dot_product_attention:
+        return "custom attention_fn"
+    if module.decode:
+        return "decode (the key / value cache)"
+    if module.qk_attn_weights_einsum_cls or module.attn_weights_value_einsum_cls:
+        return "custom einsum"
+    if kwargs.get("sow_weights"):
+        return "attention weights sown"
+    return ""
+
+
+def dense_general_on_kernels(layer, inputs, kernel, bias):
+    """``(y, "")``: a ``flax.linen.DenseGeneral`` call on the FC kernels, or ``(None, why
+    not)``. Contracting the input's trailing axes (the attention's projections, (..., C) ->
+    (..., N, H) and (..., N, H) -> (..., C)) it is a Dense over those axes flattened, with
+    the kernel and bias reshaped; ``batch_dims`` and other axes are not taken."""
+    if layer.batch_dims:
+        return None, "batch_dims"
+    axes = sorted(a % inputs.ndim for a in (layer.axis if isinstance(layer.axis, tuple) else (layer.axis,)))
+    if not axes or axes != list(range(inputs.ndim - len(axes), inputs.ndim)):
+        return None, "contracting axes other than the input's last ones"
+    features = layer.features if isinstance(layer.features, tuple) else (layer.features,)
+    contracted = inputs.shape[axes[0]:]
+    if kernel.shape != contracted + features:
+        return None, "parameter shapes do not match the inputs"
+    c, k = int(np.prod(contracted, dtype=np.int64)), int(np.prod(features, dtype=np.int64))
+    lead = inputs.shape[:axes[0]]
+    y, why = dense_on_kernels(layer, inputs.reshape(lead + (c,)), kernel.reshape(c, k),
+                              None if bias is None else bias.reshape(k))
+    return (None, why) if y is None else (y.reshape(lead + features), "")
