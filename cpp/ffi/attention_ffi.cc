@@ -155,35 +155,7 @@ ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<F32>()             // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<F32>()             // stats
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<F32>()             // bias
-                                  .Arg<ffi::AnyBuffer>()  // mask
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<F32>()             // stats
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<F32>()             // dbias
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd, ffi_util::bind(attention_fwd, "scale", "causal"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd, ffi_util::bind(attention_bwd, "scale", "causal"));
 
 }  // namespace jb
