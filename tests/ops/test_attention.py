@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_brgemm as jb
+from stock_reference import loss, assert_close
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -27,21 +28,6 @@ def reference(q, k, v, bias=None, mask=None, **kw):
     """jax.nn.dot_product_attention in float32 on the same (rounded) inputs."""
     f = lambda a: None if a is None else a.astype(F32)
     return jax.nn.dot_product_attention(f(q), f(k), f(v), f(bias), mask, **kw).astype(q.dtype)
-
-
-def loss(f, **kw):
-    """A scalar with a different cotangent for every output element."""
-    def fn(q, k, v, bias=None, mask=None):
-        y = f(q, k, v, bias, mask, **kw).astype(F32)
-        return jnp.sum(jnp.sin(y) * jnp.linspace(0.5, 1.5, y.size).reshape(y.shape))
-    return fn
-
-
-def assert_close(got, want, tol):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
 
 
 def value_and_grads(f, argnums, **kw):

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_brgemm as jb
+from stock_reference import loss, assert_close
 
 ACTS = [None, "relu", "gelu", "sigmoid", "tanh"]
 REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,  # tanh approximation
@@ -34,21 +35,6 @@ def data(shape_x, c, k, dtype=jnp.float32, kernel_dtype=jnp.float32, seed=0):
     kernel = jnp.asarray(rng.standard_normal((c, k), np.float32) / np.sqrt(c), kernel_dtype)
     bias = jnp.asarray(0.5 * rng.standard_normal((k,), np.float32), kernel_dtype)
     return x, kernel, bias
-
-
-def loss(f, *args, **kw):
-    """A scalar with a non-trivial cotangent for every output element."""
-    def fn(*a):
-        y = f(*a, **kw).astype(jnp.float32)
-        return jnp.sum(jnp.sin(y) * jnp.linspace(0.5, 1.5, y.size).reshape(y.shape))
-    return fn
-
-
-def assert_close(got, want, tol):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale)
 
 
 def value_and_grads(f, argnums):

@@ -9,21 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_brgemm as jb
-
-
-def scan_lstm(x, wi, wh, b, c0, h0, time_major=False):
-    """The reference: OptimizedLSTMCell's math as a lax.scan."""
-    xs = x if time_major else jnp.swapaxes(x, 0, 1)
-
-    def step(carry, xt):
-        c, h = carry
-        i, f, g, o = jnp.split(xt @ wi + h @ wh + b, 4, -1)
-        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-        h = jax.nn.sigmoid(o) * jnp.tanh(c)
-        return (c, h), h
-
-    carry, y = jax.lax.scan(step, (c0, h0), xs)
-    return carry, (y if time_major else jnp.swapaxes(y, 0, 1))
+from stock_reference import scan_lstm
 
 
 def stock(features, **kw):
