@@ -21,6 +21,21 @@ def _close(a, b, tol=2e-5):
                                    rtol=tol, atol=tol)
 
 
+def _fused_twice(model, x):
+    """The accelerated calls of model on x, after its outputs and gradients matched stock
+    and its program called the LSTM kernel twice."""
+    params = model.init(jax.random.key(1), x)
+    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)  # noqa: E731
+    with jb.accelerate() as acc:
+        y = jax.jit(model.apply)(params, x)
+        g = jax.jit(jax.grad(loss))(params)
+        hlo = jax.jit(model.apply).lower(params, x).as_text()
+    _close(y, model.apply(params, x))
+    _close(g, jax.grad(loss)(params), 1e-4)
+    assert hlo.count("jb_lstm_fwd") == 2
+    return acc.calls
+
+
 # made when the test module is imported, before any accelerate() context: found all the same
 ModuleLevelScan = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
                           in_axes=1, out_axes=1)
@@ -39,19 +54,10 @@ class SST2Encoder(nn.Module):  # flax's sst2 example: a bidirectional nn.scan ov
 
 
 def test_sst2_scan_runs_fused():
-    model, x = SST2Encoder(), jax.random.normal(jax.random.key(0), (3, 5, 4))
-    params = model.init(jax.random.key(1), x)
-    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)  # noqa: E731
-    with jb.accelerate() as acc:
-        y = jax.jit(model.apply)(params, x)
-        g = jax.jit(jax.grad(loss))(params)
-        hlo = jax.jit(model.apply).lower(params, x).as_text()
-    _close(y, model.apply(params, x))
-    _close(g, jax.grad(loss)(params), 1e-4)
-    assert [(c.path, c.layer, c.accelerated) for c in acc.calls] == [
+    calls = _fused_twice(SST2Encoder(), jax.random.normal(jax.random.key(0), (3, 5, 4)))
+    assert [(c.path, c.layer, c.accelerated) for c in calls] == [
         ("forward", "nn.scan(OptimizedLSTMCell)", True), ("backward", "nn.scan(LSTMCell)", True),
         ("Dense_0", "Dense", True)]
-    assert hlo.count("jb_lstm_fwd") == 2
 
 
 def _scan_model(cell, features=5, **settings):
@@ -139,17 +145,8 @@ def test_scan_over_a_method_listed_as_stock_with_its_reason():
 
 def test_bidirectional_runs_both_directions_fused():
     model = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(5)), nn.RNN(nn.LSTMCell(5)))
-    x = jax.random.normal(jax.random.key(0), (2, 6, 3))
-    params = model.init(jax.random.key(1), x)
-    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)  # noqa: E731
-    with jb.accelerate() as acc:
-        y = jax.jit(model.apply)(params, x)
-        g = jax.jit(jax.grad(loss))(params)
-        hlo = jax.jit(model.apply).lower(params, x).as_text()
-    _close(y, model.apply(params, x))
-    _close(g, jax.grad(loss)(params), 1e-4)
-    assert [(c.layer, c.accelerated) for c in acc.calls] == [("RNN", True), ("RNN", True)]
-    assert hlo.count("jb_lstm_fwd") == 2
+    calls = _fused_twice(model, jax.random.normal(jax.random.key(0), (2, 6, 3)))
+    assert [(c.layer, c.accelerated) for c in calls] == [("RNN", True), ("RNN", True)]
 
 
 class DecoderCell(nn.RNNCellBase):  # a custom cell, as in flax's seq2seq example
