@@ -138,10 +138,7 @@ def plots(rows, peak):
 
 def markdown(rows, summary, peak):
     names = list(rows[0]["gflops"])
-    out = [f"Measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s.", "",
-           "| dtype | causal | B, T, heads, H | pass | " + " | ".join(f"{n} GFLOP/s" for n in names) +
-           " | % of peak | vs stock |" + (" vs torch |" if "torch" in names else ""),
-           "|" + "---|" * (len(names) + 7 + ("torch" in names))]
+    out = common.peak_table_head(peak, ["dtype", "causal", "B, T, heads, H", "pass"], names, "stock")
     for r in rows:
         lo_hi = {n: r["gflops_range"][n] for n in names}
         cells = [f"{r['gflops'][n]:.0f} ({lo_hi[n][0]:.0f}-{lo_hi[n][1]:.0f})" for n in names]

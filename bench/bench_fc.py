@@ -231,10 +231,7 @@ def plots(layer_rows, mlp_rows, peak):
 
 def markdown(layer_rows, mlp_rows, peak):
     names = list(layer_rows[0]["gflops"])
-    out = [f"Measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s.", "",
-           "| dtype | N | C=K | pass | " + " | ".join(f"{n} GFLOP/s" for n in names) +
-           " | % of peak | vs flax |" + (" vs torch |" if "torch" in names else ""),
-           "|" + "---|" * (len(names) + 6 + ("torch" in names))]
+    out = common.peak_table_head(peak, ["dtype", "N", "C=K", "pass"], names, "flax")
     for r in layer_rows:
         cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
         out.append(f"| {r['dtype']} | {r['n']} | {r['c']} | {r['pass']} | " + " | ".join(cells) +

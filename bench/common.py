@@ -132,6 +132,16 @@ def measure_peak(seconds: float = 0.3, repeats: int = 7) -> dict:
     return jax_brgemm.peak_gflops(seconds, repeats)
 
 
+def peak_table_head(peak: dict, keys: list[str], names: list[str], vs: str) -> list[str]:
+    """A markdown table's first lines: the measured peaks, then columns for `keys`, each
+    contender's GFLOP/s, % of peak and the ratios to `vs` (and to torch when it ran)."""
+    torch = "torch" in names
+    return [f"Measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s.", "",
+            "| " + " | ".join(keys) + " | " + " | ".join(f"{n} GFLOP/s" for n in names) +
+            f" | % of peak | vs {vs} |" + (" vs torch |" if torch else ""),
+            "|" + "---|" * (len(keys) + len(names) + 2 + torch)]
+
+
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "jax": jax.__version__, "cpus": os.cpu_count(), "cpu_kind": cpu_kind()}
