@@ -34,7 +34,7 @@ from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm.ops import fc_passes
 
-# jb::lstm::Variant: 0 lets the layer choose (fused or precompute, by shape).
+# jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
 _AUTOMATIC = 0
 
 
