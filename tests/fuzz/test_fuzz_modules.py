@@ -169,7 +169,8 @@ def test_conv_module(data):
     rng = np.random.default_rng(seed)
     x = make(rng, batch + spatial + (c,), x_dtype)
     kernel_shape = kernel_size + (c // groups if c % groups == 0 else c, k)
-    params = {"params": {"kernel": make(rng, kernel_shape, param_dtype, 1 / np.sqrt(max(np.prod(kernel_shape[:-1]), 1)))}}
+    fan_in = max(int(np.prod(kernel_shape[:-1])), 1)
+    params = {"params": {"kernel": make(rng, kernel_shape, param_dtype, 1 / np.sqrt(fan_in))}}
     if use_bias:
         params["params"]["bias"] = make(rng, (k,), param_dtype)
     mask = jnp.asarray(rng.integers(0, 2, kernel_shape), jnp.float32) if with_mask else None
