@@ -1,12 +1,11 @@
 """``jax_brgemm.accelerate()``: run an unmodified Flax model's layers on the BRGEMM kernels.
 
-Inside the context, every ``flax.linen.Dense``, ``flax.linen.Conv``, LSTM ``flax.linen.RNN``
-and ``nn.scan`` over an LSTM cell call, and every ``flax.nnx.Linear``, ``flax.nnx.Conv`` and
-LSTM ``flax.nnx.RNN`` call, that the kernels support computes with the code of
-``jax_brgemm.nn`` / ``jax_brgemm.nnx`` on exactly the parameters the stock module created;
-everything else runs the stock module unchanged. Parameter creation (linen's ``init``, NNX
-constructors) always runs the stock code, so the parameter trees, and checkpoints, are the
-stock ones by construction::
+Inside the context, every call of a Flax layer the kernels support (linen's Dense, Conv,
+LSTM RNN and scans, attention, DenseGeneral and Einsum; their NNX twins) computes with the
+code of ``jax_brgemm.nn`` / ``jax_brgemm.nnx`` on exactly the parameters the stock module
+created; everything else runs the stock module unchanged. Parameter creation (linen's
+``init``, NNX constructors) always runs the stock code, so the parameter trees, and
+checkpoints, are the stock ones by construction::
 
     model = MyFlaxModel()                      # written against flax.linen only
     params = model.init(key, x)                # the same tree inside the context or not
@@ -39,6 +38,7 @@ from jax_brgemm import nn as jbnn
 from jax_brgemm.nn import _adapt
 from jax_brgemm.nnx import _accelerate as nnx_rules
 from jax_brgemm.nnx import _intercept
+from jax_brgemm.nnx import attention as nnx_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +196,9 @@ class Accelerate(contextlib.ContextDecorator):
         rule = nnx_rules.RULES.get(type(module))
         if rule is not None:
             y, reason = rule(module, next_call, args, kwargs)
-            self._add(Call(nnx_rules.describe(module), type(module).__name__, not reason,
-                           reason, nnx_rules.enclosing_stock_scan() or ""))
+            if reason is not None:  # None: an enclosing context's interceptor records it
+                self._add(Call(nnx_rules.describe(module), type(module).__name__, not reason,
+                               reason, nnx_rules.enclosing_stock_scan() or ""))
             return y
         if type(module) in nnx_rules.CELLS and not nnx_rules.enclosing_stock_scan():
             why = f"{type(module).__name__} called step by step"
@@ -225,6 +226,7 @@ def accelerate(report: bool = False) -> Accelerate:
 
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation),
     ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
+    ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
     ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
     with a float32 softmax, its projections as DenseGeneral; stock for a custom
     ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``), and
@@ -248,7 +250,10 @@ def accelerate(report: bool = False) -> Accelerate:
 
     NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
     over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
-    see there), under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and ``nnx.scan``.
+    see there), ``flax.nnx.MultiHeadAttention`` as linen's (``num_kv_heads`` and
+    ``is_causal`` too), ``LinearGeneral`` (without ``batch_axis``) and ``Einsum`` as linen's
+    DenseGeneral and Einsum, under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and
+    ``nnx.scan``.
 
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
     not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
@@ -472,8 +477,22 @@ def _dense_general(module: nn.DenseGeneral, args, kwargs):
     return jbnn.dense_general_on_kernels(module, args[0], params["kernel"], params.get("bias"))
 
 
+def _einsum(module: nn.Einsum, args, kwargs):
+    """An Einsum whose equation is a matrix product (``nnx_attention.einsum_on_kernels``)."""
+    params = module.variables.get("params", {})
+    if not 1 <= len(args) <= 2 or set(kwargs) - {"einsum_str"} or not hasattr(args[0], "ndim"):
+        return None, "unexpected arguments"
+    if "kernel" not in params or (module.use_bias and "bias" not in params):
+        return None, "parameters not created yet"
+    spec = args[1] if len(args) == 2 else kwargs.get("einsum_str")
+    if (spec is None) == (module.einsum_str is None):
+        return None, "einsum_str given twice or not at all"
+    return nnx_attention.einsum_on_kernels(nnx_attention.linen_view(module), spec or module.einsum_str,
+                                           args[0], params["kernel"], params.get("bias"))
+
+
 _RULES: dict[type, Callable[..., Any]] = {nn.Dense: _dense, nn.Conv: _conv, nn.RNN: _rnn,
-                                          nn.DenseGeneral: _dense_general}
+                                          nn.DenseGeneral: _dense_general, nn.Einsum: _einsum}
 _CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCell,
           nn.ConvLSTMCell)
 

@@ -134,3 +134,28 @@ def test_attention_fn_drop_in():
     f = lambda m: value_and_grad(lambda p, x: m.apply(p, x, mask=mask))(params, x)
     assert_close(f(ours), f(stock), 2e-5)
     assert "jb_attention_fwd" in jax.jit(lambda p, x: ours.apply(p, x, mask=mask)).lower(params, x).as_text()
+
+
+@pytest.mark.parametrize("shape,spec,x_shape", [
+    ((12, 3, 5), "btd,dnh->btnh", (2, 7, 12)),
+    ((3, 5, 9), "...nh,nhd->...d", (2, 7, 3, 5)),
+    ((6, 12), "btd,hd->bth", (2, 7, 12)),  # the kernel transposed to (contracted, features)
+])
+def test_einsum(shape, spec, x_shape):
+    check(nn.Einsum(shape, spec), (normal(*x_shape),), calls=[("Einsum", True)])
+
+
+def test_einsum_given_at_the_call_and_in_bfloat16():
+    x = normal(3, 12)
+    check(nn.Einsum((12, 5), use_bias=False), (x,), calls=[("Einsum", True)], einsum_str="bd,dk->bk")
+    check(nn.Einsum((12, 5), "bd,dk->bk", dtype=jnp.bfloat16), (x,), tol=3e-2, calls=[("Einsum", True)])
+
+
+@pytest.mark.parametrize("shape,spec,reason", [
+    ((6, 3, 4), "btd,dnh->bnth", "output axes other than the input's others, then the features"),
+    ((5, 4), "bdt,dk->btk", "contracting axes other than the input's last ones"),
+    ((3, 6, 4), "btd,bdk->btk", "axes of the input, kernel and output (a batched product)"),
+])
+def test_einsum_fallbacks(shape, spec, reason):
+    acc = check(nn.Einsum(shape, spec), (normal(3, 5, 6),))
+    assert [(c.accelerated, c.reason) for c in acc.calls] == [(False, reason)]

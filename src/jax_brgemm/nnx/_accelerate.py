@@ -14,6 +14,7 @@ from flax.nnx.nn import recurrent as stock_recurrent
 
 from jax_brgemm import nn as jbnn
 from jax_brgemm.nnx import _intercept
+from jax_brgemm.nnx import attention
 from jax_brgemm.nnx.linear import kernel_and_bias
 from jax_brgemm.nnx.recurrent import rnn_call
 
@@ -63,6 +64,7 @@ RULES: dict[type, Callable[..., Any]] = {
     stock_linear.Linear: linear,
     stock_linear.Conv: conv,
     stock_recurrent.RNN: rnn,
+    **attention.RULES,
 }
 
 #: The stock cells: called by anything but an intercepted RNN (a loop, ``nnx.scan``), their
@@ -82,13 +84,28 @@ def intercept_calls(interceptor):
 
 def describe(module) -> str:
     """A name for an NNX layer in a report (NNX modules do not know their path): the class
-    and its sizes, e.g. ``nnx.Linear(784 -> 128)``."""
+    and its sizes, e.g. ``nnx.Linear(784 -> 128)``; a projection of a MultiHeadAttention
+    being called, by its attribute, e.g. ``nnx.MultiHeadAttention(4 heads, 32 -> 32)/query``."""
+    parent = attention.enclosing(module)
+    if parent is not None:
+        return f"{describe(parent[0])}/{parent[1]}"
     name = f"nnx.{type(module).__name__}"
     if isinstance(module, stock_recurrent.RNN):
         return f"{name}({describe(module.cell)})"
+    if isinstance(module, stock_linear.Einsum):
+        return f"{name}({module.einsum_str!r})"
     sizes = [getattr(module, a, None) for a in ("in_features", "out_features",
                                                  "hidden_features")]
-    text = " -> ".join(str(v) for v in sizes if v is not None)
+    text = " -> ".join(_size(v) for v in sizes if v is not None)
     if isinstance(module, stock_linear.Conv):
         text += f", kernel {tuple(module.kernel_size)}"
+    if isinstance(module, attention.stock_attention.MultiHeadAttention):
+        text = f"{module.num_heads} heads, {text}"
     return f"{name}({text})"
+
+
+def _size(features) -> str:
+    """A layer's feature count, or LinearGeneral's tuple of them as ``4x8``."""
+    if isinstance(features, tuple):
+        return "x".join(map(str, features))
+    return str(features)
