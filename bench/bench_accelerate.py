@@ -7,13 +7,17 @@ MLP 784-1024-1024-1024-10, the MNIST example's CNN, a small ResNet with BatchNor
 classifier (2 stacked nn.RNN(nn.OptimizedLSTMCell(128)) over the 28 rows of an image, then
 Dense) and the sst2 example's shape of text classifier (nn.Embed, a bidirectional nn.scan
 over nn.OptimizedLSTMCell(256), a Dense head) on 48 tokens. In flax.nnx: the NNX MNIST
-tutorial's CNN (two nnx.Conv, average pooling, two nnx.Linear) and the RNN classifier as
-nnx.RNN(nnx.OptimizedLSTMCell) + nnx.Linear. Trained on batches of 28x28 images (N=256 for
-the MLPs and the RNNs, 128 otherwise) or of token ids (N=64) with optax SGD + momentum, fp32
-and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
+tutorial's CNN (two nnx.Conv, average pooling, two nnx.Linear), the RNN classifier as
+nnx.RNN(nnx.OptimizedLSTMCell) + nnx.Linear, and a small Vision Transformer (7x7 patches of
+the image as 16 tokens, two pre-LayerNorm encoder blocks of nnx.MultiHeadAttention with 4
+heads over 64 features and a GELU MLP of 128, mean pooling, nnx.Linear head). Trained on
+batches of 28x28 images (N=256 for the MLPs and the RNNs, 128 otherwise) or of token ids
+(N=64) with optax SGD + momentum, fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
 traced outside the context, "accelerate" inside it; timed round-robin in one process. Each
 row has the layer calls that ran on the kernels out of those accelerate() saw (its report's
-records) and the ones left stock. Writes bench/results/<cpu-kind>/accelerate.{json,png}.
+records; NNX layers, which have no path, are recorded by class and sizes, so identical
+ones share a record) and the ones left stock. Writes
+bench/results/<cpu-kind>/accelerate.{json,png}.
 """
 
 from __future__ import annotations
@@ -125,8 +129,43 @@ class NnxRNN(nnx.Module):  # the RNN classifier in NNX: 2 LSTM-128 over the rows
         return self.head(x[:, -1])
 
 
+class NnxEncoderBlock(nnx.Module):  # pre-LayerNorm: attention, then a GELU MLP, each residual
+    def __init__(self, features, heads, hidden, *, dtype=None, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(heads, features, dtype=dtype, decode=False,
+                                                rngs=rngs)
+        self.norm2 = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
+        self.mlp1 = nnx.Linear(features, hidden, dtype=dtype, rngs=rngs)
+        self.mlp2 = nnx.Linear(hidden, features, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp2(nnx.gelu(self.mlp1(self.norm2(x))))
+
+
+class NnxViT(nnx.Module):  # a small Vision Transformer: 7x7 patches, 2 blocks, mean pooling
+    def __init__(self, *, dtype=None, rngs: nnx.Rngs, features=64, patch=7):
+        self.patch = patch
+        tokens = (28 // patch) ** 2
+        self.embed = nnx.Linear(patch * patch, features, dtype=dtype, rngs=rngs)
+        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (tokens, features)))
+        self.blocks = nnx.List([NnxEncoderBlock(features, 4, 2 * features, dtype=dtype, rngs=rngs)
+                                for _ in range(2)])
+        self.norm = nnx.LayerNorm(features, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(features, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        n, p = x.shape[0], self.patch
+        x = x.reshape(n, 28 // p, p, 28 // p, p).transpose(0, 1, 3, 2, 4)
+        x = self.embed(x.reshape(n, -1, p * p)) + self.position[...]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(self.norm(x), axis=1))
+
+
 MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256),
-          "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256)}
+          "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256),
+          "nnx_vit": (NnxViT, 128)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
