@@ -2,13 +2,15 @@
 // buffers, then call cpp/layers/lstm.
 //
 //   jb_lstm_fwd   x (N, T, C) | (T, N, C), w (C, 4K), r (K, 4K), bias (4K,) f32,
-//                 c0 (N, K) f32, h0 (N, K)
-//                 -> y (x's layout, K features), c_T (N, K) f32, h_T (N, K),
+//                 c0 (N, K) f32, h0 (N, K), last_step (N,) s32 or (0,)
+//                 -> y (x's layout, K features), c_T (N, K) f32, h_T (N, K) (row n's
+//                    after step last_step[n] when given, else after T-1),
 //                    gates (T, ceil(K / B), N, 4B, x's dtype; B = lstm::gate_block),
 //                    cs (T, N, K) f32 and xh (x's layout,
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
 //                 attrs time_major, variant (0 automatic or 1 fused: the same forward)
-//   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K)
+//   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K),
+//                 last_step (N,) s32 or (0,): where row n's dc_T, dh_T enter (else T-1)
 //                 -> da (x's layout, lstm::da_width features: the first 4K, then padding),
 //                    db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
 //                 attr time_major
@@ -31,6 +33,16 @@ std::vector<int64_t> seq_dims(bool time_major, int64_t t, int64_t n, int64_t fea
   return time_major ? std::vector<int64_t>{t, n, features} : std::vector<int64_t>{n, t, features};
 }
 
+// The optional per-row last steps: (N,), or (0,) for none (null).
+ffi::ErrorOr<const int32_t*> last_steps(const char* op, const ffi::Buffer<ffi::S32>& last_step, int64_t n) {
+  if (last_step.element_count() == 0 && n != 0) return static_cast<const int32_t*>(nullptr);
+  const auto d = last_step.dimensions();
+  if (d.size() != 1 || d[0] != n)
+    return ffi::Unexpected(invalid(std::string(op) + ": last_step has shape " + dims_str(d) + ", expected (" +
+                                   std::to_string(n) + ",) or (0,)"));
+  return last_step.typed_data();
+}
+
 // The saved gates' dimensions (lstm.h).
 std::vector<int64_t> gate_dims(const lstm::Shape& s) {
   const auto d = lstm::saved_gate_dims(s, dispatch());
@@ -38,7 +50,7 @@ std::vector<int64_t> gate_dims(const lstm::Shape& s) {
 }
 
 ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer r, F32 bias, F32 c0,
-                    ffi::AnyBuffer h0, ffi::Result<ffi::AnyBuffer> y, F32Out c_last,
+                    ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> last_step, ffi::Result<ffi::AnyBuffer> y, F32Out c_last,
                     ffi::Result<ffi::AnyBuffer> h_last, ffi::Result<ffi::AnyBuffer> gates, F32Out cs,
                     ffi::Result<ffi::AnyBuffer> xh, bool time_major, int32_t variant) {
   const char* op = "jb_lstm_fwd";
@@ -56,6 +68,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   JB_CHECK(expect_dims(op, "bias", bias.dimensions(), {g}));
   JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
   JB_CHECK(expect_dims(op, "h0", h0.dimensions(), {n, k}));
+  JB_TRY(steps, last_steps(op, last_step, n));
   JB_CHECK(expect_dims(op, "y", y->dimensions(), seq_dims(time_major, t, n, k)));
   JB_CHECK(expect_dims(op, "c_last", c_last->dimensions(), {n, k}));
   JB_CHECK(expect_dims(op, "h_last", h_last->dimensions(), {n, k}));
@@ -83,12 +96,14 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   a.c_last = c_last->typed_data();
   a.h_last = view(h_last, dt);
   if (save) a.saved = {view(gates, dt), cs->typed_data(), view(xh, dt)};
+  a.last_step = steps;
   const Executor ex = executor(pool);
   return guarded(op, [&] { lstm::forward(ex, dispatch(), s, a); });
 }
 
 ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, F32 cs, F32 c0,
-                     ffi::AnyBuffer dy, F32 dc_last, ffi::AnyBuffer dh_last, ffi::Result<ffi::AnyBuffer> da,
+                     ffi::AnyBuffer dy, F32 dc_last, ffi::AnyBuffer dh_last, ffi::Buffer<ffi::S32> last_step,
+                     ffi::Result<ffi::AnyBuffer> da,
                      F32Out db, F32Out dc0, ffi::Result<ffi::AnyBuffer> dh0, bool time_major) {
   const char* op = "jb_lstm_bptt";
   JB_TRY(dt, kernel_dtype(op, {{"dy", dy.element_type()}}));
@@ -105,6 +120,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
   JB_CHECK(expect_dims(op, "dc_last", dc_last.dimensions(), {n, k}));
   JB_CHECK(expect_dims(op, "dh_last", dh_last.dimensions(), {n, k}));
+  JB_TRY(steps, last_steps(op, last_step, n));
   JB_CHECK(expect_dims(op, "da", da->dimensions(), seq_dims(time_major, t, n, lstm::da_width(s))));
   JB_CHECK(expect_dims(op, "db", db->dimensions(), {g}));
   JB_CHECK(expect_dims(op, "dc0", dc0->dimensions(), {n, k}));
@@ -121,6 +137,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   a.dy = view(dy, dt);
   a.dc_last = dc_last.typed_data();
   a.dh_last = view(dh_last, dt);
+  a.last_step = steps;
   a.da = view(da, dt);
   a.db = db->typed_data();
   a.dc0 = dc0->typed_data();

@@ -1,6 +1,8 @@
-// The LSTM layer against a naive double-precision LSTM: forward outputs, the final carry and
-// every gradient (x, both kernels, the bias, the initial carry) for both layouts, fp32 and bf16 (both multiply paths), odd sizes and sizes of 1, forced small
-// blockings (edge tiles everywhere), one thread and several, every ISA this CPU runs. The
+// The LSTM layer against a naive double-precision LSTM: forward outputs, the final carry (or
+// each row's carry after its own last step) and every gradient (x, both kernels, the bias,
+// the initial carry) for both layouts, fp32 and bf16 (both multiply paths), odd sizes and
+// sizes of 1, forced small blockings (edge tiles everywhere), one thread and several, every
+// ISA this CPU runs. The
 // backward's dx, dW and dR come from the fully-connected passes over bptt's da, as in the
 // Python op. The reference's own gradients are checked by finite differences once.
 #include <array>
@@ -45,6 +47,8 @@ struct Problem {
   int64_t t, n, c, k;
   bool tm;
   std::vector<double> x, w, r, b, c0, h0, dy, dcl, dhl;  // x in (t, n, c) order here
+  std::vector<int32_t> last;  // row n's carry is after step last[n]; empty: T-1 for every row
+  int64_t step_of(int64_t nn) const { return last.empty() ? t - 1 : last[nn]; }
   int64_t row(int64_t tt, int64_t nn) const { return tm ? tt * n + nn : nn * t + tt; }
 };
 
@@ -59,6 +63,7 @@ Ref reference(const Problem& p, const std::function<double(double)>& hround) {
   const int64_t T = p.t, N = p.n, C = p.c, K = p.k, G = 4 * K;
   Ref o;
   std::vector<double> gates(T * N * G), cs(T * N * K), hs((T + 1) * N * K);
+  o.cl.assign(N * K, 0), o.hl.assign(N * K, 0);
   for (int64_t i = 0; i < N * K; ++i) hs[i] = p.h0[i];
   std::vector<double> cprev = p.c0;
   o.y.assign(T * N * K, 0);
@@ -78,19 +83,22 @@ Ref reference(const Problem& p, const std::function<double(double)>& hround) {
         cs[(t * N + n) * K + j] = c;
         hs[((t + 1) * N + n) * K + j] = og * std::tanh(c);
         o.y[(t * N + n) * K + j] = og * std::tanh(c);
+        if (p.step_of(n) == t) o.cl[n * K + j] = c, o.hl[n * K + j] = og * std::tanh(c);
       }
       if (n == N - 1)
         for (int64_t q = 0; q < N * K; ++q) cprev[q] = cs[t * N * K + q];
     }
   o.gates = gates;
-  o.cl = T ? std::vector<double>(cs.end() - N * K, cs.end()) : p.c0;
-  o.hl = std::vector<double>(hs.end() - N * K, hs.end());
-  // Reverse mode.
+  if (!T) o.cl = p.c0, o.hl = p.h0;
+  // Reverse mode: the carry's gradients enter at each row's last step.
   o.dx.assign(T * N * C, 0), o.dw.assign(C * G, 0), o.dr.assign(K * G, 0), o.db.assign(G, 0);
-  std::vector<double> dh = p.dhl, dc = p.dcl, da(G);
+  std::vector<double> dh(N * K, 0), dc(N * K, 0), da(G);
+  if (!T) dh = p.dhl, dc = p.dcl;
   for (int64_t t = T - 1; t >= 0; --t) {
     std::vector<double> dh_prev(N * K, 0);
     for (int64_t n = 0; n < N; ++n) {
+      if (p.step_of(n) == t)
+        for (int64_t j = 0; j < K; ++j) dh[n * K + j] += p.dhl[n * K + j], dc[n * K + j] += p.dcl[n * K + j];
       const double* g = &gates[(t * N + n) * G];
       for (int64_t j = 0; j < K; ++j) {
         const double h = dh[n * K + j] + p.dy[(t * N + n) * K + j];
@@ -126,7 +134,7 @@ Ref reference(const Problem& p, const std::function<double(double)>& hround) {
 Problem make_problem(int64_t t, int64_t n, int64_t c, int64_t k, bool tm, unsigned seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<double> u(-1, 1);
-  Problem p{t, n, c, k, tm, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Problem p{t, n, c, k, tm, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   auto fill = [&](std::vector<double>& v, size_t size, double scale) {
     v.resize(size);
     for (auto& e : v) e = scale * u(rng);
@@ -150,14 +158,23 @@ struct Opts {
   const jb::Blocking* force = nullptr;
   jb::Dispatch dp = jb::dispatch();
   bool no_carry_grads = false;  // bptt gets null dc_last / dh_last (meaning zeros)
+  bool row_steps = false;       // each row's own last step (the first row's T-1, the second's 0)
 };
 
+// Last steps for N rows of T steps: T-1, 0, then a spread over every step.
+std::vector<int32_t> row_steps(int64_t T, int64_t N) {
+  std::vector<int32_t> last(N);
+  for (int64_t n = 0; n < N; ++n) last[n] = int32_t(n == 0 ? T - 1 : n == 1 ? 0 : (n * 5 + 2) % T);
+  return last;
+}
+
 void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o) {
-  char ctx[160];
-  std::snprintf(ctx, sizeof ctx, "[T=%ld N=%ld C=%ld K=%ld tm=%d dt=%d w=%d thr=%ld isa=%s mul=%d]",
+  char ctx[180];
+  std::snprintf(ctx, sizeof ctx, "[T=%ld N=%ld C=%ld K=%ld tm=%d dt=%d w=%d thr=%ld isa=%s mul=%d steps=%d]",
                 long(T), long(N), long(C), long(K), int(tm), int(o.dt), int(o.w_dt),
-                long(o.threads), jb::isa_name(o.dp.isa), int(o.dp.bf16_multiply));
+                long(o.threads), jb::isa_name(o.dp.isa), int(o.dp.bf16_multiply), int(o.row_steps));
   Problem p = make_problem(T, N, C, K, tm, unsigned(T * 1000 + N * 100 + C * 10 + K));
+  if (o.row_steps) p.last = row_steps(T, N);
   if (o.no_carry_grads) std::fill(p.dhl.begin(), p.dhl.end(), 0.0), std::fill(p.dcl.begin(), p.dcl.end(), 0.0);
   const int64_t G = 4 * K;
   const DType kd = jb::multiply_dtype(o.dt, o.dp);
@@ -215,6 +232,7 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     fa.c_last = cl.f.data();
     fa.h_last = {hl.data(), o.dt};
     if (save) fa.saved = {{gates.data(), o.dt}, cs.data(), {xh.data(), o.dt}};
+    fa.last_step = o.row_steps ? p.last.data() : nullptr;
     lstm::forward(ex, o.dp, s, fa, o.force);
     std::vector<double> y_ref(T * N * K);
     for (int64_t t = 0; t < T; ++t)
@@ -242,6 +260,7 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     ba.dy = {dy.data(), o.dt};
     ba.dc_last = o.no_carry_grads ? nullptr : dcl.data();
     ba.dh_last = {o.no_carry_grads ? nullptr : dhl.data(), o.dt};
+    ba.last_step = o.row_steps ? p.last.data() : nullptr;
     ba.da = {da.data(), o.dt};
     ba.db = db.f.data();
     ba.dc0 = dc0.f.data();
@@ -287,33 +306,37 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
 
 TEST(lstm_reference_gradients_match_finite_differences) {
   // The double reference's reverse mode against central differences of its forward, for a
-  // loss sum(y * dy) + sum(c_T * dc) + sum(h_T * dh).
-  Problem p = make_problem(3, 2, 3, 2, true, 7);
-  auto id = [](double v) { return v; };
-  auto loss = [&](const Problem& q) {
-    const Ref o = reference(q, id);
-    double l = 0;
-    for (size_t i = 0; i < o.y.size(); ++i) l += o.y[i] * q.dy[i];
-    for (size_t i = 0; i < o.cl.size(); ++i) l += o.cl[i] * q.dcl[i] + o.hl[i] * q.dhl[i];
-    return l;
-  };
-  const Ref g = reference(p, id);
-  const double eps = 1e-6;
-  auto check = [&](std::vector<double> Problem::*field, const std::vector<double>& grad, const char* what) {
-    for (size_t i = 0; i < grad.size(); ++i) {
-      Problem a = p, b = p;
-      (a.*field)[i] += eps;
-      (b.*field)[i] -= eps;
-      const double fd = (loss(a) - loss(b)) / (2 * eps);
-      CHECK(std::fabs(fd - grad[i]) < 1e-6 * (1 + std::fabs(fd))) << what << "[" << i << "] " << grad[i] << " vs " << fd;
-    }
-  };
-  check(&Problem::x, g.dx, "dx");
-  check(&Problem::w, g.dw, "dw");
-  check(&Problem::r, g.dr, "dr");
-  check(&Problem::b, g.db, "db");
-  check(&Problem::c0, g.dc0, "dc0");
-  check(&Problem::h0, g.dh0, "dh0");
+  // loss sum(y * dy) + sum(c_T * dc) + sum(h_T * dh), with the final carry and with each
+  // row's own last step.
+  for (bool steps : {false, true}) {
+    Problem p = make_problem(3, 3, 3, 2, true, 7);
+    if (steps) p.last = row_steps(3, 3);
+    auto id = [](double v) { return v; };
+    auto loss = [&](const Problem& q) {
+      const Ref o = reference(q, id);
+      double l = 0;
+      for (size_t i = 0; i < o.y.size(); ++i) l += o.y[i] * q.dy[i];
+      for (size_t i = 0; i < o.cl.size(); ++i) l += o.cl[i] * q.dcl[i] + o.hl[i] * q.dhl[i];
+      return l;
+    };
+    const Ref g = reference(p, id);
+    const double eps = 1e-6;
+    auto check = [&](std::vector<double> Problem::*field, const std::vector<double>& grad, const char* what) {
+      for (size_t i = 0; i < grad.size(); ++i) {
+        Problem a = p, b = p;
+        (a.*field)[i] += eps;
+        (b.*field)[i] -= eps;
+        const double fd = (loss(a) - loss(b)) / (2 * eps);
+        CHECK(std::fabs(fd - grad[i]) < 1e-6 * (1 + std::fabs(fd))) << what << "[" << i << "] " << grad[i] << " vs " << fd;
+      }
+    };
+    check(&Problem::x, g.dx, "dx");
+    check(&Problem::w, g.dw, "dw");
+    check(&Problem::r, g.dr, "dr");
+    check(&Problem::b, g.db, "db");
+    check(&Problem::c0, g.dc0, "dc0");
+    check(&Problem::h0, g.dh0, "dh0");
+  }
 }
 
 TEST(lstm_fp32_shapes_and_layouts) {
@@ -465,4 +488,68 @@ TEST(lstm_rejects_inconsistent_dtypes) {
     threw = true;
   }
   CHECK(threw) << "w and r in different dtypes";
+}
+
+TEST(lstm_each_rows_own_last_step) {
+  // The carry after each row's own step (variable-length sequences padded to T) out of the
+  // forward, with and without saves, and its gradients into bptt at those steps.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Opts o;
+    o.dt = dt;
+    o.row_steps = true;
+    run_case(4, 13, 9, 37, false, o);
+    run_case(5, 3, 20, 33, true, o);
+    run_case(1, 2, 3, 5, false, o);
+    o.no_carry_grads = true;
+    run_case(3, 7, 5, 6, true, o);
+  }
+  for (const jb::Blocking& bl : {jb::Blocking{5, 7, 0}, jb::Blocking{1, 1, 0}})
+    for (int64_t threads : {1, 3}) {
+      Opts o;
+      o.force = &bl;
+      o.threads = threads;
+      o.row_steps = true;
+      run_case(3, 11, 9, 19, threads == 1, o);
+    }
+}
+
+TEST(lstm_rejects_a_last_step_outside_the_sequence) {
+  TestPool pool;
+  const jb::Executor ex = pool.executor(1);
+  const lstm::Shape s{2, 3, 4, 5, DType::f32, false};
+  std::vector<float> w(4 * 20), r(5 * 20), b(20), c0(15), cl(15), x(2 * 3 * 4), h(15), y(2 * 15), dy(2 * 15),
+      gates(2 * 3 * 20 * 4), cs(2 * 15), da(2 * 3 * 20), db(20), dc0(15), dh0(15);
+  lstm::ForwardArgs a;
+  a.x = {x.data(), DType::f32};
+  a.w = {w.data(), DType::f32};
+  a.r = {r.data(), DType::f32};
+  a.bias = b.data();
+  a.c0 = c0.data();
+  a.h0 = {h.data(), DType::f32};
+  a.y = {y.data(), DType::f32};
+  a.c_last = cl.data();
+  a.h_last = {h.data(), DType::f32};
+  lstm::BpttArgs g;
+  g.r = {r.data(), DType::f32};
+  g.gates = {gates.data(), DType::f32};
+  g.cs = cs.data();
+  g.c0 = c0.data();
+  g.dy = {dy.data(), DType::f32};
+  g.da = {da.data(), DType::f32};
+  g.db = db.data();
+  g.dc0 = dc0.data();
+  g.dh0 = {dh0.data(), DType::f32};
+  for (const std::vector<int32_t>& last : {std::vector<int32_t>{0, 2, 1}, std::vector<int32_t>{-1, 0, 1}}) {
+    a.last_step = g.last_step = last.data();
+    for (int pass = 0; pass < 2; ++pass) {
+      bool threw = false;
+      try {
+        if (pass == 0) lstm::forward(ex, jb::dispatch(), s, a);
+        else lstm::bptt(ex, jb::dispatch(), s, g);
+      } catch (const std::invalid_argument&) {
+        threw = true;
+      }
+      CHECK(threw) << (pass ? "bptt" : "forward") << " with last_step " << last[0] << ", " << last[1] << ", " << last[2];
+    }
+  }
 }

@@ -1,5 +1,6 @@
 """jb.lstm and jb.nn.LSTM against stock Flax (nn.RNN(nn.OptimizedLSTMCell)) and a lax.scan
-reference: outputs, final carry and gradients; layouts, initial carry, bf16, bad input."""
+reference: outputs, final carry (or each sequence's own, with seq_lengths) and gradients;
+layouts, initial carry, bf16, bad input."""
 
 import flax.linen as nn
 import jax
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_brgemm as jb
+from flax.linen.recurrent import _select_last_carry
 from stock_reference import scan_lstm
 
 
@@ -78,11 +80,10 @@ def test_reverse_keep_order_and_seq_lengths():
     lengths = jnp.array([6, 2, 4])
     params = stock(5).init(jax.random.key(1), x)
     for kw in ({"reverse": True}, {"reverse": True, "keep_order": True}):
-        got = jb.nn.LSTM(5, **kw).apply(params, x, seq_lengths=lengths)
-        want = stock(5, **kw).apply(params, x, seq_lengths=lengths)
-        close(got, want, 2e-5)
-    with pytest.raises(NotImplementedError, match="seq_lengths"):
-        jb.nn.LSTM(5, return_carry=True).apply(params, x, seq_lengths=lengths)
+        for return_carry in (False, True):  # with it, each sequence's own last carry
+            got = jb.nn.LSTM(5, return_carry=return_carry, **kw).apply(params, x, seq_lengths=lengths)
+            want = stock(5, return_carry=return_carry, **kw).apply(params, x, seq_lengths=lengths)
+            close(got, want, 2e-5)
 
 
 def test_bf16_matches_stock_loosely():
@@ -294,3 +295,98 @@ def test_lstm_first_order_backward_stays_on_the_kernels():
     hlo = _loss(_ours(False), False).lower(*args).as_text()
     assert hlo.count("jb_lstm_fwd") == 1 and hlo.count("jb_lstm_bptt") == 1
     assert "while" not in hlo
+
+
+# --- seq_lengths: each row's carry after its own last step ---------------------------------
+
+
+def _scan_seq_lengths(x, wi, wh, b, c0, h0, time_major, seq_lengths):
+    """The stock result: the carry after every step (the scan over each prefix), selected
+    per row by flax.linen.RNN's own _select_last_carry, and every output."""
+    t = x.shape[0] if time_major else x.shape[1]
+    prefix = (lambda s: x[:s]) if time_major else (lambda s: x[:, :s])
+    carries = [scan_lstm(prefix(s), wi, wh, b, c0, h0, time_major)[0] for s in range(1, t + 1)]
+    stacked = tuple(jnp.stack([carry[i] for carry in carries]) for i in (0, 1))
+    return _select_last_carry(stacked, seq_lengths), scan_lstm(x, wi, wh, b, c0, h0, time_major)[1]
+
+
+def _with_lengths(lengths, time_major):
+    def ours(x, wi, wh, b, c0, h0):
+        return jb.lstm(x, wi, wh, b, initial_carry=(c0, h0), time_major=time_major,
+                       seq_lengths=lengths)
+
+    def ref(*args):
+        return _scan_seq_lengths(*args, time_major, lengths)
+    return ours, ref
+
+
+# 0 and T + 3 are past the ends (flax: the last step's carry, no gradient through it), -1 the
+# step before the last.
+@pytest.mark.parametrize("n,t,c,k,time_major,lengths", [
+    (5, 4, 3, 6, False, [0, 1, 4, 2, 7]),
+    (7, 5, 9, 17, True, [5, 1, 3, -1, 2, 5, 4]),
+    (3, 1, 2, 3, False, [1, 0, 1]),
+])
+def test_seq_lengths_carry_and_gradients_match_the_stock_selection(n, t, c, k, time_major, lengths):
+    args = _args(jax.random.key(n + t), n, t, c, k, time_major)
+    ours, ref = _with_lengths(jnp.array(lengths), time_major)
+    close(jax.jit(ours)(*args), ref(*args), 2e-5)
+    close(_loss(ours, time_major)(*args), _loss(ref, time_major)(*args), 1e-4)
+    hlo = _loss(ours, time_major).lower(*args).as_text()
+    assert hlo.count("jb_lstm_fwd") == 1 and hlo.count("jb_lstm_bptt") == 1 and "while" not in hlo
+
+
+def test_seq_lengths_bf16_vs_the_stock_selection():
+    args = _args(jax.random.key(4), 6, 5, 19, 21)
+    lengths = jnp.array([5, 1, 3, 2, 4, 5])
+    x16 = args[0].astype(jnp.bfloat16)
+    (c, h), y = jb.lstm(x16, *args[1:4], initial_carry=args[4:], dtype=jnp.bfloat16, seq_lengths=lengths)
+    (c_r, h_r), y_r = _scan_seq_lengths(*args, False, lengths)
+    assert (c.dtype, h.dtype) == (jnp.float32, jnp.bfloat16)
+    for u, v in ((c, c_r), (h, h_r), (y, y_r)):
+        np.testing.assert_allclose(np.asarray(u, np.float32), v, atol=6e-2, rtol=6e-2)
+    ours, ref = _with_lengths(lengths, False)
+
+    def grads(fn):
+        return jax.grad(lambda *a: _scalar(fn(*a)), argnums=range(6))(*a16)
+    a16 = (x16, *args[1:])
+    for u, v in zip(grads(ours), grads(lambda x, *a: ref(x.astype(jnp.float32), *a)), strict=True):
+        scale = float(jnp.max(jnp.abs(v))) + 1e-3
+        assert float(jnp.max(jnp.abs(u.astype(jnp.float32) - v))) < 0.1 * scale
+
+
+def test_seq_lengths_grad_of_grad_and_vmap_match_the_stock_selection():
+    args = _args(jax.random.key(8), 3, 4, 5, 6)
+    lengths = jnp.array([2, 4, 1])
+    ours, ref = _with_lengths(lengths, False)
+    close(jax.jit(_penalty(ours, False))(*args), _penalty(ref, False)(*args), 2e-4)
+    # mapped inputs and lengths, shared weights: one folded call each way
+    xs, ls = jnp.stack([args[0], -args[0]]), jnp.stack([lengths, jnp.array([4, 0, 3])])
+
+    def grads(pick):  # pick: 0 ours, 1 the stock selection
+        def one(x, lengths):
+            fn = _with_lengths(lengths, False)[pick]
+            return jax.grad(lambda *a: _scalar(fn(*a)), argnums=range(6))(x, *args[1:])
+        return jax.vmap(one)
+
+    close(jax.jit(grads(0))(xs, ls), grads(1)(xs, ls), 1e-4)
+    hlo = jax.jit(grads(0)).lower(xs, ls).as_text()
+    assert hlo.count("jb_lstm_fwd") == 1 and hlo.count("jb_lstm_bptt") == 1
+
+
+def test_seq_lengths_zero_sizes_and_bad_input():
+    x, wi, wh, b, c0, h0 = _args(jax.random.key(0), 2, 3, 4, 5)
+    lengths = jnp.array([3, 1])
+    # C = 0 computes in XLA (the reference), with the same selection
+    got = jb.lstm(x[..., :0], wi[:0], wh, b, initial_carry=(c0, h0), seq_lengths=lengths)
+    close(got, _scan_seq_lengths(x[..., :0], wi[:0], wh, b, c0, h0, False, lengths), 2e-5)
+    (c, h), y = jb.lstm(x[:0], wi, wh, b, seq_lengths=jnp.zeros((0,), jnp.int32))
+    assert c.shape == h.shape == (0, 5) and y.shape == (0, 3, 5)
+    with pytest.raises(TypeError, match="jb.lstm: seq_lengths must be an integer array, got float32"):
+        jb.lstm(x, wi, wh, b, seq_lengths=lengths.astype(jnp.float32))
+    with pytest.raises(TypeError, match="seq_lengths must be an integer array, got bool"):
+        jb.lstm(x, wi, wh, b, seq_lengths=lengths > 1)
+    with pytest.raises(ValueError, match=r"seq_lengths must have shape \(N,\) = \(2,\), got \(2, 1\)"):
+        jb.lstm(x, wi, wh, b, seq_lengths=lengths[:, None])
+    with pytest.raises(ValueError, match="at least one time step"):
+        jb.lstm(x[:, :0], wi, wh, b, seq_lengths=lengths)

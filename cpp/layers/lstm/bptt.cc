@@ -1,5 +1,6 @@
 // The LSTM's backward through time. Per step t = T-1 .. 0, item (K-block, group of N-blocks):
 //   dh  = dy_t + (da_{t+1} @ R^T: one BRGEMM over the 4K-blocks; at T-1 dh_last or 0)
+//         (with last_step, row n's dh_last and dc_last are added at its step last_step[n])
 //   da_t, dc_{t-1} from the saved gates and cell states (the fused cell, the tile hot in L1)
 // then dh0 = da_0 @ R^T. dc is kept in dc0 in place (each tile has one owner per step).
 #include <algorithm>
@@ -29,7 +30,9 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const BpttArgs
   const size_t es = dtype_size(s.dt);
   std::memset(a.db, 0, size_t(G4) * sizeof(float));
   if (N <= 0) return;
-  if (a.dc_last) std::memcpy(a.dc0, a.dc_last, size_t(N * K) * sizeof(float));
+  check_last_step(s, a.last_step, "lstm bptt");
+  // With last_step the carry's gradients enter at each row's step (below), else at T-1.
+  if (a.dc_last && !a.last_step) std::memcpy(a.dc0, a.dc_last, size_t(N * K) * sizeof(float));
   else std::memset(a.dc0, 0, size_t(N * K) * sizeof(float));
   if (T <= 0) {
     if (a.dh_last) std::memcpy(a.dh0.data, a.dh_last.data, size_t(N * K) * es);
@@ -77,8 +80,15 @@ void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const BpttArgs
         const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
         float* dh_in = dh_rec + n0 * K + k0;
         if (t + 1 < T) recurrent(kb, n0, rows, cols, da_later);
-        else if (a.dh_last) copy_rows(a.dh_last.at(n0 * K + k0), s.dt, K, dh_in, DType::f32, K, rows, cols, cols);
+        else if (a.dh_last && !a.last_step) copy_rows(a.dh_last.at(n0 * K + k0), s.dt, K, dh_in, DType::f32, K, rows, cols, cols);
         else for (int64_t q = 0; q < rows; ++q) std::fill_n(dh_in + q * K, cols, 0.0f);
+        if (a.last_step)
+          for (int64_t n = n0; n < n0 + rows; ++n)
+            if (a.last_step[n] == t) {
+              const int64_t at = n * K + k0;
+              if (a.dc_last) add_row(a.dc_last + at, DType::f32, a.dc0 + at, cols);
+              if (a.dh_last) add_row(a.dh_last.at(at), s.dt, dh_rec + at, cols);
+            }
         for_pieces(k0, cols, p.saved_gates.block, [&](int64_t k, int64_t w) {
           CellBackward c{rows, w, K, a.gates.at(p.saved_gates.at(t, n0, k)), p.saved_gates.row(), p.saved_gates.block,
                          a.cs + (t * N + n0) * K + k, c_prev + n0 * K + k, K, dh_rec + n0 * K + k,

@@ -52,6 +52,7 @@ void check_dtypes(const Shape& s, const ForwardArgs& a) {
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const ForwardArgs& a, const Blocking* force) {
   if (s.n <= 0 || s.k <= 0) return;
   check_dtypes(s, a);
+  check_last_step(s, a.last_step, "lstm forward");
   if (s.t <= 0) {  // an empty sequence: the carry passes through
     std::memcpy(a.c_last, a.c0, size_t(s.n * s.k) * sizeof(float));
     std::memcpy(a.h_last.data, a.h0.data, size_t(s.n * s.k) * dtype_size(s.dt));
@@ -76,15 +77,19 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
   const size_t stage = size_t(kMaxDepth * kMaxCols) * dtype_size(a.w.dt);
   const int64_t stages = std::max<int64_t>(1, ex.num_threads);
   const size_t tile = size_t(b.rows * p.tile_ld) * sizeof(float);
-  const auto buf = Scratch::get<4>({panels, a_bytes, size_t(stages) * stage, size_t(stages) * round_up(tile, 64)});
+  // Selecting each row's carry without saving the cell states: c runs in a buffer of its own.
+  const bool own_state = a.last_step && !save;
+  const auto buf = Scratch::get<5>({panels, a_bytes, size_t(stages) * stage, size_t(stages) * round_up(tile, 64),
+                                    own_state ? size_t(N * K) * sizeof(float) : 0});
   PanelPool stage_pool(buf[2], stage, stages), tile_pool(buf[3], tile, stages);
   char* const weights = buf[0];
+  float* const state = own_state ? reinterpret_cast<float*>(buf[4]) : a.c_last;
   char* const a_all = a_is_xh ? static_cast<char*>(a.saved.xh.data) : buf[1];
   // Step t's A.
   auto a_step = [&](int64_t t) { return a_all + row_of(s, t, 0) * p.a_ld * ks; };
 
-  // The cell state: the saved c_t, or c_last updated in place.
-  if (!save) std::memcpy(a.c_last, a.c0, size_t(N * K) * sizeof(float));
+  // The cell state: the saved c_t, or `state` (c_last or a buffer) updated in place.
+  if (!save) std::memcpy(state, a.c0, size_t(N * K) * sizeof(float));
 
   // Re-blocking, once per call: the weight panels (one item per gate and K-block), and A
   // (one item per step: x_t, h0 into step 0's h part, zero pads).
@@ -119,8 +124,8 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
   for (int64_t t = 0; t < T; ++t) {
     const char* a_t = a_step(t);
     char* h_next = t + 1 < T ? a_step(t + 1) + p.h_col * ks : nullptr;
-    const float* c_prev = save ? (t ? a.saved.cs + (t - 1) * N * K : a.c0) : a.c_last;
-    float* c_next = save ? a.saved.cs + t * N * K : a.c_last;
+    const float* c_prev = save ? (t ? a.saved.cs + (t - 1) * N * K : a.c0) : state;
+    float* c_next = save ? a.saved.cs + t * N * K : state;
     parallel_for(ex, p.groups.items(), [&](int64_t i) {
       const int64_t kb = p.groups.panel(i), k0 = kb * b.cols, cols = std::min(b.cols, K - k0);
       const PanelPool::Lease lease(tile_pool);
@@ -141,14 +146,23 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
                         p.saved_gates.block};
           p.cell(c);
         });
+        // The carry of the rows whose last step this is, while their pieces are hot.
+        if (a.last_step)
+          for (int64_t n = n0; n < n0 + rows; ++n)
+            if (a.last_step[n] == t) {
+              std::memcpy(a.c_last + n * K + k0, c_next + n * K + k0, size_t(cols) * sizeof(float));
+              std::memcpy(a.h_last.at(n * K + k0), a.y.at(row_of(s, t, n) * K + k0), size_t(cols) * dtype_size(s.dt));
+            }
       }
       stream_fence();
     });
   }
 
-  // The final carry.
-  copy_rows(a.y.at(row_of(s, T - 1, 0) * K), s.dt, row_step(s) * K, a.h_last.data, s.dt, K, N, K, K);
-  if (save) std::memcpy(a.c_last, a.saved.cs + (T - 1) * N * K, size_t(N * K) * sizeof(float));
+  // The final carry (each row's own, with last_step, is out already).
+  if (!a.last_step) {
+    copy_rows(a.y.at(row_of(s, T - 1, 0) * K), s.dt, row_step(s) * K, a.h_last.data, s.dt, K, N, K, K);
+    if (save) std::memcpy(a.c_last, a.saved.cs + (T - 1) * N * K, size_t(N * K) * sizeof(float));
+  }
 
   // xh when the loop did not run in it: [x_t | h_{t-1} | 0] from x, h0 and y, one item a step.
   if (a.saved.xh && !a_is_xh) {

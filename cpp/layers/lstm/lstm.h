@@ -64,10 +64,15 @@ struct ForwardArgs {
   float* c_last = nullptr;      // the final carry, (N, K) each
   OutView h_last;
   ForwardSaves saved;
+  // Row n's carry in c_last / h_last is the one after its step last_step[n] (each in
+  // [0, T)): variable-length sequences padded to T. Null: after step T-1 for every row.
+  const int32_t* last_step = nullptr;  // (N)
 };
 
 // The backward through time's operands: the forward's saves and the incoming gradients
 // (dc_last / dh_last null: zeros) in, the gate gradient, db and the initial carry's out.
+// With last_step, dc_last / dh_last are the gradients of the carry ForwardArgs::last_step
+// selected: row n's enter at step last_step[n].
 struct BpttArgs {
   InView r;                        // R (K, 4K)
   InView gates;                    // the forward's saves
@@ -76,6 +81,7 @@ struct BpttArgs {
   InView dy;                       // x's layout, K features
   const float* dc_last = nullptr;  // (N, K) each
   InView dh_last;
+  const int32_t* last_step = nullptr;  // (N), as the forward's; null: T-1 for every row
   OutView da;                      // x's layout, da_width() features: the first 4K, then padding
   float* db = nullptr;             // (4K)
   float* dc0 = nullptr;            // (N, K) each
@@ -103,7 +109,8 @@ std::array<int64_t, 4> saved_gate_dims(const Shape& s, const Dispatch& dp);
 int64_t saved_width(const Shape& s, const Dispatch& dp);
 
 // Runs the sequence (an empty one passes the carry through). `force` overrides the
-// blocking heuristic (tests). Throws std::invalid_argument for inconsistent dtypes.
+// blocking heuristic (tests). Throws std::invalid_argument for inconsistent dtypes or a
+// last_step outside [0, T) (both passes).
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const ForwardArgs& a,
              const Blocking* force = nullptr);
 

@@ -4,6 +4,7 @@
 #include <array>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "layers/common/plan_cache.h"
 #include "layers/common/reblock.h"
@@ -104,6 +105,24 @@ void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, in
       for (int64_t j = 0; j < cols; ++j) dh[j] = f32_to_bf16(sf[j]);
     }
     if (zero_to > cols) std::memset(d + cols * int64_t(ts), 0, size_t(zero_to - cols) * ts);
+  }
+}
+
+void check_last_step(const Shape& s, const int32_t* last_step, const char* pass) {
+  if (!last_step) return;
+  for (int64_t n = 0; n < s.n; ++n)
+    if (last_step[n] < 0 || last_step[n] >= s.t)
+      throw std::invalid_argument(std::string(pass) + ": last_step[" + std::to_string(n) + "] = " +
+                                  std::to_string(last_step[n]) + " is not a step in [0, " + std::to_string(s.t) + ")");
+}
+
+void add_row(const void* src, DType from, float* dst, int64_t cols) {
+  if (from == DType::bf16) {
+    const uint16_t* sh = static_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < cols; ++j) dst[j] += bf16_to_f32(sh[j]);
+  } else {
+    const float* sf = static_cast<const float*>(src);
+    for (int64_t j = 0; j < cols; ++j) dst[j] += sf[j];
   }
 }
 

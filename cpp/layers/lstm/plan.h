@@ -52,6 +52,12 @@ void for_pieces(int64_t k0, int64_t cols, int64_t block, F&& f) {
 void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, int64_t ldd, int64_t rows,
                int64_t cols, int64_t zero_to);
 
+// Throws std::invalid_argument unless every last_step[n] is a step, in [0, T) (null: none).
+void check_last_step(const Shape& s, const int32_t* last_step, const char* pass);
+
+// dst[j] += src[j] for `cols` values of src in dtype `from` (fp32 or bf16).
+void add_row(const void* src, DType from, float* dst, int64_t cols);
+
 // What the forward's and the backward's plans share: how they multiply, the blocking of
 // the per-step work ((K-block, group of N-blocks) items, weight panels in sub-panels) and the
 // saved gates' layout.

@@ -16,7 +16,7 @@ from flax.typing import Array, Dtype, Initializer
 from jax_brgemm.nn import _adapt
 from jax_brgemm.ops.lstm import lstm
 
-__all__ = ["LSTM", "lstm_on_kernels"]
+__all__ = ["LSTM", "lstm_on_kernels", "seq_lengths_problem"]
 
 
 class _LSTMCellParams(Module):
@@ -54,8 +54,8 @@ class LSTM(Module):
     Same parameters as the stock module (``{'cell': {'ii', 'if', 'ig', 'io': {'kernel'},
     'hi', 'hf', 'hg', 'ho': {'kernel', 'bias'}}}``, same initializers), the same call
     conventions (``initial_carry=``, carry ``(c, h)``, ``return_carry``, ``time_major``,
-    ``reverse`` / ``keep_order``, any number of batch dims) and the same output dtypes, so a
-    stock checkpoint loads unchanged::
+    ``reverse`` / ``keep_order``, ``seq_lengths``, any number of batch dims) and the same
+    output dtypes, so a stock checkpoint loads unchanged::
 
       >>> import jax, jax.numpy as jnp
       >>> import jax_brgemm as jb
@@ -97,19 +97,13 @@ class LSTM(Module):
                  return_carry: bool | None = None, time_major: bool | None = None,
                  reverse: bool | None = None, keep_order: bool | None = None):
         """Runs the LSTM over ``inputs``; arguments override the attributes as in
-        ``flax.linen.RNN.__call__``. ``seq_lengths`` is accepted where the stock module's
-        result does not depend on it beyond reversing (``return_carry=False``), and refused
-        with ``return_carry=True`` (the stock module then picks each sequence's own last
-        carry, which the fused kernel does not produce)."""
+        ``flax.linen.RNN.__call__``. With ``seq_lengths`` and ``return_carry=True`` the carry
+        is each sequence's own last one, as the stock module selects it, on the kernels for
+        one batch dim (more: the stock module's computation)."""
         return_carry = self.return_carry if return_carry is None else return_carry
         time_major = self.time_major if time_major is None else time_major
         reverse = self.reverse if reverse is None else reverse
         keep_order = self.keep_order if keep_order is None else keep_order
-        if seq_lengths is not None and return_carry:
-            raise NotImplementedError(
-                "jax_brgemm.nn.LSTM: seq_lengths with return_carry=True (each sequence's own last "
-                "carry) is not supported; use flax.linen.RNN for that, or pad and take the carry "
-                "from the outputs")
         if inputs.ndim < 3:
             raise ValueError(f"LSTM: inputs must be (*batch, time, features) or, time-major, "
                              f"(time, *batch, features) with at least one batch dim; got shape "
@@ -125,7 +119,12 @@ class LSTM(Module):
             initial_carry = (self.carry_init(key1, mem_shape, self.param_dtype),
                              self.carry_init(key2, mem_shape, self.param_dtype))
         dtype, _ = _adapt.computation_dtype(self.dtype, inputs, kernel_i, bias)
-        if dtype is None:  # a dtype the kernels do not take (float16, float64): stock
+        why = ""
+        if seq_lengths is not None and return_carry:
+            error, why = seq_lengths_problem(inputs, seq_lengths, time_major)
+            if error is not None:
+                raise error(f"jb.nn.LSTM: {why}")
+        if dtype is None or why:  # a dtype the kernels do not take (float16, float64): stock
             return self._stock(inputs, kernel_i, kernel_h, bias, initial_carry, time_major=time_major,
                                reverse=reverse, keep_order=keep_order, seq_lengths=seq_lengths,
                                return_carry=return_carry)
@@ -149,10 +148,12 @@ def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, t
                     reverse=False, keep_order=False, seq_lengths=None, return_carry=False):
     """What ``flax.linen.RNN(OptimizedLSTMCell)`` computes on ``inputs`` (any number of batch
     dims), as one fused ``jb.lstm`` call: the stock cell's gate math, the stock module's
-    conventions for ``reverse`` / ``keep_order`` / ``seq_lengths`` (flips only) and its output
-    dtypes. ``kernel_i (C, 4K)``, ``kernel_h (K, 4K)``, ``bias (4K,)`` are the cell's
-    parameters concatenated in gate order i, f, g, o; ``initial_carry`` is ``(c0, h0)``
-    shaped ``(*batch, K)``; ``dtype`` the computation dtype (float32 or bfloat16)."""
+    conventions for ``reverse`` / ``keep_order`` / ``seq_lengths`` (flips, and with
+    ``return_carry`` each sequence's own last carry, for which ``seq_lengths_problem`` must
+    have found none) and its output dtypes. ``kernel_i (C, 4K)``, ``kernel_h (K, 4K)``,
+    ``bias (4K,)`` are the cell's parameters concatenated in gate order i, f, g, o;
+    ``initial_carry`` is ``(c0, h0)`` shaped ``(*batch, K)``; ``dtype`` the computation
+    dtype (float32 or bfloat16)."""
     features = kernel_h.shape[0]
     batch_dims = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
     n = int(np.prod(batch_dims))
@@ -168,9 +169,29 @@ def lstm_on_kernels(inputs, kernel_i, kernel_h, bias, initial_carry, *, dtype, t
     x = inputs.astype(dtype).reshape((t, n, c) if time_major else (n, t, c))
     carry0 = (jnp.reshape(c0, (n, features)), jnp.reshape(h0, (n, features)))
     (c, h), y = lstm(x, kernel_i, kernel_h, bias, initial_carry=carry0, time_major=time_major,
-                     dtype=dtype)
+                     dtype=dtype, seq_lengths=seq_lengths if return_carry else None)
     y = y.astype(out_dtype).reshape(inputs.shape[:-1] + (features,))
     carry = (c.astype(out_dtype).reshape(c0.shape), h.astype(out_dtype).reshape(h0.shape))
     if reverse and keep_order:
         y = flip_sequences(y, seq_lengths, num_batch_dims=len(batch_dims), time_major=time_major)
     return (carry, y) if return_carry else y
+
+
+def seq_lengths_problem(inputs, seq_lengths, time_major):
+    """``(None, "")`` when the fused call selects each sequence's own last carry as
+    ``flax.linen.RNN(..., seq_lengths=seq_lengths, return_carry=True)`` does on ``inputs``;
+    else ``(the exception a module raises, why)`` for bad ``seq_lengths``, or ``(None, why)``
+    where only the stock computation reproduces the stock result (over several batch dims
+    Flax selects along the first one only; over none it has no rows)."""
+    batch = inputs.shape[1:-1] if time_major else inputs.shape[:-2]
+    if len(batch) != 1:
+        return None, f"seq_lengths with return_carry over {len(batch)} batch dims, not one"
+    if not hasattr(seq_lengths, "dtype") or np.dtype(seq_lengths.dtype).kind not in "iu":
+        got = getattr(seq_lengths, "dtype", type(seq_lengths).__name__)
+        return TypeError, f"seq_lengths must be an integer array, got {got}"
+    if tuple(seq_lengths.shape) != tuple(batch):
+        return ValueError, (f"seq_lengths must have shape (batch,) = {tuple(batch)}, got "
+                            f"{tuple(seq_lengths.shape)}")
+    if inputs.shape[0 if time_major else -2] == 0:
+        return ValueError, "seq_lengths with return_carry needs at least one time step"
+    return None, ""

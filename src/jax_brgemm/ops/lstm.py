@@ -18,6 +18,10 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
   step and row, ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first
   layer).
 
+With ``seq_lengths`` (sequences padded to T) the forward takes each row's carry after its own
+last step, and bptt takes that carry's gradient in at the same steps: the plain path's final
+carry and its gradient, moved per row.
+
 Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
 each kind for the whole map); mapped weights run one element at a time (``lax.map``).
 """
@@ -38,7 +42,8 @@ from jax_brgemm.ops import fc_passes
 _AUTOMATIC = 0
 
 
-def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None):
+def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None,
+         seq_lengths=None):
     """An LSTM over a whole sequence on the BRGEMM kernels.
 
     Gate order (i, f, g, o) as ``flax.linen.OptimizedLSTMCell``::
@@ -56,13 +61,22 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
       dtype: the computation dtype, float32 or bfloat16; ``None`` promotes the dtypes of
         ``x`` and the kernels. Multiplies run in it (bfloat16: float32 accumulation); the
         cell state and all element-wise math are float32.
+      seq_lengths: ``(N,)`` integers, the length of each sequence padded to T: the carry
+        returned is then each row's own, after its step ``seq_lengths[n] - 1``, as
+        ``flax.linen.RNN(..., return_carry=True)`` selects it (that index read as JAX
+        indexing reads it: 0 and negative values count from the end, an index past either
+        end is the step at that end). Every step still runs for every row, and ``y`` has
+        them all. As in stock Flax, whose gather clamps such an index but whose gradient
+        drops it, a row whose index is past an end (``seq_lengths`` above T or below
+        1 - T) gets no gradient through its carry.
 
     Returns:
-      ``(carry, y)``: ``carry = (c_T, h_T)`` with ``c_T`` float32 and ``h_T`` ``(N, K)`` in
-      the computation dtype, and ``y`` every ``h_t``, shaped like ``x`` with K features.
-      Differentiable in ``x``, both kernels, the bias and the initial carry, from ``y`` and
-      from the final carry, to any order in reverse mode: the first derivative on the
-      kernels, higher ones through the reference scan's derivatives in XLA.
+      ``(carry, y)``: ``carry = (c_T, h_T)`` (or each row's with ``seq_lengths``) with
+      ``c_T`` float32 and ``h_T`` ``(N, K)`` in the computation dtype, and ``y`` every
+      ``h_t``, shaped like ``x`` with K features. Differentiable in ``x``, both kernels, the
+      bias and the initial carry, from ``y`` and from the carry, to any order in reverse
+      mode: the first derivative on the kernels, higher ones through the reference scan's
+      derivatives in XLA.
 
     Sizes of 0 (N, T, C or K) compute what the stock scan computes, in XLA (for T = 0 the
     initial carry passes through); so does float64 (with ``jax_enable_x64``: a NumPy
@@ -104,19 +118,56 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
         check.shape(h0, "initial_carry[1] (h0)", op, (n, k), "(N, K)")
         c0 = c0.astype(state)
         h0 = h0.astype(dtype)
+    steps = _NO_STEPS if seq_lengths is None else last_steps(seq_lengths, n, t, op)
 
     if min(n, t, c, k) < 1 or dtype not in check.KERNEL_DTYPES:
-        return reference(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major))
-    (c_t, h_t), y = _lstm(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major))
-    return (c_t, h_t), y
+        carry, y = reference(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major), steps)
+    else:
+        carry, y = _lstm(x, kernel_i, kernel_h, bias, c0, h0, steps, bool(time_major))
+    if seq_lengths is not None:
+        # the stock gather's gradient drops an index past either end (its value is clamped)
+        index = jnp.asarray(seq_lengths) - 1
+        index = jnp.where(index < 0, index + t, index)
+        inside = ((index >= 0) & (index < t))[:, None]
+        carry = tuple(jnp.where(inside, a, jax.lax.stop_gradient(a)) for a in carry)
+    return carry, y
 
 
-def reference(x, wi, wh, b, c0, h0, time_major):
+# No per-row last steps: every row's carry is the one after step T-1.
+_NO_STEPS = np.zeros((0,), np.int32)
+
+
+def last_steps(seq_lengths, n, t, op):
+    """Each row's last step, ``seq_lengths - 1`` read as ``flax.linen.RNN`` reads it (JAX
+    indexing into the T steps: negative from the end, clamped to [0, T)), as int32 ``(N,)``;
+    a TypeError / ValueError from ``op`` for a non-integer or misshapen ``seq_lengths``."""
+    if not hasattr(seq_lengths, "dtype"):
+        try:
+            seq_lengths = np.asarray(seq_lengths)
+        except (TypeError, ValueError):
+            raise TypeError(f"{op}: seq_lengths must be an integer array, got "
+                            f"{type(seq_lengths).__name__}") from None
+    kind = np.dtype(seq_lengths.dtype).kind
+    if kind not in "iu":
+        raise TypeError(f"{op}: seq_lengths must be an integer array, got {seq_lengths.dtype}")
+    if tuple(seq_lengths.shape) != (n,):
+        raise ValueError(f"{op}: seq_lengths must have shape (N,) = ({n},), got "
+                         f"{tuple(seq_lengths.shape)}")
+    if t == 0:
+        raise ValueError(f"{op}: seq_lengths needs at least one time step to take a carry from")
+    # the very index stock Flax gathers with: arange(T)[seq_lengths - 1]
+    return jnp.arange(t, dtype=jnp.int32)[jnp.asarray(seq_lengths) - 1]
+
+
+def reference(x, wi, wh, b, c0, h0, time_major, last_step=_NO_STEPS):
     """What the kernels compute, as ``flax.linen.OptimizedLSTMCell`` in a ``lax.scan``:
     products in ``x``'s dtype accumulated in ``c0``'s (the cell state's: float32, or
-    float64), element-wise math in it, ``h`` in ``x``'s dtype. For the sizes and dtypes the
-    kernels do not take (a size of 0, float64), and for derivatives of order two and more."""
+    float64), element-wise math in it, ``h`` in ``x``'s dtype; the carry after step T-1, or
+    with ``last_step`` (N,) row n's after step ``last_step[n]``. For the sizes and dtypes
+    the kernels do not take (a size of 0, float64), and for derivatives of order two and
+    more."""
     state = c0.dtype
+    select = last_step.shape[0] > 0
     wi, wh = wi.astype(x.dtype), wh.astype(x.dtype)
 
     def step(carry, xt):
@@ -126,9 +177,13 @@ def reference(x, wi, wh, b, c0, h0, time_major):
         i, f, g, o = jnp.split(z, 4, axis=-1)
         cs = jax.nn.sigmoid(f) * cs + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = (jax.nn.sigmoid(o) * jnp.tanh(cs)).astype(x.dtype)
-        return (cs, h), h
+        return (cs, h), ((cs, h) if select else h)
 
     carry, y = jax.lax.scan(step, (c0, h0), x if time_major else jnp.swapaxes(x, 0, 1))
+    if select:  # every step's carry, (T, N, K) each, and each row's from its step
+        (cs, y) = y
+        rows = jnp.arange(last_step.shape[0])
+        carry = (cs[last_step, rows], y[last_step, rows])
     return carry, (y if time_major else jnp.swapaxes(y, 0, 1))
 
 
@@ -170,13 +225,14 @@ def _sequential(fn, args, in_batched, size):
     return jax.lax.map(one, [args[i] for i in idx])
 
 
-def forward_call(x, wi, wh, b, c0, h0, time_major, save):
+def forward_call(x, wi, wh, b, c0, h0, time_major, save, last_step=_NO_STEPS):
     """The forward over every step, one call (not differentiable): ``(y, c_T, h_T, gates,
-    cell states, xh)``, the last three empty unless ``save`` (what the backward reads)."""
-    return _forward_vmappable(time_major, save)(x, wi, wh, b, c0, h0)
+    cell states, xh)``, the last three empty unless ``save`` (what the backward reads); with
+    ``last_step`` (int32 (N,)) the carry is row n's after step ``last_step[n]``."""
+    return _forward_vmappable(time_major, save)(x, wi, wh, b, c0, h0, jnp.asarray(last_step))
 
 
-def _forward_ffi(x, wi, wh, b, c0, h0, time_major, save):
+def _forward_ffi(x, wi, wh, b, c0, h0, steps, time_major, save):
     t, n = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
@@ -188,7 +244,7 @@ def _forward_ffi(x, wi, wh, b, c0, h0, time_major, save):
     width = _native.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
     return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs, xh), vmap_method="sequential")(
-        x, wi, wh, b, c0, h0, time_major=time_major, variant=np.int32(_AUTOMATIC))
+        x, wi, wh, b, c0, h0, steps, time_major=time_major, variant=np.int32(_AUTOMATIC))
 
 
 @lru_cache(maxsize=None)
@@ -196,18 +252,19 @@ def _forward_vmappable(time_major, save):
     call = partial(_forward_ffi, time_major=time_major, save=save)
 
     @jax.custom_batching.custom_vmap
-    def fwd(x, wi, wh, b, c0, h0):
-        return tuple(call(x, wi, wh, b, c0, h0))
+    def fwd(x, wi, wh, b, c0, h0, steps):
+        return tuple(call(x, wi, wh, b, c0, h0, steps))
 
     @fwd.def_vmap
-    def fwd_vmap(size, in_batched, x, wi, wh, b, c0, h0):
+    def fwd_vmap(size, in_batched, x, wi, wh, b, c0, h0, steps):
         if any(in_batched[1:4]):
-            outs = _sequential(fwd, (x, wi, wh, b, c0, h0), in_batched, size)
+            outs = _sequential(fwd, (x, wi, wh, b, c0, h0, steps), in_batched, size)
         else:
             xn = int(time_major)
             y, c_t, h_t, gates, cs, xh = call(_fold(x, in_batched[0], size, xn), wi, wh, b,
                                               _fold(c0, in_batched[4], size, 0),
-                                              _fold(h0, in_batched[5], size, 0))
+                                              _fold(h0, in_batched[5], size, 0),
+                                              _fold(steps, in_batched[6], size, 0))
             outs = (_unfold(y, size, xn), _unfold(c_t, size, 0), _unfold(h_t, size, 0),
                     _unfold(gates, size, _GATES_N) if save else jnp.zeros((size, 0), gates.dtype),
                     _unfold(cs, size, _CS_N) if save else jnp.zeros((size, 0), cs.dtype),
@@ -217,13 +274,14 @@ def _forward_vmappable(time_major, save):
     return fwd
 
 
-def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major, last_step=_NO_STEPS):
     """Backward through time, one call (not differentiable): ``(da, db, dc0, dh0)``, ``da``
-    every step's gate gradient in rows padded past 4K columns."""
-    return _bptt_vmappable(time_major)(wh, gates, cs, c0, dy, dc_t, dh_t)
+    every step's gate gradient in rows padded past 4K columns; ``dc_t``, ``dh_t`` are the
+    gradients of the forward's carry (of the one ``last_step`` selected)."""
+    return _bptt_vmappable(time_major)(wh, gates, cs, c0, dy, dc_t, dh_t, jnp.asarray(last_step))
 
 
-def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
+def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major):
     n, k = c0.shape
     t = dy.shape[0] if time_major else dy.shape[1]
     # da's rows are padded (the first 4K columns are the gradient) away from a 4 KiB
@@ -233,7 +291,7 @@ def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, time_major):
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), dy.dtype))
     return jax.ffi.ffi_call("jb_lstm_bptt", outs, vmap_method="sequential")(
-        wh, gates, cs, c0, dy, dc_t, dh_t, time_major=time_major)
+        wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major=time_major)
 
 
 @lru_cache(maxsize=None)
@@ -241,13 +299,14 @@ def _bptt_vmappable(time_major):
     call = partial(_bptt_ffi, time_major=time_major)
 
     @jax.custom_batching.custom_vmap
-    def bptt(wh, gates, cs, c0, dy, dc_t, dh_t):
-        return tuple(call(wh, gates, cs, c0, dy, dc_t, dh_t))
+    def bptt(wh, gates, cs, c0, dy, dc_t, dh_t, steps):
+        return tuple(call(wh, gates, cs, c0, dy, dc_t, dh_t, steps))
 
     @bptt.def_vmap
-    def bptt_vmap(size, in_batched, wh, gates, cs, c0, dy, dc_t, dh_t):
+    def bptt_vmap(size, in_batched, wh, gates, cs, c0, dy, dc_t, dh_t, steps):
         if in_batched[0]:
-            return tuple(_sequential(bptt, (wh, gates, cs, c0, dy, dc_t, dh_t), in_batched, size)), (True,) * 4
+            args = (wh, gates, cs, c0, dy, dc_t, dh_t, steps)
+            return tuple(_sequential(bptt, args, in_batched, size)), (True,) * 4
         # db sums over the mini-batch: folded, it is the sum over the mapped axis too, so
         # the folded call cannot give each mapped element its own; it runs per element.
         # The gate gradients (the expensive part) come from one folded call, and db from
@@ -258,7 +317,8 @@ def _bptt_vmappable(time_major):
                                _fold(c0, in_batched[3], size, 0),
                                _fold(dy, in_batched[4], size, xn),
                                _fold(dc_t, in_batched[5], size, 0),
-                               _fold(dh_t, in_batched[6], size, 0))
+                               _fold(dh_t, in_batched[6], size, 0),
+                               _fold(steps, in_batched[7], size, 0))
         da = _unfold(da, size, xn)
         db = jnp.sum(da[..., :4 * wh.shape[0]].astype(jnp.float32), axis=(1, 2))
         return (da, db, _unfold(dc0, size, 0), _unfold(dh0, size, 0)), (True,) * 4
@@ -273,53 +333,57 @@ def _bptt_vmappable(time_major):
 # stock autodiff. The saved tensors are functions of the arguments that the backward's
 # derivative accounts for through the arguments themselves: their cotangents are zero.
 # Every fwd rule computes its outputs by calling its own custom_vjp function, so an outer
-# differentiation never meets a bare custom call.
+# differentiation never meets a bare custom call. ``steps`` (each row's last step, or
+# empty) is an integer argument: no cotangent.
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _lstm(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, save=False)
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _lstm(x, wi, wh, b, c0, h0, steps, time_major):
+    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, False, steps)
     return (c_t, h_t), y
 
 
-def _lstm_fwd(x, wi, wh, b, c0, h0, time_major):
-    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, time_major)
-    return ((c_t, h_t), y), (x, wi, wh, b, c0, h0, *saved)
+def _lstm_fwd(x, wi, wh, b, c0, h0, steps, time_major):
+    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major)
+    return ((c_t, h_t), y), (x, wi, wh, b, c0, h0, *saved, steps)
 
 
 def _lstm_bwd(time_major, res, g):
     (dc_t, dh_t), dy = g
-    return _backward(*res, dc_t, dh_t, dy, time_major)
+    *res, steps = res
+    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major), None)
 
 
 _lstm.defvjp(_lstm_fwd, _lstm_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _forward_saving(x, wi, wh, b, c0, h0, time_major):
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _forward_saving(x, wi, wh, b, c0, h0, steps, time_major):
     """``(y, c_T, h_T, gates, cell states, xh)``: the forward that saves for bptt."""
-    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, save=True))
+    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, True, steps))
 
 
-def _forward_saving_fwd(x, wi, wh, b, c0, h0, time_major):
-    outs = _forward_saving(x, wi, wh, b, c0, h0, time_major)
-    return outs, (x, wi, wh, b, c0, h0, *outs[3:])
+def _forward_saving_fwd(x, wi, wh, b, c0, h0, steps, time_major):
+    outs = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major)
+    return outs, (x, wi, wh, b, c0, h0, *outs[3:], steps)
 
 
 def _forward_saving_bwd(time_major, res, g):
     dy, dc_t, dh_t, *_ = g  # the saved tensors' cotangents are zero (see above)
-    return _backward(*res, dc_t, dh_t, dy, time_major)
+    *res, steps = res
+    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major), None)
 
 
 _forward_saving.defvjp(_forward_saving_fwd, _forward_saving_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(12,))
-def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major):
-    """The gradients of x, wi, wh, b, c0, h0 from the cotangents of c_T, h_T and y."""
+@partial(jax.custom_vjp, nondiff_argnums=(13,))
+def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major):
+    """The gradients of x, wi, wh, b, c0, h0 from the cotangents of the carry (c_T, h_T, or
+    each row's after its step in ``steps``) and y."""
     dt = xh.dtype
     da, db, dc0, dh0 = bptt_call(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
-                                 dh_t.astype(dt), time_major)
+                                 dh_t.astype(dt), time_major, steps)
     c, k = wi.shape[0], wh.shape[0]
     rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
@@ -332,22 +396,22 @@ def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major):
             dh0.astype(h0.dtype))
 
 
-def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major):
-    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, time_major)
-    return grads, (x, wi, wh, b, c0, h0, dc_t, dh_t, dy)
+def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major):
+    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major)
+    return grads, (x, wi, wh, b, c0, h0, dc_t, dh_t, dy, steps)
 
 
 def _backward_bwd(time_major, res, g):
-    args, cotangents = res[:6], res[6:]
+    args, cotangents, steps = res[:6], res[6:9], res[9]
 
     def reference_vjp(args, cotangents):
         dc_t, dh_t, dy = cotangents
-        _, vjp = jax.vjp(lambda *a: reference(*a, time_major), *args)
+        _, vjp = jax.vjp(lambda *a: reference(*a, time_major, steps), *args)
         return vjp(((dc_t, dh_t), dy))
 
     _, vjp = jax.vjp(reference_vjp, args, cotangents)
     d_args, d_cotangents = vjp(tuple(g))
-    return (*d_args, None, None, None, *d_cotangents)
+    return (*d_args, None, None, None, *d_cotangents, None)
 
 
 _backward.defvjp(_backward_fwd, _backward_bwd)
