@@ -323,10 +323,12 @@ def _rnn(module: nn.RNN, args, kwargs):
     opt = {k: module.__getattribute__(k) if kwargs.get(k) is None else kwargs[k]
            for k in ("return_carry", "time_major", "reverse", "keep_order")}
     seq_lengths = kwargs.get("seq_lengths")
-    if seq_lengths is not None and opt["return_carry"]:
-        return None, "seq_lengths with return_carry (each sequence's own last carry)"
     if not hasattr(inputs, "ndim") or inputs.ndim < 3:
         return None, "inputs without a batch dim"
+    if seq_lengths is not None and opt["return_carry"]:
+        why = jbnn.recurrent.seq_lengths_problem(inputs, seq_lengths, opt["time_major"])[1]
+        if why:
+            return None, why
     # The cell's own scope: 'cell' under the RNN when the RNN adopted it (an RNN built
     # outside a module), or the cell's name in the enclosing module (built inside a compact
     # method, as in the Flax examples).

@@ -1,6 +1,6 @@
 """jb.nn.LSTM and a stock nn.RNN inside accelerate() as drop-ins where the stock module has
 edge cases: empty batches and sequences, second-order reverse mode, dtypes the kernels do
-not take."""
+not take, each sequence's own last carry (seq_lengths with return_carry)."""
 
 import flax.linen as nn
 import jax
@@ -110,3 +110,72 @@ def test_numpy_float64_inputs_are_canonicalized():
     want = stock(4, return_carry=True).apply(params, x)
     close(jb.nn.LSTM(4, return_carry=True).apply(params, x), want, 2e-5)
     close(jb.nn.LSTM(4, return_carry=True).apply(params, x.astype(np.float32)), want, 2e-5)
+
+
+def kernel_calls(fn, *args):
+    hlo = jax.jit(fn).lower(*args).as_text()
+    return hlo.count("jb_lstm_fwd"), hlo.count("jb_lstm_bptt")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(time_major=True), dict(reverse=True),
+                                dict(reverse=True, keep_order=True)])
+def test_seq_lengths_return_carry_matches_stock_on_the_kernels(kw):
+    # lengths 0 and past T: the stock module's reading (the last step's carry, no gradient)
+    n, t, c, k = 5, 6, 3, 4
+    params = params_with_bias(k, c, seed=2)
+    x = jax.random.normal(jax.random.key(4), (t, n, c) if kw.get("time_major") else (n, t, c))
+    carry = tuple(0.5 * jax.random.normal(jax.random.key(5 + i), (n, k)) for i in range(2))
+    lengths = jnp.array([6, 1, 0, 3, 8])
+    mods = [jb.nn.LSTM(k, return_carry=True, **kw).apply]
+    mods += [accelerated(stock(k, cell, return_carry=True, **kw))
+             for cell in (nn.OptimizedLSTMCell, nn.LSTMCell)]
+    stock_apply = stock(k, return_carry=True, **kw).apply
+
+    def loss(apply):
+        def f(params, x, carry):
+            (c_, h_), y = apply(params, x, initial_carry=carry, seq_lengths=lengths)
+            return jnp.sum(jnp.cos(c_) * h_) + jnp.sum(y * jnp.sin(y))
+        return jax.grad(f, argnums=(0, 1, 2))
+
+    want = stock_apply(params, x, initial_carry=carry, seq_lengths=lengths)
+    want_grads = loss(stock_apply)(params, x, carry)
+    for apply in mods:
+        close(jax.jit(apply)(params, x, initial_carry=carry, seq_lengths=lengths), want, 2e-5)
+        close(jax.jit(loss(apply))(params, x, carry), want_grads, 1e-4)
+        assert kernel_calls(loss(apply), params, x, carry) == (1, 1)
+    # grad of grad through the selected carry
+    pick = dict(seq_lengths=lengths)
+    want = gradient_penalty(lambda *a, **c: stock_apply(*a, **c, **pick), x, carry)(params, carry)
+    for apply in mods:
+        got = gradient_penalty(lambda *a, **c: apply(*a, **c, **pick), x, carry)(params, carry)
+        close(got, want, 2e-4)
+
+
+def test_seq_lengths_return_carry_bf16_and_two_batch_dims():
+    params = params_with_bias(4, 3)
+    x = jax.random.normal(jax.random.key(0), (3, 5, 3))
+    lengths = jnp.array([5, 2, 1])
+    got = jb.nn.LSTM(4, dtype=jnp.bfloat16, return_carry=True).apply(params, x, seq_lengths=lengths)
+    want = stock(4, dtype=jnp.bfloat16, return_carry=True).apply(params, x, seq_lengths=lengths)
+    close(got, want, 5e-2)  # the same dtypes too
+    # two batch dims: stock Flax selects along the first only; both run its computation
+    x2 = jax.random.normal(jax.random.key(1), (2, 2, 5, 3))
+    want = stock(4, return_carry=True).apply(params, x2, seq_lengths=jnp.array([5, 2]))
+    close(jb.nn.LSTM(4, return_carry=True).apply(params, x2, seq_lengths=jnp.array([5, 2])), want, 0)
+
+
+def test_seq_lengths_return_carry_bad_input():
+    params = params_with_bias(4, 3)
+    x = jnp.ones((3, 5, 3))
+    layer = jb.nn.LSTM(4, return_carry=True)
+    with pytest.raises(TypeError, match="jb.nn.LSTM: seq_lengths must be an integer array, got float32"):
+        layer.apply(params, x, seq_lengths=jnp.array([1.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match="jb.nn.LSTM: seq_lengths must be an integer array, got list"):
+        layer.apply(params, x, seq_lengths=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"jb.nn.LSTM: seq_lengths must have shape \(batch,\) = \(3,\)"):
+        layer.apply(params, x, seq_lengths=jnp.array([1, 2]))
+    with pytest.raises(ValueError, match="at least one time step"):
+        layer.apply(params, x[:, :0], seq_lengths=jnp.array([1, 2, 3]))
+    # without return_carry seq_lengths only flips, as stock
+    want = stock(4, reverse=True).apply(params, x, seq_lengths=jnp.array([1, 2, 3]))
+    close(jb.nn.LSTM(4, reverse=True).apply(params, x, seq_lengths=jnp.array([1, 2, 3])), want, 2e-5)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_brgemm as jb
 import jax_brgemm.nnx as jbnnx
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -255,12 +256,12 @@ def test_lstm_seq_lengths():
     lengths = jnp.array([6, 2, 4])
     close(ours(x, seq_lengths=lengths), stock(x, seq_lengths=lengths))
     assert kernel_calls(ours, x, seq_lengths=lengths) >= 1
-    # each sequence's own last carry: the stock scan computes it
+    # each sequence's own last carry, on the kernels too
     got = ours(x, seq_lengths=lengths, return_carry=True)
     want = stock(x, seq_lengths=lengths, return_carry=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(a, b)
-    assert kernel_calls(ours, x, seq_lengths=lengths, return_carry=True) == 0
+    assert kernel_calls(ours, x, seq_lengths=lengths, return_carry=True) == 1
 
 
 def test_rnn_takes_rngs_as_stock():
@@ -399,3 +400,50 @@ def test_call_errors():
         lstm(jnp.ones((2, 5, 3)), initial_carry=(jnp.zeros((2, 4)),))
     with pytest.raises(ValueError, match="initial_carry"):
         lstm(jnp.ones((2, 5, 3)), initial_carry=(jnp.zeros((3, 4)), jnp.zeros((3, 4))))
+
+
+# --- each sequence's own last carry (seq_lengths with return_carry) --------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lstm_seq_lengths_return_carry_and_grads_on_the_kernels(dtype):
+    ours, stock = lstm_pair(4, 6, dtype=dtype, return_carry=True, time_major=True)
+    x = normal(1, (5, 4, 4), dtype)  # (T, N, C)
+    lengths = jnp.array([5, 0, 2, 7])  # 0 and 7: the last step's carry, as stock reads them
+    got, want = ours(x, seq_lengths=lengths), stock(x, seq_lengths=lengths)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype
+        close(a, b, dtype)
+    assert kernel_calls(ours, x, seq_lengths=lengths) == 1
+    same_grads(ours, stock, x, dtype, seq_lengths=lengths)
+
+
+def test_lstm_seq_lengths_return_carry_errors_and_two_batch_dims():
+    ours, stock = lstm_pair(3, 4, return_carry=True)
+    x = normal(1, (2, 5, 3))
+    with pytest.raises(TypeError, match="jb.nnx.LSTM: seq_lengths must be an integer array"):
+        ours(x, seq_lengths=jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="jb.nnx.LSTM: seq_lengths must have shape"):
+        ours(x, seq_lengths=jnp.array([1, 2, 3]))
+    # two batch dims: stock Flax selects along the first only; the stock scan computes it
+    x2, lengths = normal(2, (2, 2, 5, 3)), jnp.array([5, 2])
+    for a, b in zip(jax.tree.leaves(ours(x2, seq_lengths=lengths)),
+                    jax.tree.leaves(stock(x2, seq_lengths=lengths))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell_cls", [nnx.OptimizedLSTMCell, nnx.LSTMCell])
+def test_accelerate_runs_nnx_rnn_seq_lengths_return_carry_fused(cell_cls):
+    rnn = nnx.RNN(cell_cls(3, 5, rngs=nnx.Rngs(0)), return_carry=True, reverse=True,
+                  keep_order=True)
+    x, lengths = normal(2, (4, 6, 3)), jnp.array([6, 3, 1, 0])
+    run = nnx.jit(lambda m, x: m(x, seq_lengths=lengths))
+    with jb.accelerate() as acc:
+        got, got_grads = run(rnn, x), grads(rnn, x, seq_lengths=lengths)
+        calls = kernel_calls(rnn, x, seq_lengths=lengths)
+    for a, b in zip(jax.tree.leaves((got, got_grads)),
+                    jax.tree.leaves((run(rnn, x), grads(rnn, x, seq_lengths=lengths)))):
+        close(a, b, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
+    assert calls == 1
+    assert acc.calls and all(c.accelerated for c in acc.calls)

@@ -91,9 +91,10 @@ class RNN(stock_recurrent.RNN):
     broadcasts the cell's state and ``broadcast_rngs`` is None. Every call convention of the
     stock module holds: ``initial_carry`` (or the cell's ``initialize_carry`` from the
     module's ``rngs``, consumed as the stock module does), ``return_carry``, ``time_major``,
-    ``reverse`` / ``keep_order``, ``seq_lengths``, any number of batch dims. Other cells and
-    configurations, and ``seq_lengths`` with ``return_carry=True`` (each sequence's own last
-    carry, which the fused kernel does not produce), run the stock scan.
+    ``reverse`` / ``keep_order``, ``seq_lengths`` (with ``return_carry=True`` each
+    sequence's own last carry, as the stock module selects it), any number of batch dims.
+    Other cells and configurations, and ``seq_lengths`` with ``return_carry=True`` over more
+    than one batch dim, run the stock scan.
     """
 
     def __call__(self, inputs: Array, *, initial_carry=None, seq_lengths: Array | None = None,
@@ -115,9 +116,10 @@ def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
 
     ``rnn`` has ``flax.nnx.RNN``'s fields; ``stock_call`` is its stock ``__call__`` (bound),
     called with the same arguments when the kernels cannot run them; the rng stream is taken
-    once either way, as the stock module takes it. Inputs or an initial carry of the wrong
-    shape raise a ValueError from ``op`` (a jax_brgemm module's name) or, when ``op`` is
-    None, go to ``stock_call`` as they are.
+    once either way, as the stock module takes it. Inputs, an initial carry or (with
+    ``return_carry``) ``seq_lengths`` of the wrong shape or dtype raise a ValueError /
+    TypeError from ``op`` (a jax_brgemm module's name) or, when ``op`` is None, go to
+    ``stock_call`` as they are.
     """
     opts = dict(return_carry=rnn.return_carry if return_carry is None else return_carry,
                 time_major=rnn.time_major if time_major is None else time_major,
@@ -131,8 +133,6 @@ def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
 
     params = lstm_params(rnn.cell)
     why = params if isinstance(params, str) else _scan_reproducible(rnn)
-    if seq_lengths is not None and opts["return_carry"]:
-        why = why or "seq_lengths with return_carry (each sequence's own last carry)"
     if why:
         return fallback(why)
     cell = rnn.cell
@@ -144,6 +144,12 @@ def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
         raise ValueError(f"{op}: inputs must be {layout} with features = in_features = "
                          f"{cell.in_features}, got shape {jnp.shape(inputs)}")
     inputs = jnp.asarray(inputs)
+    if seq_lengths is not None and opts["return_carry"]:
+        error, why = jbnn.recurrent.seq_lengths_problem(inputs, seq_lengths, opts["time_major"])
+        if error is not None and op is not None:
+            raise error(f"{op}: {why}")
+        if why:
+            return fallback(why)
     time_axis = 0 if opts["time_major"] else inputs.ndim - 2
     carry_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
     # the stock module's rng stream and carry, taken as it takes them
