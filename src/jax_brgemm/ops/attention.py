@@ -29,6 +29,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
+from jax_brgemm.ops import partitioning
 
 _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
@@ -117,33 +118,70 @@ def _scale(scale, h, op):
 # --- the custom calls --------------------------------------------------------------------
 # vmap_method="expand_dims": under vmap every operand gets the mapped dims in front (size 1
 # when unmapped); the handlers fold them into the batch and read unmapped operands in place.
+# Each call is batch-partitionable (partitioning.rows): under jit with the batch B sharded,
+# it runs per shard; a bias or mask broadcast over B is replicated, and the gradient of
+# such a bias is a per-shard partial sum, psum'ed.
 
 
 def _or_empty(a, dtype):
     return jnp.zeros((0,), dtype) if a is None else a
 
 
-def _forward_call(q, k, v, bias, mask, scale, causal):
+def _forward_ffi(q, k, v, bias, mask, *, scale, causal):
     b, t, n, _ = q.shape
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t, 2), jnp.float32))
     return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs, vmap_method="expand_dims")(
-        q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_),
-        scale=np.float32(scale), causal=bool(causal)))
+        q, k, v, bias, mask, scale=np.float32(scale), causal=bool(causal)))
 
 
-def _backward_call(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias):
+def _backward_ffi(q, k, v, bias, mask, o, stats, do, *, scale, causal, want_dbias):
     b, t, n, _ = q.shape
     full = (b, n, t, k.shape[1])
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(full if want_dbias else (0,), jnp.float32))
     dq, dk, dv, dbias = jax.ffi.ffi_call("jb_attention_bwd", outs, vmap_method="expand_dims")(
-        q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_), o, stats, do,
-        scale=np.float32(scale), causal=bool(causal))
-    if not want_dbias:
-        return dq, dk, dv, None
-    axes = tuple(i for i, (d, f) in enumerate(zip(bias.shape, full)) if d == 1 and f != 1)
-    return dq, dk, dv, jnp.sum(dbias, axis=axes, keepdims=True)
+        q, k, v, bias, mask, o, stats, do, scale=np.float32(scale), causal=bool(causal))
+    if want_dbias:  # back to the bias's shape: summed over the dims it broadcasts along
+        axes = tuple(i for i, (d, f) in enumerate(zip(bias.shape, full)) if d == 1 and f != 1)
+        dbias = jnp.sum(dbias, axis=axes, keepdims=True) if axes else dbias
+    return dq, dk, dv, dbias
+
+
+_R, _SUM = partitioning.ROWS, partitioning.SUM
+
+
+def _batch_kind(a, b):
+    """Split a bias or mask with the batch when it has the batch's B; else replicate it."""
+    return _R if a is not None and a.shape[0] == b else None
+
+
+@partitioning.cached
+def _forward_target(scale, causal, bias_kind, mask_kind):
+    return partitioning.rows(partial(_forward_ffi, scale=scale, causal=causal),
+                             (_R, _R, _R, bias_kind, mask_kind), (_R, _R))
+
+
+@partitioning.cached
+def _backward_target(scale, causal, want_dbias, bias_kind, mask_kind):
+    # A bias shared by the batch gets every shard's contribution to its gradient: a sum.
+    return partitioning.rows(
+        partial(_backward_ffi, scale=scale, causal=causal, want_dbias=want_dbias),
+        (_R, _R, _R, bias_kind, mask_kind, _R, _R, _R), (_R, _R, _R, bias_kind or _SUM))
+
+
+def _forward_call(q, k, v, bias, mask, scale, causal):
+    b = q.shape[0]
+    target = _forward_target(scale, causal, _batch_kind(bias, b), _batch_kind(mask, b))
+    return target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_))
+
+
+def _backward_call(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias):
+    b = q.shape[0]
+    target = _backward_target(scale, causal, want_dbias, _batch_kind(bias, b), _batch_kind(mask, b))
+    dq, dk, dv, dbias = target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_),
+                               o, stats, do)
+    return dq, dk, dv, dbias if want_dbias else None
 
 
 def _reference(q, k, v, bias, mask, scale, causal):

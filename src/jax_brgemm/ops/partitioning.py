@@ -22,6 +22,7 @@ custom_partitioning has none.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Callable, Sequence
 
 import jax
@@ -94,19 +95,22 @@ def rows(call: Callable, operands: Sequence, results: Sequence) -> Callable:
     # every other dim its own factor, replicated. "n" in no result (a weight update)
     # is a reduction over the batch.
     def sharding_rule(mesh, operand_types, result_types):
-        letters = iter("abcdefghijklmopqrstuvwxyz")  # no "n"
+        # d0, d1, ...: a call may have more dims than the alphabet has letters
+        names = (f"d{i}" for i in itertools.count())
 
         def factors(kind, ty):
             dims = list(ty.shape)
             if not dims:
                 return ""
-            first = "n" if kind == ROWS and dims[0] != 0 else next(letters)
-            return " ".join([first] + [next(letters) for _ in dims[1:]])
+            first = "n" if kind == ROWS and dims[0] != 0 else next(names)
+            return " ".join([first] + [next(names) for _ in dims[1:]])
 
         lhs = ", ".join(factors(k, t) for k, t in zip(operands, operand_types))
         rhs = ", ".join(factors(k, t) for k, t in zip(results, result_types))
         rule = f"{lhs} -> {rhs}"
-        others = sorted(set(rule.replace(",", " ").replace("->", " ").split()) - {"n"})
+        # in order of first appearance, as Shardy wants its special factors sorted
+        tokens = rule.replace(",", " ").replace("->", " ").split()
+        others = [f for f in dict.fromkeys(tokens) if f != "n"]
         options = {"need_replication_factors": tuple(others)}
         if "n" in lhs and "n" not in rhs:
             options["reduction_factors"] = ("n",)
