@@ -67,6 +67,14 @@ struct BatchWalk {
   const char* at(int64_t i) const {
     return (addr ? static_cast<const char*>(addr[i]) : base + (offs ? offs[i] : i) * scale) + shift;
   }
+  // The walk that starts at matrix i.
+  BatchWalk from(int64_t i) const {
+    BatchWalk w = *this;
+    if (addr) w.addr += i;
+    else if (offs) w.offs += i;
+    else w.base += i * scale;
+    return w;
+  }
 };
 
 struct BrgemmDesc {

@@ -25,7 +25,7 @@ struct Avx2 {
     const int64_t lda = t.lda * int64_t(sizeof(float));
     __m256 acc[MR][NV];
     const __m256i last = tail_mask(t.tail);
-    init<MR, NV>(acc, t);
+    init<MR, NV>(acc);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
       // Row i of A at row[i / 3] + (i % 3) * lda: x86 addresses base + lda * {0, 1, 2}, so
@@ -62,7 +62,7 @@ struct Avx2 {
     __m256 acc[MR][NV];
     const __m256i last = tail_mask(t.tail);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
-    init<MR, NV>(acc, t);
+    init<MR, NV>(acc);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
       const uint16_t* b = reinterpret_cast<const uint16_t*>(t.b.at(bi)) + t.b_off;
@@ -100,29 +100,34 @@ struct Avx2 {
   }
 
   template <int MR, int NV>
-  static void init(__m256 (&acc)[MR][NV], const TileArgs& t) {
-    if (!t.accumulate) {
+  static void init(__m256 (&acc)[MR][NV]) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+
+  // acc += C (accumulate), the partial sums and the bias; then the activation and the store.
+  template <int MR, int NV>
+  static void store(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
+    if (t.accumulate) {  // C through a stack tile: no masked loads, any dtype
+      alignas(32) float tile[MR][NV * 8] = {};
+      const int cols = (NV - 1) * 8 + t.tail;
+      #pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < cols; ++j)
+          tile[i][j] = t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
+                                           : bf16_to_f32(static_cast<const uint16_t*>(t.c)[i * t.ldc + j]);
       #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
         #pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
-      return;
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_load_ps(&tile[i][8 * j]));
     }
-    alignas(32) float tile[MR][NV * 8] = {};
-    const int cols = (NV - 1) * 8 + t.tail;
-    #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < cols; ++j)
-        tile[i][j] = t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
-                                         : bf16_to_f32(static_cast<const uint16_t*>(t.c)[i * t.ldc + j]);
-    #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
+    if (t.partial)
       #pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_load_ps(&tile[i][8 * j]);
-  }
-
-  template <int MR, int NV>
-  static void store(__m256 (&acc)[MR][NV], __m256i last, const TileArgs& t) {
+      for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_load_ps(t.partial + (i * NV + j) * 8));
     if (t.bias)
       #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {

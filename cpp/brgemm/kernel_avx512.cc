@@ -28,7 +28,7 @@ struct Avx512 {
     const int64_t lda = t.lda * int64_t(sizeof(float));
     __m512 acc[MR][NV];
     const __mmask16 last = tail_mask(t.tail);
-    init<MR, NV>(acc, last, t);
+    init<MR, NV>(acc);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const float* b = reinterpret_cast<const float*>(t.b.at(bi)) + t.b_off;
       // A's rows as x86 addresses base + lda * {0, 1, 2, 4, 8}: four row pointers (rows 0,
@@ -66,7 +66,7 @@ struct Avx512 {
   static void tile_bf16(const TileArgs& t) {
     __m512 acc[MR][NV];
     const __mmask16 last = tail_mask(t.tail);
-    init<MR, NV>(acc, last, t);
+    init<MR, NV>(acc);
     const int64_t pairs = t.k / 2;
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
@@ -110,25 +110,31 @@ struct Avx512 {
   static __mmask16 tail_mask(int tail) { return __mmask16((1u << tail) - 1u); }
 
   template <int MR, int NV>
-  static void init(__m512 (&acc)[MR][NV], __mmask16 last, const TileArgs& t) {
+  static void init(__m512 (&acc)[MR][NV]) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+      #pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+
+  // acc += C (accumulate), the partial sums and the bias; then the activation and the store.
+  template <int MR, int NV>
+  static void store(__m512 (&acc)[MR][NV], __mmask16 last, const TileArgs& t) {
     #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
       #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {
         const __mmask16 m = j < NV - 1 ? __mmask16(0xffff) : last;
-        if (!t.accumulate) {
-          acc[i][j] = _mm512_setzero_ps();
-        } else if (t.cdt == DType::f32) {
-          acc[i][j] = _mm512_maskz_loadu_ps(m, static_cast<const float*>(t.c) + i * t.ldc + 16 * j);
-        } else {
-          const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(t.c) + i * t.ldc + 16 * j);
-          acc[i][j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        if (t.accumulate) {
+          if (t.cdt == DType::f32) {
+            acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_maskz_loadu_ps(m, static_cast<const float*>(t.c) + i * t.ldc + 16 * j));
+          } else {
+            const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(t.c) + i * t.ldc + 16 * j);
+            acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+          }
         }
+        if (t.partial) acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_load_ps(t.partial + (i * NV + j) * 16));
       }
-  }
-
-  template <int MR, int NV>
-  static void store(__m512 (&acc)[MR][NV], __mmask16 last, const TileArgs& t) {
     if (t.bias)
       #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {

@@ -21,7 +21,6 @@ struct Generic {
     constexpr int W = NV * VL;
     const int cols = (NV - 1) * VL + t.tail;
     float acc[MR][W] = {};
-    if (t.accumulate) load_c<MR, W>(acc, cols, t);
     for (int64_t bi = 0; bi < t.batch; ++bi) {
       if constexpr (BF16) {
         const uint16_t* a = reinterpret_cast<const uint16_t*>(t.a.at(bi)) + t.a_off;
@@ -49,6 +48,11 @@ struct Generic {
         }
       }
     }
+    // The sums from zero, then C, the partial sums of earlier chunks and the bias.
+    if (t.accumulate) add_c<MR, W>(acc, cols, t);
+    if (t.partial)
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < cols; ++j) acc[i][j] += t.partial[i * W + j];
     if (t.bias)
       for (int i = 0; i < MR; ++i)
         for (int j = 0; j < cols; ++j) acc[i][j] += t.bias[j];
@@ -56,10 +60,10 @@ struct Generic {
   }
 
   template <int MR, int W>
-  static void load_c(float (&acc)[MR][W], int cols, const TileArgs& t) {
+  static void add_c(float (&acc)[MR][W], int cols, const TileArgs& t) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < cols; ++j)
-        acc[i][j] = t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
+        acc[i][j] += t.cdt == DType::f32 ? static_cast<const float*>(t.c)[i * t.ldc + j]
                                         : bf16_to_f32(static_cast<const uint16_t*>(t.c)[i * t.ldc + j]);
   }
 };

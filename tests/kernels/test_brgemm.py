@@ -320,3 +320,13 @@ def test_bad_isa_is_one_clear_error_at_import(value):
     assert last.startswith(f"ValueError: JAX_BRGEMM_ISA='{value}' is not a kernel ISA")
     assert all(name in last for name in ISAS)
     assert "During handling" not in run.stderr  # one error, not one raised inside another
+
+
+def test_long_batch_reduce_is_as_accurate_as_xla():
+    # 1M products of a nonzero mean per output: summed in chunks, not one register chain.
+    rng = np.random.default_rng(1)
+    a, b = rng.random((256, 4, 4096), np.float32), rng.random((256, 4096, 4), np.float32)
+    ref = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
+    errors = [np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(ref)
+              for out in (jax.jit(jb.brgemm)(a, b), jax.jit(lambda a, b: jnp.einsum("bmk,bkn->mn", a, b))(a, b))]
+    assert errors[0] <= max(8 * errors[1], 1e-6), errors
