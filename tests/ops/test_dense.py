@@ -357,3 +357,25 @@ def test_activation_table_comes_from_cpp():
     assert set(codes) == {"none"} | set(_activations.FUNCTIONS) == {"none"} | set(jb.nn.ACTIVATIONS)
     assert len(set(codes.values())) == len(codes) and codes["none"] == 0
     assert set(ACTS) == {None} | set(_activations.FUNCTIONS)
+
+
+def _rel_error(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+
+
+def test_long_reductions_are_as_accurate_as_xla():
+    # Gradients summed over 256K rows of a nonzero mean: the kernels sum in bounded chunks
+    # (and the bias pairwise), so their error against float64 stays near XLA's.
+    rng = np.random.default_rng(0)
+    rows, c, k = 2 ** 18, 8, 8
+    x, dy = rng.random((rows, c), np.float32), rng.random((rows, k), np.float32)
+    w, b = rng.random((c, k), np.float32), np.zeros(k, np.float32)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda w, b, x, dy: jnp.vdot(f(x, w, b), dy), argnums=(0, 1)))(w, b, x, dy)
+
+    ours, stock = grads(lambda x, w, b: jb.dense(x, w, b)), grads(lambda x, w, b: x @ w + b)
+    refs = (x.astype(np.float64).T @ dy.astype(np.float64), dy.astype(np.float64).sum(0))
+    for mine, xla, ref in zip(ours, stock, refs):
+        assert _rel_error(mine, ref) <= max(8 * _rel_error(xla, ref), 1e-6)

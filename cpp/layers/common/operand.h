@@ -24,13 +24,33 @@ inline const void* at(const void* p, DType t, int64_t i) {
   return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
 }
 
-// acc[j] += the sum over rows of src[r * ld + j] (a bias gradient from a piece of dz).
+// acc[j] += the sum over rows of src[r * ld + j] (a bias gradient from a piece of dz),
+// summed pairwise over blocks of rows: the rounding error grows with log(rows), not rows.
 inline void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows, int64_t cols, float* acc) {
+  constexpr int64_t kRows = 64, kCols = 64;
   with_type(dt, [&](auto ts) {
     using T = decltype(ts);
     const T* t = static_cast<const T*>(src);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < cols; ++j) acc[j] += to_f32(t[r * ld + j]);
+    for (int64_t j0 = 0; j0 < cols; j0 += kCols) {
+      const int64_t w = std::min(kCols, cols - j0);
+      // sum(r0, n, out): out[j] = the sum of n rows from r0, halves summed apart.
+      auto sum = [&](auto&& self, int64_t r0, int64_t n, float* out) -> void {
+        if (n <= kRows) {
+          std::fill(out, out + w, 0.0f);
+          for (int64_t r = r0; r < r0 + n; ++r)
+            for (int64_t j = 0; j < w; ++j) out[j] += to_f32(t[r * ld + j0 + j]);
+          return;
+        }
+        float half[kCols];
+        const int64_t h = (n / 2 + kRows - 1) / kRows * kRows;
+        self(self, r0, h, out);
+        self(self, r0 + h, n - h, half);
+        for (int64_t j = 0; j < w; ++j) out[j] += half[j];
+      };
+      float total[kCols];
+      sum(sum, 0, rows, total);
+      for (int64_t j = 0; j < w; ++j) acc[j0 + j] += total[j];
+    }
   });
 }
 
