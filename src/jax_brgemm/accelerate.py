@@ -241,7 +241,7 @@ def accelerate(report: bool = False) -> Accelerate:
     an RNN also for other cells (or subclasses of these), gate / activation functions other
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
-    ``seq_lengths`` with ``return_carry=True`` (each sequence's own last carry).
+    ``seq_lengths`` with ``return_carry=True`` over more than one batch dim.
     ``nn.scan(OptimizedLSTMCell or LSTMCell, variable_broadcast="params", ...)`` (Flax's
     sst2 pattern), called on ``(carry, inputs)``, runs fused too, for ``reverse`` either way
     and the time axis 0 or 1 of 3-D inputs and outputs (``in_axes`` / ``out_axes``); stock,

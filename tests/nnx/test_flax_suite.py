@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 
 # (mode, flax test file) -> the fewest of its tests that must compute on the kernels.
 # conv_test's every case uses feature groups and dilations, which run stock: it checks the
-# fallback. recurrent_test's GRU, float16 and seq_lengths-with-return_carry cases run stock.
+# fallback. recurrent_test's GRU and float16 cases run stock.
 CASES = {
     ("substitute", "nnx/nn/linear_test.py"): 24,
     ("substitute", "nnx/nn/conv_test.py"): 0,
