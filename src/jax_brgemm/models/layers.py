@@ -8,11 +8,13 @@ public switch ``impl="brgemm" | "xla"`` names a set of them::
     LAYERS["brgemm"].conv is jax_brgemm.nn.Conv
     LAYERS["brgemm"].lstm is jax_brgemm.nn.LSTM
     LAYERS["xla"].lstm is stock_lstm      # flax.linen.RNN(flax.linen.OptimizedLSTMCell)
+    LAYERS["brgemm"].attention is jax_brgemm.nn.MultiHeadDotProductAttention
+    LAYERS["xla"].attention is flax.linen.MultiHeadDotProductAttention
 
 Both sets create identical parameters. ``activated`` applies an activation after a layer:
 fused into it when the layer class has an ``activation`` field (jax_brgemm's modules), as
-a separate function after it otherwise (flax.linen's). Conv and LSTM models take their
-layer the same way (the ``conv`` / ``lstm`` entries of ``Layers``).
+a separate function after it otherwise (flax.linen's). Conv, LSTM and Transformer models take
+their layers the same way (the ``conv`` / ``lstm`` / ``attention`` entries of ``Layers``).
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ class Layers:
         ``flax.linen.RNN(flax.linen.OptimizedLSTMCell(features))`` (``time_major``,
         ``return_carry``, ``reverse``, ``keep_order``, ``dtype``, ``param_dtype``, ``name``)
         and its parameters: ``jax_brgemm.nn.LSTM`` or ``stock_lstm``.
+      attention: a ``flax.linen.MultiHeadDotProductAttention``-compatible module class.
     """
 
     dense: type
     conv: type = nn.Conv
     lstm: Optional[Callable[..., nn.Module]] = None
+    attention: type = nn.MultiHeadDotProductAttention
 
 
 _CELL_FIELDS = ("dtype", "param_dtype", "kernel_init", "recurrent_kernel_init", "bias_init",
@@ -64,8 +68,10 @@ def stock_lstm(features: int, **fields) -> nn.RNN:
 
 
 LAYERS: dict[str, Layers] = {
-    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv, lstm=jbnn.LSTM),
-    "xla": Layers(dense=nn.Dense, conv=nn.Conv, lstm=stock_lstm),
+    "brgemm": Layers(dense=jbnn.Dense, conv=jbnn.Conv, lstm=jbnn.LSTM,
+                     attention=jbnn.MultiHeadDotProductAttention),
+    "xla": Layers(dense=nn.Dense, conv=nn.Conv, lstm=stock_lstm,
+                  attention=nn.MultiHeadDotProductAttention),
 }
 
 

@@ -10,7 +10,8 @@ kernels cannot run (a custom ``dot_general``, a dtype other than float32 / bfloa
 the kernels from its fields and parameters: what the modules and ``jax_brgemm.accelerate()``
 both compute with; ``attention_on_kernels`` likewise runs ``flax.linen.dot_product_attention``'s,
 ``dense_general_on_kernels`` a ``DenseGeneral``'s, and ``dot_product_attention`` is a drop-in
-``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``.
+``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``; ``MultiHeadDotProductAttention``
+is that module with its attention and projections on the kernels.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from typing import Callable
 from flax.typing import Array
 
 from jax_brgemm import _activations
-from jax_brgemm.nn.attention import (ATTENTION_MODULES, attention_module_reason, attention_on_kernels,
-                                     dense_general_on_kernels, dot_product_attention)
+from jax_brgemm.nn.attention import (ATTENTION_MODULES, MultiHeadDotProductAttention, attention_module_reason,
+                                     attention_on_kernels, dense_general_on_kernels, dot_product_attention)
 from jax_brgemm.nn.linear import Conv, Dense, conv_on_kernels, dense_on_kernels
 from jax_brgemm.nn.recurrent import LSTM, lstm_on_kernels
 
-__all__ = ["ACTIVATIONS", "ATTENTION_MODULES", "Conv", "Dense", "LSTM", "attention_module_reason",
-           "attention_on_kernels", "conv_on_kernels", "dense_general_on_kernels", "dense_on_kernels",
-           "dot_product_attention", "lstm_on_kernels"]
+__all__ = ["ACTIVATIONS", "ATTENTION_MODULES", "Conv", "Dense", "LSTM", "MultiHeadDotProductAttention",
+           "attention_module_reason", "attention_on_kernels", "conv_on_kernels", "dense_general_on_kernels",
+           "dense_on_kernels", "dot_product_attention", "lstm_on_kernels"]
 
 #: The activations the modules fuse, by name, and the stock function each one matches
 #: (what a stock layer followed by that function computes).

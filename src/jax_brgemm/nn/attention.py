@@ -1,9 +1,12 @@
 """The Transformer layers of ``flax.linen`` on the kernels: Flax's ``dot_product_attention``
 on the attention kernels (a drop-in ``attention_fn`` for ``MultiHeadDotProductAttention``),
 and ``DenseGeneral`` over trailing axes (its projections) on the FC kernels; what
-``jax_brgemm.accelerate()`` runs those modules with."""
+``jax_brgemm.accelerate()`` runs those modules with. ``MultiHeadDotProductAttention`` is
+the stock module with both built in."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -123,3 +126,46 @@ def dense_general_on_kernels(layer, inputs, kernel, bias):
     y, why = dense_on_kernels(layer, inputs.reshape(lead + (c,)), kernel.reshape(c, k),
                               None if bias is None else bias.reshape(k))
     return (None, why) if y is None else (y.reshape(lead + features), "")
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+    """``flax.linen.MultiHeadDotProductAttention`` on the kernels: its attention on
+    ``jb.dot_product_attention`` (``attention_fn`` defaults to this module's
+    ``dot_product_attention``) and its query / key / value / output projections on the FC
+    kernels.
+
+    The same fields, call and parameters as the stock module (it is a subclass), so a
+    checkpoint of either loads into the other. What the kernels do not take computes as the
+    stock module does: attention dropout, ``sow_weights``, custom einsums, a float16 / float64
+    computation (see ``attention_on_kernels``), and for a projection a custom
+    ``dot_general``. ``decode`` caches work as in the stock module, with the attention on the
+    kernels. The softmax is float32 (Flax's is in the computation dtype).
+    """
+
+    attention_fn: Callable[..., Any] = dot_product_attention
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+                 deterministic=None, dropout_rng=None, sow_weights=False):
+        with nn.intercept_methods(_projections_on_kernels(self)):
+            return super().__call__(inputs_q, inputs_k, inputs_v, inputs_kv=inputs_kv, mask=mask,
+                                    deterministic=deterministic, dropout_rng=dropout_rng,
+                                    sow_weights=sow_weights)
+
+
+def _projections_on_kernels(owner):
+    """A method interceptor running ``owner``'s own DenseGeneral children (its projections) on
+    the FC kernels once their parameters exist; every other call passes through."""
+
+    def intercept(next_fun, args, kwargs, context):
+        layer = context.module
+        if (type(layer) is not nn.DenseGeneral or context.method_name != "__call__"
+                or layer.parent is not owner or layer.is_initializing() or len(args) != 1 or kwargs):
+            return next_fun(*args, **kwargs)
+        params = layer.variables.get("params", {})
+        if "kernel" not in params or (layer.use_bias and "bias" not in params):
+            return next_fun(*args, **kwargs)
+        y, _ = dense_general_on_kernels(layer, args[0], params["kernel"], params.get("bias"))
+        return next_fun(*args, **kwargs) if y is None else y
+
+    return intercept
