@@ -208,6 +208,15 @@ def _lstm_model(impl, dtype):
     return LSTMClassifier(features=(128, 128), num_classes=10, impl=impl, dtype=dtype)
 
 
+def _vit_model(impl, dtype):
+    from jax_brgemm.models import ViT
+
+    # 7x7 patches of the 28x28 images: 16 tokens and a class token, width 64, 4 blocks of
+    # 4 heads (head dim 16), MLP 128.
+    return ViT(num_classes=10, patch_size=7, hidden_size=64, num_layers=4, num_heads=4, mlp_dim=128,
+               pooling="cls", impl=impl, dtype=dtype)
+
+
 def _image_classifier(layout: str, hparams: dict, sgd_weight_decay: float, **fields) -> Benchmark:
     """An image benchmark (mlp, resnet): ``hparams`` (``_hparams``) plus the image
     classifiers' per-optimizer references, and the same five optimizers tunable."""
@@ -241,4 +250,17 @@ LSTM = _fashion_mnist(
     tunable=_tunable("adam", "sgd", "adamw", "lamb"),
 )
 
-SUITE = Suite([MLP, RESNET, LSTM])
+VIT = _fashion_mnist(
+    "nhwc",
+    name="vit",
+    description="ViT (7x7 patches, width 64, 4 blocks of 4 heads, MLP 128, class token) on Fashion-MNIST",
+    model=_vit_model,
+    target=0.87,
+    max_epochs=8,
+    hparams=_hparams(256, "adamw", 2e-3, 1.0, 8.0,
+                     adamw={"opt_adamw_weight_decay": 0.05},
+                     lamb={"opt_base_learning_rate": 5e-3, "opt_lamb_weight_decay_rate": 0.05}),
+    tunable=_tunable("adamw", "lamb"),
+)
+
+SUITE = Suite([MLP, RESNET, LSTM, VIT])
