@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import lift
-from flax.core.scope import in_filter
 
 from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
-from jax_brgemm.nn import _adapt
+from jax_brgemm.nn import _adapt, scan_methods
 from jax_brgemm.nnx import _accelerate as nnx_rules
 from jax_brgemm.nnx import _intercept
 from jax_brgemm.nnx import attention as nnx_attention
@@ -78,6 +77,8 @@ class Accelerate(contextlib.ContextDecorator):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(nn.intercept_methods(self._intercept))
         _watch_scans()
+        scan_methods.watch()
+        self._stack.enter_context(scan_methods.handle_calls(self._scanned_method))
         self._stack.enter_context(nnx_rules.intercept_calls(self._intercept_call))
         return self
 
@@ -109,7 +110,7 @@ class Accelerate(contextlib.ContextDecorator):
 
     def _intercept(self, next_fun, args, kwargs, context):
         module = context.module
-        if module.scope is None or module.is_initializing():
+        if module.scope is None or module.is_initializing() or scan_methods.probing():
             return next_fun(*args, **kwargs)  # parameters are created by the stock code
         if isinstance(module, nn.recurrent.RNNCellBase):
             return self._cell_steps(module, next_fun, args, kwargs, context.method_name)
@@ -147,8 +148,24 @@ class Accelerate(contextlib.ContextDecorator):
         scan as one fused call when its settings are the plain ones, else stock, listed."""
         if module.scope is None or module.is_initializing():
             return next_call(*args, **kwargs)  # parameters are created by the stock code
-        layer = f"nn.scan({settings[0].__name__})"
         y, reason = _scan_over_lstm(module, *settings, args, kwargs)
+        return self._fused_or_stock(module, f"nn.scan({settings[0].__name__})", y, reason,
+                                    next_call, args, kwargs)
+
+    def _scanned_method(self, module, method, body, scan, next_call, *args, **kwargs):
+        """A call of a module method ``nn.scan`` decorated (Flax's sst2 SimpleLSTM): one
+        fused call when its body is one LSTM cell step (``scan_methods.lstm_step``)."""
+        if module.scope is None or module.is_initializing():
+            return next_call(*args, **kwargs)  # parameters are created by the stock code
+        cell, params, reason = scan_methods.lstm_step(module, body, scan, args, kwargs)
+        y = None
+        if cell is not None:
+            y, reason = _scan_over_lstm(cell, type(cell), scan, args, kwargs, params)
+        return self._fused_or_stock(module, f"nn.scan({type(module).__name__}.{method})", y,
+                                    reason, next_call, args, kwargs)
+
+    def _fused_or_stock(self, module, layer, y, reason, next_call, args, kwargs):
+        """Records a scan's call; runs the stock scan, marked as such, when not fused."""
         self._record(module, y is not None, reason, layer)
         if y is not None:
             return y
@@ -190,6 +207,8 @@ class Accelerate(contextlib.ContextDecorator):
             object.__setattr__(module, "attention_fn", nn.dot_product_attention)
 
     def _intercept_call(self, module, next_call, *args, **kwargs):
+        if scan_methods.probing():
+            return next_call(*args, **kwargs)
         settings = _SCANS.get(type(module))
         if settings is not None:
             return self._scanned_cell(module, settings, next_call, args, kwargs)
@@ -246,7 +265,9 @@ def accelerate(report: bool = False) -> Accelerate:
     sst2 pattern), called on ``(carry, inputs)``, runs fused too, for ``reverse`` either way
     and the time axis 0 or 1 of 3-D inputs and outputs (``in_axes`` / ``out_axes``); stock,
     listed with the reason, for per-step or carried parameters, a ``data_transform``, other
-    axes or shapes. ``nn.scan`` over a method that calls a cell stays stock.
+    axes or shapes. So does ``nn.scan`` over a module method whose body only calls one such
+    cell on its own ``(carry, x)`` and returns the cell's result (the sst2 example's
+    ``SimpleLSTM``); a body that does anything more stays stock, listed with the reason.
 
     NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
     over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
@@ -428,40 +449,30 @@ def _watch_scans() -> None:
                 _watch_scan(cls)
 
 
-def _time_axis(axis, ndim: int):
-    """An nn.scan in_axes / out_axes as 0 or 1 of a 3-D array, None for anything else."""
-    if isinstance(axis, (tuple, list)) and len(axis) == 1:
-        axis = axis[0]
-    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
-        return None
-    axis %= ndim
-    return axis if axis in (0, 1) else None
-
-
-def _scan_over_lstm(module, cell_class: type, scan: dict, args, kwargs):
+def _scan_over_lstm(module, cell_class: type, scan: dict, args, kwargs, params=None):
     """``nn.scan(OptimizedLSTMCell / LSTMCell, variable_broadcast="params", ...)`` called on
     ``(carry, inputs)``: one fused call when the parameters are broadcast over time (not
     stacked, not carried), the time axis of the inputs and outputs is 0 or 1 of 3-D arrays
     and there is no data_transform; ``reverse`` runs the sequence from its end, each output
-    in its own place (the RNN's reverse with keep_order)."""
-    why = _lstm_cell_why(module, cell_class)
+    in its own place (the RNN's reverse with keep_order). ``module`` is the cell (or the
+    class nn.scan made over it); ``params`` its parameters, by default its own variables'."""
+    why = _lstm_cell_why(module, cell_class) or scan_methods.scan_settings_why(scan)
     if why:
         return None, why
-    if scan.get("variable_axes") or not in_filter(scan.get("variable_broadcast"), "params"):
-        return None, "nn.scan whose parameters are not variable_broadcast (one set per step)"
-    if in_filter(scan.get("variable_carry"), "params") or scan.get("data_transform") is not None:
-        return None, "nn.scan with the parameters in variable_carry or a data_transform"
     if len(args) != 2 or kwargs:
         return None, "unexpected arguments"
     carry, inputs = args
     if getattr(inputs, "ndim", None) != 3:
         return None, "inputs other than one 3-D array"
-    in_axis, out_axis = _time_axis(scan.get("in_axes"), 3), _time_axis(scan.get("out_axes"), 3)
+    in_axis = scan_methods.time_axis(scan.get("in_axes"), 3)
+    out_axis = scan_methods.time_axis(scan.get("out_axes"), 3)
     if in_axis is None or out_axis is None:
         return None, "nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays"
     if scan.get("length") not in (None, inputs.shape[in_axis]):
         return None, "nn.scan length other than the inputs' time steps"
-    result, why = _lstm_on_kernels(module, module.variables.get("params", {}), inputs, carry,
+    if params is None:
+        params = module.variables.get("params", {})
+    result, why = _lstm_on_kernels(module, params, inputs, carry,
                                    time_major=in_axis == 0, reverse=bool(scan.get("reverse")),
                                    keep_order=True, return_carry=True)
     if result is None:

@@ -125,7 +125,7 @@ def test_other_scans_stock_with_their_reason(settings, shape, reason):
                if c.layer == "Dense")
 
 
-class ScannedMethod(nn.Module):  # flax's sst2 SimpleLSTM: nn.scan over a method, listed stock
+class ScannedMethod(nn.Module):  # flax's sst2 SimpleLSTM: nn.scan over a method, fused
     @functools.partial(nn.scan, variable_broadcast="params", in_axes=1, out_axes=1,
                        split_rngs={"params": False})
     @nn.compact
@@ -133,15 +133,15 @@ class ScannedMethod(nn.Module):  # flax's sst2 SimpleLSTM: nn.scan over a method
         return nn.OptimizedLSTMCell(6)(carry, x)
 
 
-def test_scan_over_a_method_listed_as_stock_with_its_reason():
+def test_scan_over_a_method_calling_one_cell_fused():
     model, x = ScannedMethod(), jax.random.normal(jax.random.key(0), (3, 5, 4))
     carry = (jnp.zeros((3, 6)),) * 2
     params = model.init(jax.random.key(1), carry, x)
     with jb.accelerate() as acc:
         y = jax.jit(model.apply)(params, carry, x)
     _close(y, model.apply(params, carry, x))
-    assert [(c.layer, c.accelerated) for c in acc.calls] == [("OptimizedLSTMCell", False)]
-    assert "step by step" in acc.calls[0].reason
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [
+        ("nn.scan(ScannedMethod.__call__)", True)]
 
 
 def test_bidirectional_runs_both_directions_fused():
@@ -232,3 +232,217 @@ def test_seq_lengths_with_return_carry_over_two_batch_dims_stock_with_its_reason
     rnns = [c for c in acc.calls if c.layer == "RNN"]
     assert [(c.accelerated, c.reason) for c in rnns] == [
         (False, "seq_lengths with return_carry over 2 batch dims, not one")]
+
+
+# --- flax's sst2 example's shape: nn.scan over a METHOD whose body calls one LSTM cell -------
+
+
+def scan_over_method(**settings):
+    """nn.scan, as flax's sst2 example applies it to a compact method, with ``settings``."""
+    scan = dict(variable_broadcast="params", in_axes=1, out_axes=1, split_rngs={"params": False})
+    scan.update(settings)
+    return lambda body: functools.partial(nn.transforms.scan, **scan)(nn.compact(body))
+
+
+class OneDirection(nn.Module):  # sst2's SimpleLSTM, written anew
+    features: int
+
+    @scan_over_method()
+    def __call__(self, carry, x):
+        return nn.OptimizedLSTMCell(self.features)(carry, x)
+
+    def zero_carry(self, batch_shape):
+        return nn.OptimizedLSTMCell(self.features, parent=None).initialize_carry(
+            jax.random.key(0), batch_shape + (1,))
+
+
+def reverse_within_lengths(x, lengths):
+    """Each row's first ``length`` steps in reverse order, its padding left in place."""
+    steps = jnp.arange(x.shape[1])[None]
+    source = jnp.where(steps < lengths[:, None], lengths[:, None] - 1 - steps, steps)
+    return jnp.take_along_axis(x, source[..., None], axis=1)
+
+
+class TwoDirections(nn.Module):  # sst2's SimpleBiLSTM: the backward pass on flipped inputs
+    features: int = 5
+
+    def setup(self):
+        self.forward_lstm = OneDirection(self.features)
+        self.backward_lstm = OneDirection(self.features)
+
+    def __call__(self, x, lengths):
+        carry = self.forward_lstm.zero_carry(x.shape[:1])
+        _, forward = self.forward_lstm(carry, x)
+        _, backward = self.backward_lstm(carry, reverse_within_lengths(x, lengths))
+        return jnp.concatenate([forward, reverse_within_lengths(backward, lengths)], -1)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)])
+def test_sst2_method_form_bidirectional_fused_forward_and_backward(dtype, tol):
+    model = TwoDirections()
+    x = jax.random.normal(jax.random.key(0), (3, 7, 4)).astype(dtype)
+    lengths = jnp.array([7, 2, 5])
+    params = model.init(jax.random.key(1), x, lengths)
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(model.apply(p, x, lengths).astype(jnp.float32)))
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    with jb.accelerate() as acc:
+        y = jax.jit(model.apply)(params, x, lengths)
+        grads = jax.jit(grad)(params, x)
+        hlo = jax.jit(grad).lower(params, x).as_text()
+    want = model.apply(params, x, lengths)
+    assert y.dtype == want.dtype
+    _close(y, want, tol)
+    _close(grads, grad(params, x), 2 * tol)
+    assert hlo.count("jb_lstm_fwd") == 2 and hlo.count("jb_lstm_bptt") == 2
+    assert [(c.path, c.layer, c.accelerated, c.reason) for c in acc.calls] == [
+        ("forward_lstm", "nn.scan(OneDirection.__call__)", True, ""),
+        ("backward_lstm", "nn.scan(OneDirection.__call__)", True, "")]
+    assert "2 of 2 layer calls on the kernels" in acc.summary()
+
+
+def test_both_directions_share_one_probe(monkeypatch):
+    from jax_brgemm.nn import scan_methods
+
+    probes = []
+    probe = scan_methods._probe
+    monkeypatch.setattr(scan_methods, "_verdicts", {})
+    monkeypatch.setattr(scan_methods, "_probe", lambda *a: probes.append(a) or probe(*a))
+    model, x, lengths = TwoDirections(features=3), jnp.ones((2, 4, 3)), jnp.array([4, 1])
+    params = model.init(jax.random.key(0), x, lengths)
+    with jb.accelerate() as acc:
+        jax.jit(model.apply).lower(params, x, lengths)
+        jax.jit(model.apply).lower(params, x, lengths)  # traced again: the verdict is kept
+    assert len(probes) == 1 and all(c.accelerated for c in acc.calls)
+
+
+def method_scan_model(body, **settings):
+    class Scanned(nn.Module):
+        __call__ = scan_over_method(**settings)(body)
+
+    return Scanned()
+
+
+def one_cell(self, carry, x):
+    return nn.LSTMCell(5, name="step")(carry, x)
+
+
+def one_cell_result_repacked(self, carry, x):
+    (c, h), y = nn.OptimizedLSTMCell(5)(carry, x)
+    return (c, h), y  # new tuples of the very arrays the cell returned
+
+
+@pytest.mark.parametrize("body", [one_cell, one_cell_result_repacked])
+@pytest.mark.parametrize("settings", [dict(reverse=True), dict(in_axes=0, out_axes=0),
+                                      dict(in_axes=0, out_axes=1, reverse=True)])
+def test_method_scan_settings_fused_as_stock_computes_them(body, settings):
+    model = method_scan_model(body, **settings)
+    x = jax.random.normal(jax.random.key(0), (4, 3, 2))
+    batch = x.shape[1] if settings.get("in_axes") == 0 else x.shape[0]
+    carry = tuple(jax.random.normal(jax.random.key(k), (batch, 5)) for k in (1, 2))
+    params = model.init(jax.random.key(3), carry, x)
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, carry, x)[1]))  # noqa: E731
+    with jb.accelerate() as acc:
+        got = jax.jit(model.apply)(params, carry, x)
+        grads = jax.jit(jax.grad(loss))(params)
+    _close(got, model.apply(params, carry, x))
+    _close(grads, jax.grad(loss)(params), 1e-4)
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [("nn.scan(Scanned.__call__)", True)]
+
+
+def x_changed(self, carry, x):
+    return nn.OptimizedLSTMCell(5)(carry, 2 * x)
+
+
+def carry_swapped(self, carry, x):
+    return nn.OptimizedLSTMCell(5)(carry[::-1], x)
+
+
+def output_changed(self, carry, x):
+    carry, y = nn.OptimizedLSTMCell(5)(carry, x)
+    return carry, jnp.tanh(y)
+
+
+def two_cells(self, carry, x):
+    carry, y = nn.OptimizedLSTMCell(5)(carry, x)
+    return nn.LSTMCell(5)(carry, y)
+
+
+def dense_besides(self, carry, x):
+    nn.Dense(3)(x)  # its result unused: still more than one cell call
+    return nn.OptimizedLSTMCell(5)(carry, x)
+
+
+def gru(self, carry, x):
+    h, y = nn.GRUCell(5)(carry[0], x)
+    return (h, carry[1]), y
+
+
+@pytest.mark.parametrize("body, reason", [
+    (x_changed, "gives OptimizedLSTMCell other arguments than its own (carry, x)"),
+    (carry_swapped, "gives OptimizedLSTMCell other arguments"),
+    (output_changed, "returns other than OptimizedLSTMCell's result"),
+    (two_cells, "makes 2 module calls (OptimizedLSTMCell.__call__, LSTMCell.__call__)"),
+    (dense_besides, "makes 2 module calls (Dense.__call__, OptimizedLSTMCell.__call__)"),
+    (gru, "calls GRUCell.__call__, not OptimizedLSTMCell / LSTMCell"),
+])
+def test_method_scan_bodies_doing_more_stay_stock_with_their_reason(body, reason):
+    model = method_scan_model(body)
+    x = jax.random.normal(jax.random.key(0), (2, 4, 5))
+    carry = tuple(jax.random.normal(jax.random.key(k), (2, 5)) for k in (1, 2))
+    params = model.init(jax.random.key(3), carry, x)
+    with jb.accelerate() as acc:
+        got = jax.jit(model.apply)(params, carry, x)
+        hlo = jax.jit(model.apply).lower(params, carry, x).as_text()
+    _close(got, model.apply(params, carry, x))
+    assert "jb_lstm_fwd" not in hlo
+    scans = [c for c in acc.calls if c.layer.startswith("nn.scan")]
+    assert [(c.layer, c.accelerated) for c in scans] == [("nn.scan(Scanned.__call__)", False)]
+    assert reason in scans[0].reason
+    # the cells run step by step inside the listed stock scan, not as records of their own;
+    # a Dense inside runs on the kernels once per step and says so
+    others = [c for c in acc.calls if c not in scans]
+    assert all(c.layer == "Dense" and c.step_of.startswith("<top> [nn.scan(Scanned.__call__)]")
+               for c in others)
+
+
+def test_method_scan_stock_while_a_collection_is_mutable():
+    model = method_scan_model(one_cell)
+    x, carry = jnp.ones((2, 3, 4)), (jnp.zeros((2, 5)),) * 2
+    params = model.init(jax.random.key(0), carry, x)
+    with jb.accelerate() as acc:
+        got, _ = model.apply(params, carry, x, mutable=["intermediates"])
+    _close(got, model.apply(params, carry, x))
+    assert not acc.calls[0].accelerated and "mutable" in acc.calls[0].reason
+
+
+@pytest.mark.slow  # fetches flax's source distribution once (tests/nnx/flax_sources.py)
+def test_flax_sst2_text_classifier_runs_both_lstms_fused():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "nnx"))
+    from flax_sources import flax_source_tree
+
+    source = flax_source_tree() / "examples" / "sst2" / "models.py"
+    spec = importlib.util.spec_from_file_location("flax_sst2_models", source)
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    model = models.TextClassifier(embedding_size=8, hidden_size=6, vocab_size=20, output_size=3,
+                                  dropout_rate=0.0, word_dropout_rate=0.0, deterministic=True)
+    tokens = jax.random.randint(jax.random.key(0), (4, 9), 2, 20)
+    lengths = jnp.array([9, 3, 6, 1])
+    params = model.init(jax.random.key(1), tokens, lengths)
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, tokens, lengths)))  # noqa: E731
+    with jb.accelerate() as acc:
+        logits = jax.jit(model.apply)(params, tokens, lengths)
+        grads = jax.jit(jax.grad(loss))(params)
+        hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
+    _close(logits, model.apply(params, tokens, lengths), 1e-4)
+    _close(grads, jax.grad(loss)(params), 1e-4)
+    assert hlo.count("jb_lstm_fwd") == 2 and hlo.count("jb_lstm_bptt") == 2
+    scans = [(c.path, c.accelerated) for c in acc.calls if c.layer == "nn.scan(SimpleLSTM.__call__)"]
+    assert scans == [("encoder/forward_lstm", True), ("encoder/backward_lstm", True)]

@@ -1,0 +1,303 @@
+"""``nn.scan`` over a module *method* whose body is one LSTM cell step, as in Flax's sst2
+example::
+
+    class SimpleLSTM(nn.Module):
+      @functools.partial(nn.transforms.scan, variable_broadcast="params", in_axes=1,
+                         out_axes=1, split_rngs={"params": False})
+      @nn.compact
+      def __call__(self, carry, x):
+        return nn.OptimizedLSTMCell(self.hidden_size)(carry, x)
+
+Flax marks such a method as already state-managed, so ``nn.intercept_methods`` never sees
+the call of the whole scan, only its body's calls inside the scan's trace, which is too late
+to fuse. The scanned methods are therefore found by their closure (flax's
+``decorator_lift_transform`` over ``lift.scan``), on every linen class, and routed, for good,
+through the handlers of ``handle_calls`` contexts (thread-local; nothing changes without one).
+
+Whether a body is exactly "one LSTM cell on the body's own ``(carry, x)``, its result returned
+unchanged" is decided by ``lstm_step``: an abstract run (``jax.eval_shape``) of the
+undecorated body on one time step that records the module calls it makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+from flax.core import lift
+from flax.core.scope import in_filter
+
+_LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
+
+#: ``handler(module, method_name, body, scan_kwargs, next_call, *args, **kwargs)``: the result
+#: of the scanned method's call; ``next_call(*args, **kwargs)`` runs the next handler or flax's.
+Handler = Callable[..., Any]
+
+_state = threading.local()
+_lock = threading.Lock()
+_watching = False
+
+
+# --- the scan settings the fused LSTM reproduces (shared with the class form) -------------
+
+
+def scan_settings_why(scan: dict) -> str:
+    """Why the parameters of an ``nn.scan`` with keyword arguments ``scan`` are not one set
+    broadcast over time, read as is ("" when they are)."""
+    if scan.get("variable_axes") or not in_filter(scan.get("variable_broadcast"), "params"):
+        return "nn.scan whose parameters are not variable_broadcast (one set per step)"
+    if in_filter(scan.get("variable_carry"), "params") or scan.get("data_transform") is not None:
+        return "nn.scan with the parameters in variable_carry or a data_transform"
+    return ""
+
+
+def time_axis(axis, ndim: int):
+    """An nn.scan in_axes / out_axes as 0 or 1 of a 3-D array, None for anything else."""
+    if isinstance(axis, (tuple, list)) and len(axis) == 1:
+        axis = axis[0]
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        return None
+    axis %= ndim
+    return axis if axis in (0, 1) else None
+
+
+# --- finding the scanned methods -----------------------------------------------------------
+
+
+def scanned_method(method) -> tuple[Callable, dict] | None:
+    """``(the undecorated body, nn.scan's keyword arguments)`` for a method that
+    ``nn.scan`` / ``nn.transforms.scan`` decorated, read from flax's wrapper's closure; None
+    for anything else."""
+    names = getattr(getattr(method, "__code__", None), "co_freevars", ())
+    if "prewrapped_fns" not in names:
+        return None
+    try:
+        free = {n: c.cell_contents for n, c in zip(names, method.__closure__ or ())}
+    except (AttributeError, ValueError):  # no closure, or a cell not filled
+        return None
+    bodies = free.get("prewrapped_fns")
+    if (free.get("transform") is not lift.scan or free.get("trafo_args") != ()
+            or not isinstance(free.get("trafo_kwargs"), dict) or not free.get("multi_scope")
+            or not isinstance(bodies, (list, tuple)) or len(bodies) != 1):
+        return None
+    return bodies[0], dict(free["trafo_kwargs"])
+
+
+def _router(flax_call: Callable, name: str, body: Callable, scan: dict) -> Callable:
+    @functools.wraps(flax_call)  # keeps flax's method_handler_wrapped mark
+    def routed(self, *args, **kwargs):
+        handlers = getattr(_state, "handlers", None)
+        if not handlers or probing():
+            return flax_call(self, *args, **kwargs)
+        call = functools.partial(flax_call, self)
+        for handler in handlers:  # the innermost context's runs first
+            call = functools.partial(handler, self, name, body, scan, call)
+        return call(*args, **kwargs)
+
+    return routed
+
+
+def _route(cls: type) -> None:
+    """Replaces each scanned method defined by ``cls`` by one that consults the handlers."""
+    for name, method in list(cls.__dict__.items()):
+        found = scanned_method(method)
+        if found is not None:
+            setattr(cls, name, _router(method, name, *found))
+
+
+def watch() -> None:
+    """Routes the scanned methods of every linen class, those defined already and (a hook on
+    ``nn.Module.__init_subclass__``, installed once) those defined later."""
+    global _watching
+    with _lock:
+        if _watching:
+            return
+        previous = nn.Module.__dict__["__init_subclass__"]
+
+        def hook(cls, **kwargs):
+            previous.__get__(None, cls)(**kwargs)
+            _route(cls)
+
+        nn.Module.__init_subclass__ = classmethod(hook)
+        _watching = True
+        pending, seen = list(nn.Module.__subclasses__()), set()
+        while pending:
+            cls = pending.pop()
+            if cls not in seen:
+                seen.add(cls)
+                _route(cls)
+                pending.extend(cls.__subclasses__())
+
+
+@contextlib.contextmanager
+def handle_calls(handler: Handler):
+    """Within the context, in this thread, every call of a scanned method goes through
+    ``handler``."""
+    handlers = getattr(_state, "handlers", None)
+    if handlers is None:
+        handlers = _state.handlers = []
+    handlers.append(handler)
+    try:
+        yield
+    finally:
+        assert handlers.pop() is handler
+
+
+def probing() -> bool:
+    """True while ``lstm_step`` runs a body abstractly in this thread: interceptors let
+    every call through unrecorded."""
+    return getattr(_state, "probing", 0) > 0
+
+
+# --- the probe -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    cell: Any  # an unbound copy of the body's cell (its fields), None when not fusable
+    cell_name: str
+    why: str
+
+
+class _Recorder:
+    """An ``nn.intercept_methods`` interceptor keeping the body's call (depth 0) and the
+    calls it makes itself (depth 1); calls made by a ``setup`` count as extra calls."""
+
+    def __init__(self):
+        self.depth = self.in_setup = 0
+        self.bodies, self.calls, self.extra = [], [], []
+
+    def __call__(self, next_fun, args, kwargs, context):
+        if context.method_name == "setup":
+            self.in_setup += 1
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                self.in_setup -= 1
+        if self.in_setup:
+            self.extra.append(type(context.module).__name__)
+            return next_fun(*args, **kwargs)
+        depth, self.depth = self.depth, self.depth + 1
+        try:
+            result = next_fun(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if depth < 2:
+            (self.bodies if depth == 0 else self.calls).append(
+                (context.module, context.method_name, args, kwargs, result))
+        return result
+
+
+def _same_objects(a, b) -> bool:
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    return tree_a == tree_b and all(x is y for x, y in zip(leaves_a, leaves_b))
+
+
+def _judge(recorder: _Recorder) -> _Verdict:
+    if len(recorder.bodies) != 1:
+        return _Verdict(None, "", "the scanned method did not run as one call")
+    body_module, _, body_args, body_kwargs, body_result = recorder.bodies[0]
+    calls = recorder.calls
+    if recorder.extra or len(calls) != 1:
+        names = [f"{type(c[0]).__name__}.{c[1]}" for c in calls] + recorder.extra
+        return _Verdict(None, "", f"the scanned method makes {len(names)} module calls "
+                                  f"({', '.join(names) or 'none'}), not one LSTM cell call")
+    cell, method, args, kwargs, result = calls[0]
+    name = type(cell).__name__
+    if type(cell) not in _LSTM_CELLS or method != "__call__":
+        return _Verdict(None, "", f"the scanned method calls {name}.{method}, not "
+                                  f"OptimizedLSTMCell / LSTMCell")
+    if cell.scope is None or cell.scope.path != body_module.scope.path + (cell.name,):
+        return _Verdict(None, "", f"the scanned method's {name} is not its own submodule")
+    if kwargs or body_kwargs or not _same_objects(tuple(args), tuple(body_args)):
+        return _Verdict(None, "", f"the scanned method gives {name} other arguments than "
+                                  f"its own (carry, x)")
+    if not _same_objects(result, body_result):
+        return _Verdict(None, "", f"the scanned method returns other than {name}'s result")
+    return _Verdict(cell.clone(parent=None), cell.name, "")
+
+
+def _probe(module, body, carry, x_step) -> _Verdict:
+    """Runs ``body`` (the undecorated method) abstractly on one time step with the module's
+    variables, recording its module calls."""
+    root = module.clone(parent=None)
+    rngs = {name: jax.random.key(0) for name in module.scope.rngs}
+    recorder = _Recorder()
+
+    def one_step(variables, carry, x):
+        with nn.intercept_methods(recorder):
+            return root.apply(variables, carry, x, method=body, rngs=rngs)
+
+    _state.probing = getattr(_state, "probing", 0) + 1
+    try:
+        jax.eval_shape(one_step, module.variables, carry, x_step)
+    except Exception as error:  # noqa: BLE001 -- any failure keeps the stock scan
+        return _Verdict(None, "", f"the scanned method's body could not be probed on one "
+                                  f"time step ({type(error).__name__})")
+    finally:
+        _state.probing -= 1
+    return _judge(recorder)
+
+
+_verdicts: dict[Any, _Verdict] = {}
+_MAX_VERDICTS = 256
+
+
+def _abstract(tree):
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    return structure, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
+                            for a in leaves)
+
+
+def _verdict(module, body, carry, x_step) -> _Verdict:
+    """``_probe``'s verdict, cached per module class and fields, body and shapes / dtypes."""
+    fields = tuple((f.name, getattr(module, f.name)) for f in dataclasses.fields(module)
+                   if f.name not in ("parent", "name"))
+    key = (type(module), body, fields, _abstract((carry, x_step)),
+           _abstract(module.variables), tuple(module.scope.rngs))
+    try:
+        cached = _verdicts.get(key)
+    except TypeError:  # a field that cannot be hashed: probe every call
+        return _probe(module, body, carry, x_step)
+    if cached is None:
+        cached = _probe(module, body, carry, x_step)
+        with _lock:
+            if len(_verdicts) >= _MAX_VERDICTS:
+                _verdicts.clear()
+            _verdicts[key] = cached
+    return cached
+
+
+def lstm_step(module, body, scan: dict, args, kwargs):
+    """``(cell, its parameters, "")`` when the scanned method ``body`` of ``module``, called
+    on ``args``, computes one step of an OptimizedLSTMCell / LSTMCell on its own ``(carry,
+    x)`` and returns its result unchanged, with the parameters broadcast over time; else
+    ``(None, None, why not)``."""
+    why = scan_settings_why(scan)
+    if why:
+        return None, None, why
+    if len(args) != 2 or kwargs:
+        return None, None, "unexpected arguments"
+    carry, inputs = args
+    if getattr(inputs, "ndim", None) != 3:
+        return None, None, "inputs other than one 3-D array"
+    axis = time_axis(scan.get("in_axes"), 3)
+    if axis is None:
+        return None, None, "nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays"
+    if module.scope.mutable:
+        return None, None, ("a variable collection is mutable in this apply (the scanned "
+                            "method could write to it)")
+    x_step = jax.ShapeDtypeStruct(inputs.shape[:axis] + inputs.shape[axis + 1:], inputs.dtype)
+    verdict = _verdict(module, body, carry, x_step)
+    if verdict.cell is None:
+        return None, None, verdict.why
+    params = module.variables.get("params", {}).get(verdict.cell_name)
+    if params is None:
+        return None, None, "parameters not created yet"
+    return verdict.cell, params, ""
