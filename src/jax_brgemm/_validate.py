@@ -81,6 +81,12 @@ def compute_dtype(op: str, requested: Any, *arrays, dtypes: Sequence[np.dtype] =
     return d
 
 
+def kernel_operand(a, to):
+    """``a`` as a kernel takes it: float32 / bfloat16 as it is (the kernels cast between the
+    two while re-blocking), anything else (float64 under x64) cast to ``to``."""
+    return a if a is None or a.dtype in KERNEL_DTYPES else a.astype(to)
+
+
 def rank(x, arg: str, op: str, layout: str, *, exactly: int | None = None,
          at_least: int | None = None) -> None:
     """``x.ndim`` is ``exactly`` or at least ``at_least``; ``layout`` (e.g. ``"(..., C)"``)

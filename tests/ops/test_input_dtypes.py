@@ -79,6 +79,26 @@ def test_x64_float32_inputs_still_run_on_the_kernels():
         assert "jb_fc_fwd" in hlo and jb.dense(x, k).dtype == jnp.float32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["dense", "conv2d", "lstm"])
+def test_x64_float64_parameters_of_a_narrower_computation(name, dtype):
+    # float32 inputs, float64 parameters and dtype= float32 / bfloat16: the parameters are
+    # cast for the kernels (which take only float32 and bfloat16) as stock casts them.
+    ours, stock, make = CASES[name]
+    args = make()
+    with jax.enable_x64(True):
+        args = (jnp.asarray(args[0], jnp.float32),) + args[1:]
+        call = {"dense": lambda x, k, b: jb.dense(x, k, b, activation="tanh", dtype=dtype),
+                "conv2d": lambda x, k, b: jb.conv2d(x, k, b, strides=2, padding="SAME", activation="relu",
+                                                    dtype=dtype),
+                "lstm": lambda x, wi, wh, b, c0, h0: jb.lstm(x, wi, wh, b, initial_carry=(c0, h0), dtype=dtype)}[name]
+        assert "jb_" in jax.jit(call).lower(*args).as_text()
+        want = stock(*(jnp.asarray(a).astype(dtype) for a in args))
+        tol = 2e-5 if dtype == "float32" else 5e-2
+        for a, e in zip(leaves(call(*args)), leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("module,shape", [(nn.Dense(4), (2, 3)), (nn.Conv(4, (3, 3)), (1, 5, 5, 3))])
 def test_modules_take_numpy_float64(module, shape):
     twin = {nn.Dense: jb.nn.Dense, nn.Conv: jb.nn.Conv}[type(module)]

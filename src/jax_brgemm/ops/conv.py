@@ -84,6 +84,7 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     # an empty input with padding can still have output pixels (all padding)
     if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
         return _conv_xla(x, kernel, bias, activation, st, pads, dtype)
+    kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
     return _conv(x, kernel, bias, (act, st, pads))
 
 

@@ -69,6 +69,7 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
     if x.size == 0 or kernel.size == 0 or dtype not in check.KERNEL_DTYPES:
         return _dense_xla(x, kernel, bias, activation, dtype)
     x2 = x.astype(dtype).reshape((-1, c))
+    kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
     y, _ = fc_passes.forward(x2, kernel, bias, act)
     return y.reshape(lead + (k,))
 

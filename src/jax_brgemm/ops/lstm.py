@@ -102,7 +102,7 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     x = x.astype(dtype)
     # The kernels go in as they are (cast while re-blocked) when both share a dtype.
     wdt = jnp.result_type(kernel_i, kernel_h)
-    kernel_i, kernel_h = kernel_i.astype(wdt), kernel_h.astype(wdt)
+    kernel_i, kernel_h = (check.kernel_operand(w.astype(wdt), dtype) for w in (kernel_i, kernel_h))
     bias = bias.astype(state)
 
     if initial_carry is None:
