@@ -130,16 +130,15 @@ class Accelerate(contextlib.ContextDecorator):
         return next_fun(*args, **kwargs)
 
     def _cell_steps(self, cell, next_fun, args, kwargs, method):
-        """A linen RNN cell called by something other than an intercepted ``nn.RNN`` (a
-        ``nn.scan`` over the cell, as in Flax's sst2 example, or a loop): listed, with its
-        layers as per-step work."""
+        """A linen RNN cell called by something other than an intercepted ``nn.RNN`` or
+        ``nn.scan`` (a loop, another transform): listed, with its layers as per-step work."""
         if (method != "__call__" or type(cell) not in _CELLS
                 or nnx_rules.enclosing_stock_scan()):
             return next_fun(*args, **kwargs)
         name = type(cell).__name__
-        why = f"{name} called step by step (nn.scan over a method calling it, or a loop)"
+        why = f"{name} called step by step (a loop, or a transform other than nn.scan)"
         self._record(cell, False, why + "; nn.RNN and nn.scan over OptimizedLSTMCell / "
-                                        "LSTMCell are fused")
+                                        "LSTMCell, or over a method calling one, are fused")
         with nnx_rules.stock_scan(f"{_path(cell)} [{name}]", why):
             return next_fun(*args, **kwargs)
 

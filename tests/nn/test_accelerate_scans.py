@@ -1,9 +1,9 @@
 """jax_brgemm.accelerate() over the recurrent patterns of Flax's linen examples: nn.Bidirectional,
-nn.scan over an LSTM cell (sst2) and seq2seq's encoder (seq_lengths with return_carry) fused,
-and the patterns that stay stock (a scan with per-step parameters, a scan over a method, a
-custom cell, seq_lengths with return_carry over two batch dims) listed with their reasons, the
-layers inside them marked as per-step work rather than counted as accelerated recurrent
-layers."""
+nn.scan over an LSTM cell or over a method calling one (sst2) and seq2seq's encoder
+(seq_lengths with return_carry) fused, and the patterns that stay stock (a scan with per-step
+parameters, a scanned method's body doing more than one cell step, a custom cell, seq_lengths
+with return_carry over two batch dims) listed with their reasons, the layers inside them
+marked as per-step work rather than counted as accelerated recurrent layers."""
 
 import functools
 
