@@ -54,6 +54,8 @@ def test_dense(data):
         x = make(rng, lead + (c,), x_dtype)
         kernel = make(rng, (c + (wrong == "kernel"), k), k_dtype, 1 / np.sqrt(max(c, 1)))
         bias = make(rng, (k + (wrong == "bias"),), b_dtype) if use_bias else None
+        if wrong == "bias" and not use_bias:  # no bias to get wrong
+            wrong = None
 
         def ours(x, kernel, bias):
             return jb.dense(x, kernel, bias, activation=act, dtype=requested)
