@@ -1,0 +1,96 @@
+"""Accuracy of long fp32 reductions: jax_brgemm and stock XLA against a float64 reference.
+
+Operands are uniform in [0, 1) (a nonzero mean, so rounding errors add up rather than
+cancel). Each row is one reduction whose length is the number of products summed into each
+output element: jb.brgemm over B * K, the dense weight and bias gradients over the batch,
+the conv weight gradient over N * H * W. The error is max |out - ref| / max |ref|.
+
+    python bench/accuracy.py            # the full sizes (about 2 GB of memory)
+    python bench/accuracy.py --scale 0.1
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_brgemm as jb
+from common import arg_parser, write_results
+
+
+def rel_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def uniform(rng, *shape):
+    return rng.random(shape, dtype=np.float32)
+
+
+def brgemm_case(rng, batch, k, m=8, n=8):
+    a, b = uniform(rng, batch, m, k), uniform(rng, batch, k, n)
+    ref = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
+    ours = jax.jit(jb.brgemm)(a, b)
+    stock = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->mn", a, b))(a, b)
+    return {"products": batch * k}, {"jax_brgemm": ours, "xla": stock}, ref
+
+
+def dense_grad_cases(rng, rows, c=16, k=16):
+    x, dy, w = uniform(rng, rows, c), uniform(rng, rows, k), uniform(rng, c, k)
+    b = np.zeros(k, np.float32)
+
+    def grads(f):  # operands as arguments: XLA would constant-fold closed-over arrays
+        return jax.jit(jax.grad(lambda w, b, x, dy: jnp.vdot(f(x, w, b), dy), argnums=(0, 1)))(w, b, x, dy)
+
+    ours = grads(lambda x, w, b: jb.dense(x, w, b))
+    stock = grads(lambda x, w, b: x @ w + b)
+    ref_w = x.astype(np.float64).T @ dy.astype(np.float64)
+    ref_b = dy.astype(np.float64).sum(0)
+    return [({"products": rows}, {"jax_brgemm": ours[0], "xla": stock[0]}, ref_w),
+            ({"products": rows}, {"jax_brgemm": ours[1], "xla": stock[1]}, ref_b)]
+
+
+def conv_grad_case(rng, n, hw, c=16, k=16):
+    x, dy, w = uniform(rng, n, hw, hw, c), uniform(rng, n, hw, hw, k), uniform(rng, 3, 3, c, k)
+
+    def stock_conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def grad(f):
+        return jax.jit(jax.grad(lambda w, x, dy: jnp.vdot(f(x, w), dy)))(w, x, dy)
+
+    ours = grad(lambda x, w: jb.conv2d(x, w, padding="SAME"))
+    stock = grad(stock_conv)
+    # The float64 reference of the weight gradient: sum over pixels of x's shifted window
+    # times dy, one (dr, ds) tap at a time.
+    xp = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    dy64 = dy.astype(np.float64).reshape(-1, k)
+    ref = np.stack([np.stack([xp[:, r:r + hw, s:s + hw].reshape(-1, c).T @ dy64 for s in range(3)])
+                    for r in range(3)])
+    return {"products": n * hw * hw}, {"jax_brgemm": ours, "xla": stock}, ref
+
+
+def main():
+    p = arg_parser(__doc__, repeats=1)
+    p.add_argument("--scale", type=float, default=1.0, help="shrink every reduction by this factor")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    s = args.scale
+    cases = {"brgemm B*K": brgemm_case(rng, max(1, int(1024 * s)), 4096)}
+    wgrad, bgrad = dense_grad_cases(rng, max(1, int(2 ** 20 * s)))
+    cases["dense weight grad"], cases["dense bias grad"] = wgrad, bgrad
+    cases["conv weight grad"] = conv_grad_case(rng, max(1, int(64 * s)), 64)
+    rows = []
+    print("| reduction | products per output | jax_brgemm error | XLA error | ratio |")
+    print("|---|---|---|---|---|")
+    for name, (info, outs, ref) in cases.items():
+        errs = {k: rel_error(v, ref) for k, v in outs.items()}
+        ratio = errs["jax_brgemm"] / errs["xla"] if errs["xla"] else float("inf")
+        rows.append({"case": name, **info, "error": errs, "ratio": ratio})
+        print(f"| {name} | {info['products']:,} | {errs['jax_brgemm']:.2e} | {errs['xla']:.2e} | {ratio:.2f}x |")
+    print("wrote", write_results("accuracy", {"scale": s, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
