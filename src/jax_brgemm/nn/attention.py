@@ -23,7 +23,7 @@ ATTENTION_MODULES = (nn.MultiHeadDotProductAttention, nn.MultiHeadAttention, nn.
 def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
                          force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
-                         attn_weights_value_einsum=None):
+                         attn_weights_value_einsum=None, *, is_causal=False):
     """``(y, "")``: ``flax.linen.dot_product_attention``'s result on the kernels (its
     arguments), or ``(None, why not)``.
 
@@ -43,8 +43,10 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
     dtype, why = _adapt.computation_dtype(dtype, query, key, value)
     if dtype is None:
         return None, why
+    # key / value heads may divide the query's (grouped-query attention, as the kernels take it)
     if not (query.ndim == key.ndim == value.ndim >= 3) or key.shape != value.shape or (
-            query.shape[:-3] != key.shape[:-3] or query.shape[-2:] != key.shape[-2:]):
+            query.shape[:-3] != key.shape[:-3] or query.shape[-1] != key.shape[-1]
+            or not key.shape[-2] or query.shape[-2] % key.shape[-2]):
         return None, "query, key and value shapes"
     batch = query.shape[:-3]
     lead = int(np.prod(batch, dtype=np.int64))
@@ -59,7 +61,7 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
             operands.append(a.astype(bool) if name == "mask" else a)
         else:
             operands.append(None)
-    y = _attention(q, k, v, *operands)
+    y = _attention(q, k, v, *operands, is_causal=is_causal)
     return y.reshape(query.shape), ""
 
 

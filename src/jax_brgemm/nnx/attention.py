@@ -135,21 +135,14 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
                          precision=None, module=None, promote_dtype=nnx_dtypes.promote_dtype,
                          is_causal=False):
     """``(y, "")``: ``flax.nnx.dot_product_attention``'s result (its arguments) on the kernels,
-    through linen's adaptation, or ``(None, why not)``. Grouped-query key / value heads are
-    repeated to the query's, and ``is_causal`` joins the mask, as linen's adaptation takes
-    neither."""
+    through linen's adaptation (which takes grouped-query heads and ``is_causal`` to the
+    kernels as they are), or ``(None, why not)``."""
     if promote_dtype is not nnx_dtypes.promote_dtype:
         return None, "custom promote_dtype"
-    n, kv = query.shape[-2], key.shape[-2]
-    if kv != n and value.shape[-2] == kv and kv and n % kv == 0:
-        key, value = (jnp.repeat(a, n // kv, axis=-2) for a in (key, value))
-    if is_causal:
-        causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
-        mask = causal if mask is None else jnp.logical_and(jnp.asarray(mask, bool), causal)
     return jbnn.attention_on_kernels(
         query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
         dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
-        dtype=dtype, precision=precision, module=module)
+        dtype=dtype, precision=precision, module=module, is_causal=is_causal)
 
 
 _MHA_CALL = ("inputs_q", "inputs_k", "inputs_v", "mask", "deterministic", "rngs",
