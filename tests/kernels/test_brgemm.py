@@ -37,7 +37,7 @@ def tol(dtype, k_total):
         dict(rtol=1e-5, atol=1e-5 * np.sqrt(k_total))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 9), M=st.integers(1, 40), K=st.integers(1, 40), N=st.integers(1, 70),
        bf16=st.booleans(), with_c=st.booleans(), lead=st.sampled_from([(), (2,), (3, 1)]))
 def test_matches_einsum(B, M, K, N, bf16, with_c, lead):

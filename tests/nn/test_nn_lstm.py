@@ -78,7 +78,7 @@ def gradient_penalty(apply, x, carry):
     return jax.grad(outer, argnums=(0, 1))
 
 
-@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("time_major", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_grad_of_grad_matches_stock(time_major):
     n, t, c, k = 3, 4, 5, 6
     params = params_with_bias(k, c, seed=1)
@@ -117,8 +117,8 @@ def kernel_calls(fn, *args):
     return hlo.count("jb_lstm_fwd"), hlo.count("jb_lstm_bptt")
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(time_major=True), dict(reverse=True),
-                                dict(reverse=True, keep_order=True)])
+@pytest.mark.parametrize("kw", [dict()] + [pytest.param(kw, marks=pytest.mark.slow) for kw in (
+    dict(time_major=True), dict(reverse=True), dict(reverse=True, keep_order=True))])
 def test_seq_lengths_return_carry_matches_stock_on_the_kernels(kw):
     # lengths 0 and past T: the stock module's reading (the last step's carry, no gradient)
     n, t, c, k = 5, 6, 3, 4

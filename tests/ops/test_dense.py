@@ -293,6 +293,7 @@ def test_grad_of_grad_bf16(act):
     check_second_order((9,), 13, 7, act, True, jnp.bfloat16, 6e-2)
 
 
+@pytest.mark.slow  # ~12 s; fixed-shape grad of grad runs in the quick tier
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=1).map(tuple),
        n=st.integers(1, 20), c=st.integers(1, 40), k=st.integers(1, 40),

@@ -265,8 +265,8 @@ def _scalar(out):
     return jnp.sum(y * jnp.sin(3 * y)) + jnp.sum(jnp.tanh(c) * h) + jnp.sum(h * h)
 
 
-@pytest.mark.parametrize("time_major", [False, True])
-@pytest.mark.parametrize("n,t,c,k", [(3, 4, 5, 6), (2, 1, 3, 17)])
+@pytest.mark.parametrize("time_major", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n,t,c,k", [(3, 4, 5, 6), pytest.param(2, 1, 3, 17, marks=pytest.mark.slow)])
 def test_lstm_grad_of_grad_matches_the_scan(n, t, c, k, time_major):
     args = _args(jax.random.key(n + k), n, t, c, k, time_major)
     ref = lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731
@@ -279,6 +279,7 @@ def test_lstm_grad_of_grad_matches_the_scan(n, t, c, k, time_major):
           jax.vmap(_penalty(ref, time_major), shared)(xs, *args[1:4], c0s, args[5]), 2e-4)
 
 
+@pytest.mark.slow  # ~16 s; grad of grad runs in the quick tier
 def test_lstm_third_order_matches_the_scan():
     args = _args(jax.random.key(9), 2, 3, 3, 4)
     x = args[0]
@@ -336,6 +337,7 @@ def test_seq_lengths_carry_and_gradients_match_the_stock_selection(n, t, c, k, t
     assert hlo.count("jb_lstm_fwd") == 1 and hlo.count("jb_lstm_bptt") == 1 and "while" not in hlo
 
 
+@pytest.mark.slow  # ~17 s; fp32 seq_lengths runs in the quick tier
 def test_seq_lengths_bf16_vs_the_stock_selection():
     args = _args(jax.random.key(4), 6, 5, 19, 21)
     lengths = jnp.array([5, 1, 3, 2, 4, 5])
@@ -355,6 +357,7 @@ def test_seq_lengths_bf16_vs_the_stock_selection():
         assert float(jnp.max(jnp.abs(u.astype(jnp.float32) - v))) < 0.1 * scale
 
 
+@pytest.mark.slow  # ~23 s
 def test_seq_lengths_grad_of_grad_and_vmap_match_the_stock_selection():
     args = _args(jax.random.key(8), 3, 4, 5, 6)
     lengths = jnp.array([2, 4, 1])

@@ -125,6 +125,7 @@ def test_data_parallel_axis_gives_the_single_device_step():
     assert np.all(evaluate(single, _sharded(batch)) == step.eval_step(single, batch, bench=bench))
 
 
+@pytest.mark.slow  # ~10 s; the data-parallel step runs in the quick tier
 def test_data_parallel_axis_averages_batch_stats(cnn):
     bench = cnn[0]
     state, batch = _state_and_batch(bench)

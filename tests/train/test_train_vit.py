@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tiny_benchmark import write_rules
 
@@ -33,6 +34,7 @@ def test_reference_hyperparameters_are_closed_division_valid():
     assert VIT.pipeline.preprocess(jnp.zeros((2, 28, 28), jnp.uint8)).shape == (2, 28, 28, 1)
 
 
+@pytest.mark.slow  # ~12 s; a run that passes the checker is in the quick tier
 def test_both_impls_take_the_same_steps(tiny):
     """Three AdamW steps of the benchmark's train step from the same initial state."""
     bench = _on_tiny_data(tiny)
