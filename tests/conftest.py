@@ -1,5 +1,9 @@
 """Fixtures shared by the tests.
 
+Every test runs with accelerate()'s dispatch policy off (the tests check what the kernels
+compute; on some CPUs the policy leaves float32 dense layers stock), except those marked
+``policy``.
+
 ``tiny``: the train tests' tiny benchmark (tests/train/tiny_benchmark.py) in a directory
 of the test module's own: its data, checker rules and an empty reference directory.
 """
@@ -9,6 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jax_brgemm import policy
+
+
+@pytest.fixture(autouse=True)
+def _every_layer_on_the_kernels(request, monkeypatch):
+    if "policy" not in request.keywords:
+        monkeypatch.setattr(policy, "TABLE", {})
 
 
 def _tiny_benchmark():

@@ -34,6 +34,7 @@ from flax.core import lift
 
 from jax_brgemm import _validate as check
 from jax_brgemm import nn as jbnn
+from jax_brgemm import policy as dispatch_policy
 from jax_brgemm.nn import _adapt, scan_methods
 from jax_brgemm.nnx import _accelerate as nnx_rules
 from jax_brgemm.nnx import _intercept
@@ -65,16 +66,19 @@ class Accelerate(contextlib.ContextDecorator):
     Attributes:
       calls: every distinct layer call traced inside the context, in order.
       report: print ``calls`` when the context exits.
+      policy: leave the calls ``jax_brgemm.policy`` names to stock XLA.
     """
 
-    def __init__(self, report: bool = False):
+    def __init__(self, report: bool = False, policy: bool = True):
         self.report = report
+        self.policy = policy
         self.calls: list[Call] = []
         self._stack = None
 
     def __enter__(self):
         self.calls = []
         self._stack = contextlib.ExitStack()
+        self._stack.enter_context(dispatch_policy.applied(self.policy))
         self._stack.enter_context(nn.intercept_methods(self._intercept))
         _watch_scans()
         scan_methods.watch()
@@ -239,7 +243,7 @@ def _path(module) -> str:
     return ("/".join(module.scope.path) if module.scope else "") or "<top>"
 
 
-def accelerate(report: bool = False) -> Accelerate:
+def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     """Runs the supported stock Flax layers traced inside the context on the kernels.
 
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation),
@@ -275,6 +279,12 @@ def accelerate(report: bool = False) -> Accelerate:
     DenseGeneral and Einsum, under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and
     ``nnx.scan``.
 
+    Where the kernels take a call but lose to stock XLA on this CPU, the call stays stock,
+    with the reason in the report: ``jax_brgemm.policy.TABLE``, fixed at import from the
+    CPU's ISA (float32 Dense-like layers, whose dots XLA overlaps with the optimizer step;
+    bfloat16 ones, convolutions, LSTMs and attention run on the kernels). ``policy=False``
+    runs every call the kernels take on them.
+
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
     not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
     when the context saw no layer call at all. A recurrent cell run step by step (a stock
@@ -283,7 +293,7 @@ def accelerate(report: bool = False) -> Accelerate:
 
     Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
     """
-    return Accelerate(report)
+    return Accelerate(report, policy)
 
 
 # --- the layers: each rule returns (the result on the kernels, "") or (None, why not) ------

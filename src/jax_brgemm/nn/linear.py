@@ -17,6 +17,7 @@ from jax import lax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
+from jax_brgemm import policy
 from jax_brgemm.nn import _adapt
 from jax_brgemm.ops.conv import conv2d
 from jax_brgemm.ops.dense import dense
@@ -37,6 +38,9 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
     if operands is None:
         return None, why
     inputs, kernel, bias, dtype = operands
+    why = policy.stock_reason(layer, "dense", dtype)
+    if why:
+        return None, why
     return dense(inputs, kernel, bias, activation=activation, dtype=dtype), ""
 
 
