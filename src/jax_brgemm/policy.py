@@ -18,28 +18,33 @@ import numpy as np
 from jax_brgemm import _native
 
 # float32 matrix products of Dense-like layers (Dense, DenseGeneral, Einsum, Linear,
-# LinearGeneral, attention projections). Per pass the kernels and XLA's dots are at parity
-# (0.98-1.07x), but in a training step with an optax optimizer XLA runs the optimizer's
-# element-wise fusions while its own dots run; after the custom calls they run alone. The
-# plain MLP's step under accelerate(): AMD Zen 1 (avx2) 0.92x, AMD Zen 4 (avx512) 0.93x
-# (generic step 26.0-27.7 against 24.3-25.8 ms); fp32 FC training 0.905x on a Xeon (amx).
-_DENSE_F32 = ("float32 dense: XLA's own dot is as fast here and overlaps the optimizer step "
-              "(dispatch policy, see docs/fc.md; accelerate(policy=False) overrides)")
+# LinearGeneral, attention projections) over few rows. Per pass the kernels and XLA's dots
+# are at parity, but in a training step with an optax optimizer XLA runs the optimizer's
+# element-wise fusions while its own dots run; after the custom calls they run alone, a cost
+# per parameter that many rows amortize. The MLP 784-1024x3-10 under accelerate(), AMD Zen 4
+# (avx512): 0.93-0.96x at 256 rows, 1.01x at 512, 1.02x at 1024, 1.04x at 2048; at 256
+# rows 0.92x on a Zen 1 (avx2), fp32 FC training 0.905x on a Xeon (amx).
+_DENSE_F32 = ("float32 dense over fewer than 512 rows: XLA's own dot is as fast here and "
+              "overlaps the optimizer step (dispatch policy, see docs/fc.md; "
+              "accelerate(policy=False) overrides)")
 
-#: ISA -> {(layer class, computation dtype): why it stays stock}.
-TABLE = {isa: {("dense", np.dtype(jnp.float32)): _DENSE_F32}
+#: ISA -> {(layer class, computation dtype): (rows, why)}: such calls over fewer rows (the
+#: product of the input's leading dims) stay stock.
+TABLE = {isa: {("dense", np.dtype(jnp.float32)): (512, _DENSE_F32)}
          for isa in ("amx", "avx512", "avx2", "generic")}
 
 _ISA = _native.isa()
 _local = threading.local()
 
 
-def stock_reason(layer, kind: str, dtype) -> str:
-    """Why this call of a stock Flax ``layer`` of class ``kind`` computing in ``dtype`` stays
-    stock under ``accelerate()``'s policy, or ``""``: it runs on the kernels."""
+def stock_reason(layer, kind: str, dtype, rows: int) -> str:
+    """Why this call of a stock Flax ``layer`` of class ``kind`` computing in ``dtype`` over
+    ``rows`` rows stays stock under ``accelerate()``'s policy, or ``""``: it runs on the
+    kernels."""
     if not getattr(_local, "active", False) or type(layer).__module__.startswith("jax_brgemm"):
         return ""
-    return TABLE.get(_ISA, {}).get((kind, np.dtype(dtype)), "")
+    below, why = TABLE.get(_ISA, {}).get((kind, np.dtype(dtype)), (0, ""))
+    return why if rows < below else ""
 
 
 @contextlib.contextmanager

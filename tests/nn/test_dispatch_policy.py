@@ -34,7 +34,7 @@ def _calls(model, params, x, **kw):
 
 def test_the_table_covers_every_isa_and_names_float32_dense():
     assert set(policy.TABLE) == {"amx", "avx512", "avx2", "generic"}
-    assert all(F32_DENSE in entries for entries in policy.TABLE.values())
+    assert all(entries[F32_DENSE][0] == 512 for entries in policy.TABLE.values())
     assert not any(kind != "dense" for entries in policy.TABLE.values() for kind, _ in entries)
 
 
@@ -51,12 +51,17 @@ def test_float32_dense_stays_stock_with_the_reason_and_the_stock_program():
     np.testing.assert_allclose(y, model.apply(params, x), rtol=2e-5, atol=2e-5)
 
 
-def test_policy_false_and_bfloat16_run_dense_on_the_kernels():
+def test_policy_false_bfloat16_and_many_rows_run_dense_on_the_kernels():
     x = jnp.ones((2, 6, 6, 3), jnp.float32)
     for model, kw in ((Net(), {"policy": False}), (Net(dtype=jnp.bfloat16), {})):
         params = model.init(jax.random.key(0), x)
         calls, _ = _calls(model, params, x, **kw)
         assert calls["Dense"].accelerated and calls["Conv"].accelerated
+    dense = nn.Dense(3)
+    for shape, on_kernels in (((511, 5), False), ((2, 256, 5), True), ((1024, 5), True)):
+        x = jnp.ones(shape, jnp.float32)  # rows: the leading dims' product
+        calls, _ = _calls(dense, dense.init(jax.random.key(0), x), x)
+        assert calls["Dense"].accelerated == on_kernels, shape
 
 
 def test_nnx_linear_and_jax_brgemm_modules_follow_it():

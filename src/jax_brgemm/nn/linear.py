@@ -38,7 +38,7 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
     if operands is None:
         return None, why
     inputs, kernel, bias, dtype = operands
-    why = policy.stock_reason(layer, "dense", dtype)
+    why = policy.stock_reason(layer, "dense", dtype, int(np.prod(inputs.shape[:-1])))
     if why:
         return None, why
     return dense(inputs, kernel, bias, activation=activation, dtype=dtype), ""
