@@ -13,8 +13,12 @@ nnx.RNN(nnx.OptimizedLSTMCell) + nnx.Linear, and a small Vision Transformer (7x7
 the image as 16 tokens, two pre-LayerNorm encoder blocks of nnx.MultiHeadAttention with 4
 heads over 64 features and a GELU MLP of 128, mean pooling, nnx.Linear head). Trained on
 batches of 28x28 images (N=256 for the MLPs and the RNNs, 128 otherwise) or of token ids
-(N=64) with optax SGD + momentum, fp32 and bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
-traced outside the context, "accelerate" inside it; timed round-robin in one process. Each
+(N=64) with optax SGD + momentum (the row mlp_adamw: the MLP with optax.adamw), fp32 and
+bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
+traced outside the context, "accelerate" inside it; timed round-robin in one process, the
+speed-up taken round by round (median and spread of stock / accelerate per round). Where
+accelerate()'s dispatch policy left layers stock, accelerate(policy=False) (every layer on
+the kernels) is timed in the same rounds too, as the last column. Each
 row has the layer calls that ran on the kernels out of those accelerate() saw (its report's
 records; NNX layers, which have no path, are recorded by class and sizes, so identical
 ones share a record) and the ones left stock. Writes
@@ -173,10 +177,16 @@ class NnxViT(nnx.Module):  # a small Vision Transformer: 7x7 patches, 2 blocks, 
         return self.head(jnp.mean(self.norm(x), axis=1))
 
 
-MODELS = {"mlp": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256),
+MODELS = {"mlp": (MLP, 256), "mlp_adamw": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256),
           "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256),
           "nnx_vit": (NnxViT, 128)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+def optimizer(name):
+    if name.endswith("_adamw"):
+        return optax.adamw(1e-3, weight_decay=1e-4)
+    return optax.sgd(0.01, momentum=0.9)
 
 
 def train_step(model, opt):
@@ -225,7 +235,7 @@ def contenders(name, dtype):
     else:
         x = jnp.asarray(rng.standard_normal((n, 28, 28, 1)), jnp.float32)
         labels = jnp.asarray(rng.integers(0, 10, n))
-    opt = optax.sgd(0.01, momentum=0.9)
+    opt = optimizer(name)
     if issubclass(cls, nnx.Module):
         graphdef, state = nnx.split(cls(dtype=dtype, rngs=nnx.Rngs(0)))
         make_step = lambda: nnx_train_step(graphdef, opt)  # noqa: E731
@@ -242,7 +252,11 @@ def contenders(name, dtype):
     accelerated = sum(c.accelerated for c in acc.calls)
     calls = {"on_kernels": f"{accelerated}/{len(acc.calls)}",
              "stock": [str(c) for c in acc.calls if not c.accelerated]}
-    return {"stock": (stock, args), "accelerate": (fast, args)}, calls
+    out = {"stock": (stock, args), "accelerate": (fast, args)}
+    if any("dispatch policy" in c.reason for c in acc.calls):  # what the policy declined
+        with jb.accelerate(policy=False):
+            out["kernels"] = (jax.jit(make_step()).lower(*args).compile(), args)
+    return out, calls
 
 
 def main(argv=None):
@@ -257,27 +271,37 @@ def main(argv=None):
                                          {k: v[1] for k, v in cont.items()},
                                          repeats=args.repeats, min_time=args.min_time)
             med = {k: statistics.median(v) for k, v in samples.items()}
+            rounds = [s / a for s, a in zip(samples["stock"], samples["accelerate"])]
             row = {"model": name, "dtype": dname, "batch": MODELS[name][1],
                    "accelerated_calls": calls["on_kernels"], "stock_calls": calls["stock"],
                    "seconds": {k: common.stats(v) for k, v in samples.items()},
-                   "speedup": med["stock"] / med["accelerate"]}
+                   "speedup": statistics.median(rounds), "speedup_rounds": common.stats(rounds)}
+            if "kernels" in samples:  # every layer on the kernels, accelerate(policy=False)
+                row["kernels_speedup"] = statistics.median(
+                    s / k for s, k in zip(samples["stock"], samples["kernels"]))
             rows.append(row)
-            print(f"{name:7s} {dname:8s} stock {1e3 * med['stock']:8.2f} ms  accelerate "
-                  f"{1e3 * med['accelerate']:8.2f} ms  | {row['speedup']:.2f}x ({calls['on_kernels']} layer calls "
-                  f"on the kernels)", flush=True)
+            print(f"{name:9s} {dname:8s} stock {1e3 * med['stock']:8.2f} ms  accelerate "
+                  f"{1e3 * med['accelerate']:8.2f} ms  | {row['speedup']:.2f}x ({min(rounds):.2f}-"
+                  f"{max(rounds):.2f}; {calls['on_kernels']} layer calls on the kernels)" +
+                  (f"; policy=False {row['kernels_speedup']:.2f}x" if "kernels_speedup" in row else ""),
+                  flush=True)
     common.write_results("accelerate", {"repeats": args.repeats, "min_time": args.min_time, "rows": rows})
     labels = [f"{r['model']} {r['dtype']}" for r in rows]
     common.plot_bars("accelerate", labels,
                      {k: [1e3 * r["seconds"][k]["median"] for r in rows] for k in ("stock", "accelerate")},
                      "ms per training step (median, lower is better)",
                      f"Unmodified Flax models, with and without jax_brgemm.accelerate() ({jb.isa()})")
-    print("\n| model | dtype | batch | stock ms | accelerate ms | speedup | layer calls on the kernels |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{common.machine().get('cpu', '?')} ({common.cpu_kind()}, {jb.isa()})")
+    print("\n| model | dtype | batch | stock ms | accelerate ms | speedup (rounds) | layer calls on the kernels "
+          "| policy=False |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s, a = r["seconds"]["stock"], r["seconds"]["accelerate"]
         print(f"| {r['model']} | {r['dtype']} | {r['batch']} | {1e3 * s['median']:.2f} "
               f"({1e3 * s['min']:.2f}-{1e3 * s['max']:.2f}) | {1e3 * a['median']:.2f} "
-              f"({1e3 * a['min']:.2f}-{1e3 * a['max']:.2f}) | {r['speedup']:.2f}x | {r['accelerated_calls']} |")
+              f"({1e3 * a['min']:.2f}-{1e3 * a['max']:.2f}) | {r['speedup']:.2f}x ({r['speedup_rounds']['min']:.2f}-"
+              f"{r['speedup_rounds']['max']:.2f}) | {r['accelerated_calls']} | "
+              + (f"{r['kernels_speedup']:.2f}x |" if "kernels_speedup" in r else " |"))
 
 
 if __name__ == "__main__":
