@@ -177,8 +177,8 @@ class NnxViT(nnx.Module):  # a small Vision Transformer: 7x7 patches, 2 blocks, 
         return self.head(jnp.mean(self.norm(x), axis=1))
 
 
-MODELS = {"mlp": (MLP, 256), "mlp_adamw": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128), "rnn": (RNN, 256),
-          "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256),
+MODELS = {"mlp": (MLP, 256), "mlp_adamw": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128),
+          "rnn": (RNN, 256), "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256),
           "nnx_vit": (NnxViT, 128)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 

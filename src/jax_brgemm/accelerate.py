@@ -283,8 +283,7 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     with the reason in the report: ``jax_brgemm.policy.TABLE``, fixed at import from the
     CPU's ISA (float32 Dense-like layers over fewer than 512 rows, whose dots XLA overlaps
     with the optimizer step; larger or bfloat16 ones, convolutions, LSTMs and attention run
-    on the kernels). ``policy=False``
-    runs every call the kernels take on them.
+    on the kernels). ``policy=False`` runs every call the kernels take on them.
 
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
     not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
