@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_brgemm import policy
+from jax_brgemm.accelerate import policy
 
 
 @pytest.fixture(autouse=True)

@@ -304,7 +304,7 @@ def test_sst2_method_form_bidirectional_fused_forward_and_backward(dtype, tol):
 
 
 def test_both_directions_share_one_probe(monkeypatch):
-    from jax_brgemm.nn import scan_methods
+    from jax_brgemm.accelerate import scans as scan_methods
 
     probes = []
     probe = scan_methods._probe

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jax_brgemm as jb
-from jax_brgemm import policy
+from jax_brgemm.accelerate import policy
 
 pytestmark = pytest.mark.policy
 

@@ -2,11 +2,13 @@
 ``jax_brgemm.nn`` and ``jax_brgemm.nnx`` and ``accelerate()`` (which runs stock Flax
 modules) share, for linen and NNX layers alike.
 
-Every function answers ``(result, "")`` or ``(None, why not)``: a configuration the kernels
-cannot take falls back to the stock computation, and ``accelerate()`` reports the reason.
+Every function answers a ``Decision``: a configuration the kernels cannot take falls back
+to the stock computation, and ``accelerate()`` reports the reason.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,23 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from jax_brgemm import _validate as check
+
+class Decision(NamedTuple):
+    """Whether the kernels take a layer's call: ``value`` (the result on the kernels, or
+    what they take) with ``reason == ""``, or ``value`` None and why the stock code runs it.
+    A pair, so ``y, why = decision`` reads it too."""
+
+    value: Any = None
+    reason: str = ""
+
+    @property
+    def taken(self) -> bool:
+        return not self.reason
+
+    @classmethod
+    def stock(cls, why: str) -> "Decision":
+        return cls(None, why)
+
 
 #: The LSTM's gates in the order the fused layer (and ``OptimizedLSTMCell``) computes them.
 GATES = "ifgo"
@@ -44,19 +63,19 @@ def out_features(layer) -> int:
 
 
 def computation_dtype(requested, *arrays):
-    """``(dtype, "")``: Flax's computation dtype (``requested``, or the promotion of the
+    """``Decision(dtype)``: Flax's computation dtype (``requested``, or the promotion of the
     arrays' dtypes; None entries skipped) when it is one the kernels compute in."""
     try:
         dtype = np.dtype(canonicalize_dtype(*arrays, dtype=requested))
     except ValueError as e:  # the stock computation raises it again
-        return None, f"dtype ({e})"
+        return Decision.stock(f"dtype ({e})")
     if dtype not in check.KERNEL_DTYPES:
-        return None, f"{dtype} computation"
-    return dtype, ""
+        return Decision.stock(f"{dtype} computation")
+    return Decision(dtype)
 
 
 def kernel_operands(layer, inputs, kernel, bias):
-    """``((inputs, kernel, bias, dtype), "")``: a Dense / Linear or Conv layer's operands as
+    """``Decision((inputs, kernel, bias, dtype))``: a Dense / Linear or Conv layer's operands as
     the kernels take them, with the computation dtype, from the layer's ``dtype`` and
     ``promote_dtype`` (and, for NNX layers, ``preferred_element_type``) fields.
 
@@ -72,7 +91,7 @@ def kernel_operands(layer, inputs, kernel, bias):
     if layer.promote_dtype is promote_dtype or layer.promote_dtype is nnx_dtypes.promote_dtype:
         dtype, why = computation_dtype(layer.dtype, inputs, kernel, bias)
         if dtype is None:
-            return None, why
+            return Decision.stock(why)
         kernel, bias = (a if a is None or a.dtype in check.KERNEL_DTYPES else jnp.asarray(a, dtype)
                         for a in (kernel, bias))
         inputs = jnp.asarray(inputs, dtype)
@@ -83,20 +102,20 @@ def kernel_operands(layer, inputs, kernel, bias):
             inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
         dtypes = {np.dtype(a.dtype) for a in (inputs, kernel, bias) if a is not None}
         if len(dtypes) != 1 or not dtypes <= set(check.KERNEL_DTYPES):
-            return None, "custom promote_dtype to " + ", ".join(sorted(map(str, dtypes)))
+            return Decision.stock("custom promote_dtype to " + ", ".join(sorted(map(str, dtypes))))
         dtype = dtypes.pop()
     preferred = getattr(layer, "preferred_element_type", None)
     if preferred is not None and np.dtype(preferred) != dtype:
         if not (np.dtype(preferred) == _F32 and dtype == _BF16):
-            return None, f"preferred_element_type {np.dtype(preferred)} over a {dtype} computation"
+            return Decision.stock(f"preferred_element_type {np.dtype(preferred)} over a {dtype} computation")
         inputs, kernel, bias = (a if a is None else jnp.asarray(a, _BF16).astype(_F32)
                                 for a in (inputs, kernel, bias))
         dtype = _F32
-    return (inputs, kernel, bias, dtype), ""
+    return Decision((inputs, kernel, bias, dtype))
 
 
 def lstm_params(cell):
-    """``((kernel_i (C, 4K), kernel_h (K, 4K), bias (4K,)), "")``: the fused layer's
+    """``Decision((kernel_i (C, 4K), kernel_h (K, 4K), bias (4K,)))``: the fused layer's
     parameters from an LSTM cell's parameter tree.
 
     ``cell`` is what ``flax.linen.OptimizedLSTMCell`` and ``LSTMCell`` both create: per gate
@@ -107,8 +126,8 @@ def lstm_params(cell):
     if (any(n not in cell or "kernel" not in cell[n] for n in names)
             or any("bias" not in cell[f"h{g}"] for g in GATES)
             or any("bias" in cell[f"i{g}"] for g in GATES)):
-        return None, "parameters not created yet"
+        return Decision.stock("parameters not created yet")
     kernel_i = jnp.concatenate([cell[f"i{g}"]["kernel"] for g in GATES], axis=-1)
     kernel_h = jnp.concatenate([cell[f"h{g}"]["kernel"] for g in GATES], axis=-1)
     bias = jnp.concatenate([cell[f"h{g}"]["bias"] for g in GATES], axis=-1)
-    return (kernel_i, kernel_h, bias), ""
+    return Decision((kernel_i, kernel_h, bias))

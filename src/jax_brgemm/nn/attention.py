@@ -13,19 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm.nn import _adapt
+from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.linear import dense_on_kernels
 from jax_brgemm.ops.attention import dot_product_attention as _attention
-
-#: MultiHeadDotProductAttention and Flax's own aliases of it.
-ATTENTION_MODULES = (nn.MultiHeadDotProductAttention, nn.MultiHeadAttention, nn.SelfAttention)
-
 
 def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
                          force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
                          attn_weights_value_einsum=None, *, is_causal=False):
-    """``(y, "")``: ``flax.linen.dot_product_attention``'s result on the kernels (its
-    arguments), or ``(None, why not)``.
+    """``flax.linen.dot_product_attention``'s result on the kernels (its arguments), as a
+    ``Decision``.
 
     The kernels take float32 or bfloat16 computations without attention dropout, without
     custom einsums or ``einsum_dot_general``, and without a ``module`` to sow the attention
@@ -35,19 +32,19 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
     """
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
     if dropout_rate > 0.0 and not deterministic:
-        return None, "attention dropout"
+        return Decision.stock("attention dropout")
     if module is not None:
-        return None, "attention weights sown"
+        return Decision.stock("attention weights sown")
     if einsum_dot_general is not None or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
-        return None, "custom einsum"
+        return Decision.stock("custom einsum")
     dtype, why = _adapt.computation_dtype(dtype, query, key, value)
     if dtype is None:
-        return None, why
+        return Decision.stock(why)
     # key / value heads may divide the query's (grouped-query attention, as the kernels take it)
     if not (query.ndim == key.ndim == value.ndim >= 3) or key.shape != value.shape or (
             query.shape[:-3] != key.shape[:-3] or query.shape[-1] != key.shape[-1]
             or not key.shape[-2] or query.shape[-2] % key.shape[-2]):
-        return None, "query, key and value shapes"
+        return Decision.stock("query, key and value shapes")
     batch = query.shape[:-3]
     lead = int(np.prod(batch, dtype=np.int64))
     q, k, v = (jnp.asarray(a, dtype).reshape((lead,) + a.shape[-3:]) for a in (query, key, value))
@@ -57,12 +54,12 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
         if a is not None:
             a = _batch_folded(jnp.asarray(a), full, lead)
             if a is None:
-                return None, f"{name} does not broadcast to the attention weights"
+                return Decision.stock(f"{name} does not broadcast to the attention weights")
             operands.append(a.astype(bool) if name == "mask" else a)
         else:
             operands.append(None)
     y = _attention(q, k, v, *operands, is_causal=is_causal)
-    return y.reshape(query.shape), ""
+    return Decision(y.reshape(query.shape))
 
 
 def _batch_folded(a, full, lead):
@@ -94,40 +91,25 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     return nn.dot_product_attention(query, key, value, **args) if y is None else y
 
 
-def attention_module_reason(module, kwargs) -> str:
-    """Why a MultiHeadDotProductAttention call (with keyword arguments ``kwargs``) cannot run
-    its attention on the kernels, "" if it can (the attention's own arguments are checked by
-    ``attention_on_kernels`` when it runs)."""
-    if module.attention_fn is not nn.dot_product_attention:
-        return "custom attention_fn"
-    if module.decode:
-        return "decode (the key / value cache)"
-    if module.qk_attn_weights_einsum_cls or module.attn_weights_value_einsum_cls:
-        return "custom einsum"
-    if kwargs.get("sow_weights"):
-        return "attention weights sown"
-    return ""
-
-
-def dense_general_on_kernels(layer, inputs, kernel, bias):
-    """``(y, "")``: a ``flax.linen.DenseGeneral`` call on the FC kernels, or ``(None, why
-    not)``. Contracting the input's trailing axes (the attention's projections, (..., C) ->
+def dense_general_on_kernels(layer, inputs, kernel, bias, *, stays_stock=None):
+    """A ``flax.linen.DenseGeneral`` call on the FC kernels, as a ``Decision``.
+    Contracting the input's trailing axes (the attention's projections, (..., C) ->
     (..., N, H) and (..., N, H) -> (..., C)) it is a Dense over those axes flattened, with
     the kernel and bias reshaped; ``batch_dims`` and other axes are not taken."""
     if layer.batch_dims:
-        return None, "batch_dims"
+        return Decision.stock("batch_dims")
     axes = sorted(a % inputs.ndim for a in (layer.axis if isinstance(layer.axis, tuple) else (layer.axis,)))
     if not axes or axes != list(range(inputs.ndim - len(axes), inputs.ndim)):
-        return None, "contracting axes other than the input's last ones"
+        return Decision.stock("contracting axes other than the input's last ones")
     features = layer.features if isinstance(layer.features, tuple) else (layer.features,)
     contracted = inputs.shape[axes[0]:]
     if kernel.shape != contracted + features:
-        return None, "parameter shapes do not match the inputs"
+        return Decision.stock("parameter shapes do not match the inputs")
     c, k = int(np.prod(contracted, dtype=np.int64)), int(np.prod(features, dtype=np.int64))
     lead = inputs.shape[:axes[0]]
     y, why = dense_on_kernels(layer, inputs.reshape(lead + (c,)), kernel.reshape(c, k),
-                              None if bias is None else bias.reshape(k))
-    return (None, why) if y is None else (y.reshape(lead + features), "")
+                              None if bias is None else bias.reshape(k), stays_stock=stays_stock)
+    return Decision.stock(why) if why else Decision(y.reshape(lead + features))
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):

@@ -17,31 +17,32 @@ from jax import lax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
-from jax_brgemm import policy
 from jax_brgemm.nn import _adapt
+from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.ops.conv import conv2d
 from jax_brgemm.ops.dense import dense
 
 __all__ = ["Conv", "Dense", "conv_on_kernels", "dense_on_kernels"]
 
 
-def dense_on_kernels(layer, inputs, kernel, bias, activation=None):
-    """``(y, "")``: a Dense ``layer``'s result on the kernels, or ``(None, why not)``.
+def dense_on_kernels(layer, inputs, kernel, bias, activation=None, *, stays_stock=None):
+    """A Dense ``layer``'s result on the kernels, as a ``Decision``.
 
     ``layer`` has ``flax.linen.Dense``'s fields (``dtype``, ``promote_dtype``,
     ``dot_general``, ``dot_general_cls``) or ``flax.nnx.Linear``'s: a stock module or a
-    jax_brgemm one.
+    jax_brgemm one. ``stays_stock(dtype, rows)``, when given, may leave the call to the
+    stock code by returning why (``accelerate()``'s dispatch policy).
     """
     if _adapt.custom_dot_general(layer):
-        return None, "custom dot_general"
-    operands, why = _adapt.kernel_operands(layer, inputs, kernel, bias)
-    if operands is None:
-        return None, why
-    inputs, kernel, bias, dtype = operands
-    why = policy.stock_reason(layer, "dense", dtype, int(np.prod(inputs.shape[:-1])))
+        return Decision.stock("custom dot_general")
+    operands = _adapt.kernel_operands(layer, inputs, kernel, bias)
+    if not operands.taken:
+        return operands
+    inputs, kernel, bias, dtype = operands.value
+    why = stays_stock(dtype, int(np.prod(inputs.shape[:-1]))) if stays_stock else ""
     if why:
-        return None, why
-    return dense(inputs, kernel, bias, activation=activation, dtype=dtype), ""
+        return Decision.stock(why)
+    return Decision(dense(inputs, kernel, bias, activation=activation, dtype=dtype))
 
 
 class Dense(Module):
@@ -329,7 +330,7 @@ class Conv(Module):
 
 
 def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
-    """``(y, "")``: a Conv ``layer``'s result on the kernels, or ``(None, why not)``.
+    """A Conv ``layer``'s result on the kernels, as a ``Decision``.
 
     ``layer`` has ``flax.linen.Conv``'s fields (``kernel_size``, ``strides``, ``padding``,
     dilations, ``feature_group_count``, ``mask``, ``dtype``, ``promote_dtype``,
@@ -341,48 +342,48 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     kernel_size = _kernel_size(layer)
     rank = len(kernel_size)
     if rank not in (1, 2):
-        return None, f"{rank}-D convolution"
+        return Decision.stock(f"{rank}-D convolution")
     if layer.feature_group_count != 1:
-        return None, "feature groups"
+        return Decision.stock("feature groups")
     if _adapt.custom_conv(layer):
-        return None, "custom conv_general_dilated"
+        return Decision.stock("custom conv_general_dilated")
     strides, input_dilation, kernel_dilation = (
         _per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
     if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in strides):
-        return None, "non-integer strides"  # the stock code raises lax's TypeError
+        return Decision.stock("non-integer strides")  # the stock code raises lax's TypeError
     if any(d != 1 for d in input_dilation):
-        return None, "input dilation"
+        return Decision.stock("input dilation")
     if any(d != 1 for d in kernel_dilation):
-        return None, "kernel dilation"
+        return Decision.stock("kernel dilation")
     inputs = jnp.asarray(inputs)
     batch_dims = inputs.ndim - (rank + 1)
     features = _adapt.out_features(layer)
     if batch_dims < 0 or jnp.shape(kernel) != kernel_size + (inputs.shape[-1], features):
-        return None, "unexpected shapes"
+        return Decision.stock("unexpected shapes")
     batch_shape = inputs.shape[:batch_dims]
     if batch_dims != 1:
         inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
     try:
         padding = canonicalize_padding(layer.padding, rank)
     except (TypeError, ValueError) as e:
-        return None, f"padding ({e})"
+        return Decision.stock(f"padding ({e})")
     if padding == 'CAUSAL' and rank != 1:
-        return None, "causal padding of a 2-D convolution"
+        return Decision.stock("causal padding of a 2-D convolution")
     inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
     if not isinstance(padding, str):
         cropped = _crop_negative_padding(inputs, padding, rank)
         if cropped is None:
-            return None, "padding crops the whole input"
+            return Decision.stock("padding crops the whole input")
         inputs, padding = cropped
     elif padding.upper() not in ('SAME', 'VALID', 'SAME_LOWER'):
-        return None, f"padding {padding!r}"
+        return Decision.stock(f"padding {padding!r}")
     if layer.mask is not None:
         if jnp.shape(layer.mask) != jnp.shape(kernel):
-            return None, "mask shape"
+            return Decision.stock("mask shape")
         kernel = kernel * layer.mask
     operands, why = _adapt.kernel_operands(layer, inputs, kernel, bias)
     if operands is None:
-        return None, why
+        return Decision.stock(why)
     inputs, kernel, bias, dtype = operands
     if rank == 1:  # a 1-D convolution is a 2-D one over a single row
         if not isinstance(padding, str):
@@ -394,4 +395,4 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
                    dtype=dtype)
     if batch_dims != 1:
         y = jnp.reshape(y, batch_shape + y.shape[1:])
-    return y, ""
+    return Decision(y)

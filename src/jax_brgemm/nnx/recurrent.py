@@ -21,9 +21,9 @@ from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from jax import lax
 
 from jax_brgemm import _validate as check
-from jax_brgemm import nn as jbnn
 from jax_brgemm.nn import _adapt
-from jax_brgemm.nnx import _intercept
+from jax_brgemm.nn._adapt import Decision
+from jax_brgemm.nn.recurrent import lstm_on_kernels, seq_lengths_problem
 from jax_brgemm.nnx.linear import _positive_int
 
 Array = tp.Any
@@ -38,17 +38,18 @@ def _stock_linear(layer, with_bias: bool) -> bool:
             and layer.preferred_element_type is None and (layer.bias is not None) == with_bias)
 
 
-def lstm_params(cell) -> tuple[tp.Any, tp.Any, tp.Any] | str:
-    """``(kernel_i (C, 4K), kernel_h (K, 4K), bias (4K,))``, gates in the order i, f, g, o,
-    of a stock ``nnx.OptimizedLSTMCell`` or ``nnx.LSTMCell`` (both compute the same gates
-    from the same parameters, stored differently), or why the fused kernels cannot run it."""
+def lstm_params(cell) -> Decision:
+    """``Decision((kernel_i (C, 4K), kernel_h (K, 4K), bias (4K,)))``, gates in the order i,
+    f, g, o, of a stock ``nnx.OptimizedLSTMCell`` or ``nnx.LSTMCell`` (both compute the same
+    gates from the same parameters, stored differently), or why the fused kernels cannot run
+    it."""
     if type(cell) not in (stock_recurrent.OptimizedLSTMCell, stock_recurrent.LSTMCell):
-        return f"cell {type(cell).__name__}"
+        return Decision.stock(f"cell {type(cell).__name__}")
     if not any(cell.gate_fn is f for f in _SIGMOIDS) or not any(
             cell.activation_fn is f for f in _TANHS):
-        return "gate_fn / activation_fn other than sigmoid / tanh"
+        return Decision.stock("gate_fn / activation_fn other than sigmoid / tanh")
     if cell.promote_dtype is not nnx_dtypes.promote_dtype:
-        return "custom promote_dtype"
+        return Decision.stock("custom promote_dtype")
     if type(cell) is stock_recurrent.OptimizedLSTMCell:
         inputs, hidden = [cell.dense_i], [cell.dense_h]
     else:
@@ -56,16 +57,16 @@ def lstm_params(cell) -> tuple[tp.Any, tp.Any, tp.Any] | str:
         hidden = [cell.hi, cell.hf, cell.hg, cell.ho]
     if not all(_stock_linear(x, False) for x in inputs) or not all(
             _stock_linear(h, True) for h in hidden):
-        return "modified gate layers"
+        return Decision.stock("modified gate layers")
     kernel_i = jnp.concatenate([x.kernel[...] for x in inputs], axis=-1)
     kernel_h = jnp.concatenate([h.kernel[...] for h in hidden], axis=-1)
     bias = jnp.concatenate([h.bias[...] for h in hidden], axis=-1)
     k = cell.hidden_features
     if kernel_h.shape != (k, 4 * k) or kernel_i.shape != (cell.in_features, 4 * k):
-        return "parameter shapes do not match the cell's sizes"
+        return Decision.stock("parameter shapes do not match the cell's sizes")
     if any(np.dtype(a.dtype) not in check.KERNEL_DTYPES for a in (kernel_i, kernel_h, bias)):
-        return "parameters neither float32 nor bfloat16"
-    return kernel_i, kernel_h, bias
+        return Decision.stock("parameters neither float32 nor bfloat16")
+    return Decision((kernel_i, kernel_h, bias))
 
 
 def _scan_reproducible(rnn) -> str:
@@ -101,80 +102,88 @@ class RNN(stock_recurrent.RNN):
                  return_carry: bool | None = None, time_major: bool | None = None,
                  reverse: bool | None = None, keep_order: bool | None = None,
                  rngs: rnglib.Rngs | rnglib.RngStream | None = None):
-        y, _ = rnn_call(self, super().__call__, inputs, initial_carry=initial_carry,
-                        seq_lengths=seq_lengths, return_carry=return_carry,
-                        time_major=time_major, reverse=reverse, keep_order=keep_order,
-                        rngs=rngs, op=f"jb.nnx.{type(self).__name__}")
-        return y
+        call = dict(initial_carry=initial_carry, seq_lengths=seq_lengths, return_carry=return_carry,
+                    time_major=time_major, reverse=reverse, keep_order=keep_order, rngs=rngs)
+        error, why = _input_problem(self, inputs, **call)
+        if error is not None:
+            raise error(f"jb.nnx.{type(self).__name__}: {why}")
+        y, why = rnn_on_kernels(self, inputs, **call)
+        return super().__call__(inputs, **call) if why else y
 
 
-def rnn_call(rnn, stock_call, inputs, *, initial_carry=None, seq_lengths=None,
-             return_carry=None, time_major=None, reverse=None, keep_order=None, rngs=None,
-             op: str | None = None):
-    """``(what flax.nnx.RNN rnn computes, "")`` on the fused kernels, or ``(the same from
-    stock_call, why not)``.
-
-    ``rnn`` has ``flax.nnx.RNN``'s fields; ``stock_call`` is its stock ``__call__`` (bound),
-    called with the same arguments when the kernels cannot run them; the rng stream is taken
-    once either way, as the stock module takes it. Inputs, an initial carry or (with
-    ``return_carry``) ``seq_lengths`` of the wrong shape or dtype raise a ValueError /
-    TypeError from ``op`` (a jax_brgemm module's name) or, when ``op`` is None, go to
-    ``stock_call`` as they are.
-    """
-    opts = dict(return_carry=rnn.return_carry if return_carry is None else return_carry,
+def _options(rnn, return_carry, time_major, reverse, keep_order) -> dict:
+    """The call's options, the module's fields where the call leaves them None."""
+    return dict(return_carry=rnn.return_carry if return_carry is None else return_carry,
                 time_major=rnn.time_major if time_major is None else time_major,
                 reverse=rnn.reverse if reverse is None else reverse,
                 keep_order=rnn.keep_order if keep_order is None else keep_order)
-    stock = dict(seq_lengths=seq_lengths, **opts)
 
-    def fallback(why):
-        with _intercept.stock_scan(f"RNN over {type(rnn.cell).__name__}", why):
-            return stock_call(inputs, initial_carry=initial_carry, rngs=rngs, **stock), why
 
-    params = lstm_params(rnn.cell)
-    why = params if isinstance(params, str) else _scan_reproducible(rnn)
-    if why:
-        return fallback(why)
+def _input_problem(rnn, inputs, *, initial_carry, seq_lengths, rngs, **options):
+    """``(None, "")``, or ``(the exception a module raises, why)`` for inputs, an initial
+    carry or (with ``return_carry``) ``seq_lengths`` of the wrong shape or dtype for an LSTM
+    cell; other cells are the stock scan's to check."""
+    del rngs
+    opts = _options(rnn, **options)
     cell = rnn.cell
+    if not lstm_params(cell).taken:
+        return None, ""
     layout = "(time, *batch, features)" if opts["time_major"] else "(*batch, time, features)"
     if (not hasattr(inputs, "shape") or len(inputs.shape) < 2
             or inputs.shape[-1] != cell.in_features):
-        if op is None:
-            return fallback("inputs do not match the cell")
-        raise ValueError(f"{op}: inputs must be {layout} with features = in_features = "
-                         f"{cell.in_features}, got shape {jnp.shape(inputs)}")
-    inputs = jnp.asarray(inputs)
+        return ValueError, (f"inputs must be {layout} with features = in_features = "
+                            f"{cell.in_features}, got shape {jnp.shape(inputs)}")
     if seq_lengths is not None and opts["return_carry"]:
-        error, why = jbnn.recurrent.seq_lengths_problem(inputs, seq_lengths, opts["time_major"])
-        if error is not None and op is not None:
-            raise error(f"{op}: {why}")
-        if why:
-            return fallback(why)
-    time_axis = 0 if opts["time_major"] else inputs.ndim - 2
-    carry_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
-    # the stock module's rng stream and carry, taken as it takes them
-    if rngs is None:
-        rngs = rnn.rngs
-    if isinstance(rngs, rnglib.Rngs):
-        rngs = rngs.carry.fork()
-    if initial_carry is None:
-        initial_carry = cell.initialize_carry(carry_shape, rngs)
-    hidden_shape = carry_shape[:-1] + (cell.hidden_features,)
-    if (not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2
-            or any(jnp.shape(a) != hidden_shape for a in initial_carry)):
-        if op is None:
-            return fallback("initial_carry is not a pair (c, h) of the expected shape")
-        raise ValueError(f"{op}: initial_carry must be a pair (c, h) of arrays shaped "
-                         f"(*batch, hidden_features) = {hidden_shape}, got "
-                         f"{jax.tree.map(jnp.shape, initial_carry)}")
-    c0, h0 = (jnp.asarray(a) for a in initial_carry)
-    kernel_i, kernel_h, bias = params
-    # the stock cell's computation dtype over the whole sequence
+        error, why = seq_lengths_problem(inputs, seq_lengths, opts["time_major"])
+        if error is not None:
+            return error, why
+    if initial_carry is not None:
+        time_axis = 0 if opts["time_major"] else len(inputs.shape) - 2
+        hidden = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:-1] + (cell.hidden_features,)
+        if (not isinstance(initial_carry, (tuple, list)) or len(initial_carry) != 2
+                or any(jnp.shape(a) != hidden for a in initial_carry)):
+            return ValueError, (f"initial_carry must be a pair (c, h) of arrays shaped "
+                                f"(*batch, hidden_features) = {hidden}, got "
+                                f"{jax.tree.map(jnp.shape, initial_carry)}")
+    return None, ""
+
+
+def rnn_on_kernels(rnn, inputs, *, initial_carry=None, seq_lengths=None, return_carry=None,
+                   time_major=None, reverse=None, keep_order=None, rngs=None) -> Decision:
+    """What ``flax.nnx.RNN`` ``rnn`` computes on these arguments, on the fused kernels, as a
+    ``Decision``: a stock call of the same arguments computes it when it is not taken.
+
+    The rng stream is taken (and the carry initialized from it) only when the kernels run,
+    so the stock call that otherwise runs takes it as it would."""
+    opts = _options(rnn, return_carry, time_major, reverse, keep_order)
+    params = lstm_params(rnn.cell)
+    why = params.reason or _scan_reproducible(rnn)
+    if not why:
+        _, why = _input_problem(rnn, inputs, initial_carry=initial_carry, seq_lengths=seq_lengths,
+                                rngs=rngs, return_carry=return_carry, time_major=time_major,
+                                reverse=reverse, keep_order=keep_order)
+    if not why and seq_lengths is not None and opts["return_carry"]:
+        why = seq_lengths_problem(inputs, seq_lengths, opts["time_major"])[1]
+    if why:
+        return Decision.stock(why)
+    kernel_i, kernel_h, bias = params.value
+    cell, inputs = rnn.cell, jnp.asarray(inputs)
+    # the stock cell's computation dtype over the whole sequence (its carry initializes in
+    # param_dtype), decided before the rng stream is taken
+    h0 = jnp.zeros((), cell.param_dtype) if initial_carry is None else initial_carry[1]
     dtype, why = _adapt.computation_dtype(cell.dtype, inputs, h0, kernel_i, kernel_h, bias)
-    if dtype is None:
-        return fallback(why)
-    return jbnn.lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),
-                                dtype=dtype, seq_lengths=seq_lengths, **opts), ""
+    if why:
+        return Decision.stock(why)
+    if initial_carry is None:  # the stock module's rng stream and carry, taken as it takes them
+        time_axis = 0 if opts["time_major"] else inputs.ndim - 2
+        rngs = rnn.rngs if rngs is None else rngs
+        if isinstance(rngs, rnglib.Rngs):
+            rngs = rngs.carry.fork()
+        initial_carry = cell.initialize_carry(inputs.shape[:time_axis] + inputs.shape[time_axis + 1:],
+                                              rngs)
+    c0, h0 = (jnp.asarray(a) for a in initial_carry)
+    return Decision(lstm_on_kernels(inputs.astype(dtype), kernel_i, kernel_h, bias, (c0, h0),
+                                    dtype=dtype, seq_lengths=seq_lengths, **opts))
 
 
 class LSTM(RNN):

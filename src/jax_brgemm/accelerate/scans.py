@@ -1,5 +1,6 @@
-"""``nn.scan`` over a module *method* whose body is one LSTM cell step, as in Flax's sst2
-example::
+"""The scans ``nn.scan`` makes, as ``accelerate()`` fuses them: over an LSTM cell class
+(``nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params", ...)``) or over a module method
+whose body is one LSTM cell step, as in Flax's sst2 example::
 
     class SimpleLSTM(nn.Module):
       @functools.partial(nn.transforms.scan, variable_broadcast="params", in_axes=1,
@@ -8,11 +9,11 @@ example::
       def __call__(self, carry, x):
         return nn.OptimizedLSTMCell(self.hidden_size)(carry, x)
 
-Flax marks such a method as already state-managed, so ``nn.intercept_methods`` never sees
-the call of the whole scan, only its body's calls inside the scan's trace, which is too late
-to fuse. The scanned methods are therefore found by their closure (flax's
-``decorator_lift_transform`` over ``lift.scan``), on every linen class, and routed, for good,
-through the handlers of ``handle_calls`` contexts (thread-local; nothing changes without one).
+flax keeps a scan's settings only in the closure of the method it made
+(``flax.linen.transforms.module_class_lift_transform`` / ``decorator_lift_transform``): no
+public attribute says "this is a scan, over this, with these settings", and
+``nn.intercept_methods`` sees only the body's calls inside the scan's trace, too late to fuse.
+``lifted_scan`` is therefore the one place that reads such a closure.
 
 Whether a body is exactly "one LSTM cell on the body's own ``(carry, x)``, its result returned
 unchanged" is decided by ``lstm_step``: an abstract run (``jax.eval_shape``) of the
@@ -21,9 +22,7 @@ undecorated body on one time step that records the module calls it makes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import threading
 from typing import Any, Callable
 
@@ -32,15 +31,45 @@ import jax
 from flax.core import lift
 from flax.core.scope import in_filter
 
-_LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
+from jax_brgemm.accelerate.context import probing
+from jax_brgemm.nn._adapt import Decision
 
-#: ``handler(module, method_name, body, scan_kwargs, next_call, *args, **kwargs)``: the result
-#: of the scanned method's call; ``next_call(*args, **kwargs)`` runs the next handler or flax's.
-Handler = Callable[..., Any]
-
-_state = threading.local()
+LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
 _lock = threading.Lock()
-_watching = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A method ``nn.scan`` made: over a module class's ``__call__`` (``cell_class``) or over
+    a decorated method (``body``, the undecorated one); ``settings`` nn.scan's keywords."""
+
+    settings: dict = dataclasses.field(hash=False)
+    cell_class: type | None = None
+    body: Callable | None = None
+    name: str = "__call__"  # the method's name in its class
+
+
+def lifted_scan(method) -> Scan | None:
+    """The ``Scan`` a method of a linen class is, None for anything else: a scan over an LSTM
+    cell class's ``__call__``, or a decorated method scanned alone (read from flax's
+    wrapper's closure)."""
+    names = getattr(getattr(method, "__code__", None), "co_freevars", ())
+    if "transform" not in names or "trafo_kwargs" not in names:
+        return None
+    try:
+        free = {n: c.cell_contents for n, c in zip(names, method.__closure__ or ())}
+    except (AttributeError, ValueError):  # no closure, or a cell not filled
+        return None
+    if (free.get("transform") is not lift.scan or free.get("trafo_args") != ()
+            or not isinstance(free.get("trafo_kwargs"), dict)):
+        return None
+    settings = dict(free["trafo_kwargs"])
+    if free.get("fn_name") == "__call__" and free.get("module_class") in LSTM_CELLS:
+        return Scan(settings, cell_class=free["module_class"])
+    bodies = free.get("prewrapped_fns")
+    if free.get("multi_scope") and isinstance(bodies, (list, tuple)) and len(bodies) == 1:
+        return Scan(settings, body=bodies[0])
+    return None
 
 
 # --- the scan settings the fused LSTM reproduces (shared with the class form) -------------
@@ -64,94 +93,6 @@ def time_axis(axis, ndim: int):
         return None
     axis %= ndim
     return axis if axis in (0, 1) else None
-
-
-# --- finding the scanned methods -----------------------------------------------------------
-
-
-def scanned_method(method) -> tuple[Callable, dict] | None:
-    """``(the undecorated body, nn.scan's keyword arguments)`` for a method that
-    ``nn.scan`` / ``nn.transforms.scan`` decorated, read from flax's wrapper's closure; None
-    for anything else."""
-    names = getattr(getattr(method, "__code__", None), "co_freevars", ())
-    if "prewrapped_fns" not in names:
-        return None
-    try:
-        free = {n: c.cell_contents for n, c in zip(names, method.__closure__ or ())}
-    except (AttributeError, ValueError):  # no closure, or a cell not filled
-        return None
-    bodies = free.get("prewrapped_fns")
-    if (free.get("transform") is not lift.scan or free.get("trafo_args") != ()
-            or not isinstance(free.get("trafo_kwargs"), dict) or not free.get("multi_scope")
-            or not isinstance(bodies, (list, tuple)) or len(bodies) != 1):
-        return None
-    return bodies[0], dict(free["trafo_kwargs"])
-
-
-def _router(flax_call: Callable, name: str, body: Callable, scan: dict) -> Callable:
-    @functools.wraps(flax_call)  # keeps flax's method_handler_wrapped mark
-    def routed(self, *args, **kwargs):
-        handlers = getattr(_state, "handlers", None)
-        if not handlers or probing():
-            return flax_call(self, *args, **kwargs)
-        call = functools.partial(flax_call, self)
-        for handler in handlers:  # the innermost context's runs first
-            call = functools.partial(handler, self, name, body, scan, call)
-        return call(*args, **kwargs)
-
-    return routed
-
-
-def _route(cls: type) -> None:
-    """Replaces each scanned method defined by ``cls`` by one that consults the handlers."""
-    for name, method in list(cls.__dict__.items()):
-        found = scanned_method(method)
-        if found is not None:
-            setattr(cls, name, _router(method, name, *found))
-
-
-def watch() -> None:
-    """Routes the scanned methods of every linen class, those defined already and (a hook on
-    ``nn.Module.__init_subclass__``, installed once) those defined later."""
-    global _watching
-    with _lock:
-        if _watching:
-            return
-        previous = nn.Module.__dict__["__init_subclass__"]
-
-        def hook(cls, **kwargs):
-            previous.__get__(None, cls)(**kwargs)
-            _route(cls)
-
-        nn.Module.__init_subclass__ = classmethod(hook)
-        _watching = True
-        pending, seen = list(nn.Module.__subclasses__()), set()
-        while pending:
-            cls = pending.pop()
-            if cls not in seen:
-                seen.add(cls)
-                _route(cls)
-                pending.extend(cls.__subclasses__())
-
-
-@contextlib.contextmanager
-def handle_calls(handler: Handler):
-    """Within the context, in this thread, every call of a scanned method goes through
-    ``handler``."""
-    handlers = getattr(_state, "handlers", None)
-    if handlers is None:
-        handlers = _state.handlers = []
-    handlers.append(handler)
-    try:
-        yield
-    finally:
-        assert handlers.pop() is handler
-
-
-def probing() -> bool:
-    """True while ``lstm_step`` runs a body abstractly in this thread: interceptors let
-    every call through unrecorded."""
-    return getattr(_state, "probing", 0) > 0
 
 
 # --- the probe -----------------------------------------------------------------------------
@@ -210,7 +151,7 @@ def _judge(recorder: _Recorder) -> _Verdict:
                                   f"({', '.join(names) or 'none'}), not one LSTM cell call")
     cell, method, args, kwargs, result = calls[0]
     name = type(cell).__name__
-    if type(cell) not in _LSTM_CELLS or method != "__call__":
+    if type(cell) not in LSTM_CELLS or method != "__call__":
         return _Verdict(None, "", f"the scanned method calls {name}.{method}, not "
                                   f"OptimizedLSTMCell / LSTMCell")
     if cell.scope is None or cell.scope.path != body_module.scope.path + (cell.name,):
@@ -234,14 +175,12 @@ def _probe(module, body, carry, x_step) -> _Verdict:
         with nn.intercept_methods(recorder):
             return root.apply(variables, carry, x, method=body, rngs=rngs)
 
-    _state.probing = getattr(_state, "probing", 0) + 1
     try:
-        jax.eval_shape(one_step, module.variables, carry, x_step)
+        with probing():
+            jax.eval_shape(one_step, module.variables, carry, x_step)
     except Exception as error:  # noqa: BLE001 -- any failure keeps the stock scan
         return _Verdict(None, "", f"the scanned method's body could not be probed on one "
                                   f"time step ({type(error).__name__})")
-    finally:
-        _state.probing -= 1
     return _judge(recorder)
 
 
@@ -274,30 +213,30 @@ def _verdict(module, body, carry, x_step) -> _Verdict:
     return cached
 
 
-def lstm_step(module, body, scan: dict, args, kwargs):
-    """``(cell, its parameters, "")`` when the scanned method ``body`` of ``module``, called
-    on ``args``, computes one step of an OptimizedLSTMCell / LSTMCell on its own ``(carry,
-    x)`` and returns its result unchanged, with the parameters broadcast over time; else
-    ``(None, None, why not)``."""
+def lstm_step(module, body, scan: dict, args, kwargs) -> Decision:
+    """``Decision((cell, its parameters))`` when the scanned method ``body`` of ``module``,
+    called on ``args``, computes one step of an OptimizedLSTMCell / LSTMCell on its own
+    ``(carry, x)`` and returns its result unchanged, with the parameters broadcast over
+    time."""
     why = scan_settings_why(scan)
     if why:
-        return None, None, why
+        return Decision.stock(why)
     if len(args) != 2 or kwargs:
-        return None, None, "unexpected arguments"
+        return Decision.stock("unexpected arguments")
     carry, inputs = args
     if getattr(inputs, "ndim", None) != 3:
-        return None, None, "inputs other than one 3-D array"
+        return Decision.stock("inputs other than one 3-D array")
     axis = time_axis(scan.get("in_axes"), 3)
     if axis is None:
-        return None, None, "nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays"
+        return Decision.stock("nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays")
     if module.scope.mutable:
-        return None, None, ("a variable collection is mutable in this apply (the scanned "
-                            "method could write to it)")
+        return Decision.stock("a variable collection is mutable in this apply (the scanned "
+                              "method could write to it)")
     x_step = jax.ShapeDtypeStruct(inputs.shape[:axis] + inputs.shape[axis + 1:], inputs.dtype)
     verdict = _verdict(module, body, carry, x_step)
     if verdict.cell is None:
-        return None, None, verdict.why
+        return Decision.stock(verdict.why)
     params = module.variables.get("params", {}).get(verdict.cell_name)
     if params is None:
-        return None, None, "parameters not created yet"
-    return verdict.cell, params, ""
+        return Decision.stock("parameters not created yet")
+    return Decision((verdict.cell, params))

@@ -2,15 +2,13 @@
 table by ISA (``jax_brgemm.isa()``, from CPUID), fixed at import, and the measurements
 behind each entry (docs/fc.md, "Dispatch policy").
 
-It applies to stock Flax layers inside ``accelerate()`` only: ``jax_brgemm``'s own ops and
-modules, used directly, and the training harness's ``impl="brgemm"`` always run the kernels.
+It applies to stock Flax layers inside ``accelerate()`` only (its rules consult it):
+``jax_brgemm``'s own ops and modules and the training harness's ``impl="brgemm"`` always run
+the kernels.
 ``accelerate(policy=False)`` runs every layer the kernels take on them.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,25 +32,10 @@ TABLE = {isa: {("dense", np.dtype(jnp.float32)): (512, _DENSE_F32)}
          for isa in ("amx", "avx512", "avx2", "generic")}
 
 _ISA = _native.isa()
-_local = threading.local()
 
 
-def stock_reason(layer, kind: str, dtype, rows: int) -> str:
-    """Why this call of a stock Flax ``layer`` of class ``kind`` computing in ``dtype`` over
-    ``rows`` rows stays stock under ``accelerate()``'s policy, or ``""``: it runs on the
-    kernels."""
-    if not getattr(_local, "active", False) or type(layer).__module__.startswith("jax_brgemm"):
-        return ""
+def stock_reason(kind: str, dtype, rows: int) -> str:
+    """Why a stock layer's call of class ``kind`` computing in ``dtype`` over ``rows`` rows
+    stays stock under ``accelerate()``'s policy, or ``""``: it runs on the kernels."""
     below, why = TABLE.get(_ISA, {}).get((kind, np.dtype(dtype)), (0, ""))
     return why if rows < below else ""
-
-
-@contextlib.contextmanager
-def applied(active: bool):
-    """The policy on (or off) in this thread, as long as the context lasts."""
-    before = getattr(_local, "active", False)
-    _local.active = active
-    try:
-        yield
-    finally:
-        _local.active = before

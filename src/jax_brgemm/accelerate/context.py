@@ -1,0 +1,216 @@
+"""The ``accelerate()`` context: its one piece of state, what it keys jit caches on, and the
+report of the calls it saw.
+
+Entering a context (the outermost one of the process) installs the interception
+(``patches``), and the last exit removes it, so flax is exactly itself outside. Whether a
+call is intercepted depends on the thread's state only: the contexts entered in this
+thread, and a value of ``jax.make_user_context`` that JAX's tracing and compilation caches
+key on, so a jitted function traced outside runs stock inside and the other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One intercepted layer call: the module's path (an NNX module, which has none: its
+    class and sizes) and class, and how it ran."""
+
+    path: str
+    layer: str
+    accelerated: bool
+    reason: str  # why it fell back to the stock module ("" when accelerated)
+    # the stock recurrent scan (or cell call) this call is one time step of, "" if none:
+    # such a layer runs on the kernels once per step, the recurrence itself stays stock
+    step_of: str = ""
+
+    def __str__(self):
+        how = "brgemm" if self.accelerated else f"stock ({self.reason})"
+        step = f", per step of {self.step_of}" if self.step_of else ""
+        return f"{self.path or '<top>'} [{self.layer}]: {how}{step}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What changes the traced program: part of the jit-cache key."""
+
+    policy: bool
+
+
+# None outside every context; the innermost context's Options inside (thread-local).
+_KEY = jax.make_user_context(None)
+
+
+class _State(threading.local):
+    """This thread's contexts and what the interception tracks while it traces."""
+
+    def __init__(self):
+        self.contexts: list[Accelerate] = []
+        self.entered: list = []        # per context: the _KEY(...) and linen managers entered
+        self.stock_scans: list[str] = []  # stock recurrent scans around the current call
+        self.sublayers: dict = {}      # id(projection) -> (attention module, attribute)
+        self.probing = 0               # > 0 while a scanned body runs abstractly
+
+
+state = _State()
+
+
+def options() -> Options | None:
+    """This thread's innermost context's options, None outside every context (or while a
+    scanned body is probed)."""
+    return None if state.probing else _KEY.value
+
+
+class Accelerate(contextlib.ContextDecorator):
+    """The context manager (and decorator) that ``accelerate()`` returns.
+
+    Attributes:
+      calls: every distinct layer call traced inside the context, in order.
+      report: print ``calls`` when the context exits.
+      policy: leave the calls ``jax_brgemm.accelerate.policy`` names to stock XLA.
+    """
+
+    def __init__(self, report: bool = False, policy: bool = True):
+        self.report = report
+        self.policy = policy
+        self.calls: list[Call] = []
+
+    def __enter__(self):
+        self.calls = []
+        patches.acquire()
+        entered = contextlib.ExitStack()
+        entered.enter_context(_KEY(Options(self.policy)))
+        if not state.contexts:  # linen's interceptors are per thread already
+            entered.enter_context(patches.linen_interception())
+        state.contexts.append(self)
+        state.entered.append(entered)
+        return self
+
+    def __exit__(self, *exc):
+        assert state.contexts.pop() is self
+        state.entered.pop().close()
+        patches.release()
+        if self.report:
+            print(self.summary())
+            if not self.calls and exc[0] is None:
+                warnings.warn(_NOTHING_SEEN, stacklevel=2)
+        return False
+
+    def summary(self) -> str:
+        fast = sum(c.accelerated for c in self.calls)
+        lines = [f"jax_brgemm.accelerate: {fast} of {len(self.calls)} layer calls on the kernels"]
+        steps = sum(c.accelerated and bool(c.step_of) for c in self.calls)
+        if steps:
+            lines[0] += (f"; {steps} of them are layers inside stock recurrent scans, on the "
+                         f"kernels once per time step (the recurrence itself runs stock)")
+        return "\n".join(lines + [f"  {c}" for c in self.calls])
+
+
+def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
+    """Runs the supported stock Flax layers traced inside the context on the kernels.
+
+    Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation),
+    ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
+    ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
+    ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
+    with a float32 softmax, its projections as DenseGeneral; stock for a custom
+    ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``), and
+    ``flax.linen.Conv`` (1-D and 2-D, every padding form, a negative pad cropping, strides,
+    masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
+    ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
+    A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
+    ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
+    other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
+    also for input or kernel dilation, feature groups, a padding that crops the whole input
+    or 3-D;
+    an RNN also for other cells (or subclasses of these), gate / activation functions other
+    than sigmoid / tanh, non-default scan settings (``variable_axes``,
+    ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
+    ``seq_lengths`` with ``return_carry=True`` over more than one batch dim.
+    ``nn.scan(OptimizedLSTMCell or LSTMCell, variable_broadcast="params", ...)`` (Flax's
+    sst2 pattern), called on ``(carry, inputs)``, runs fused too, for ``reverse`` either way
+    and the time axis 0 or 1 of 3-D inputs and outputs (``in_axes`` / ``out_axes``); stock,
+    listed with the reason, for per-step or carried parameters, a ``data_transform``, other
+    axes or shapes. So does ``nn.scan`` over a module method whose body only calls one such
+    cell on its own ``(carry, x)`` and returns the cell's result (the sst2 example's
+    ``SimpleLSTM``); a body that does anything more stays stock, listed with the reason.
+
+    NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
+    over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
+    see there), ``flax.nnx.MultiHeadAttention`` as linen's (``num_kv_heads`` and
+    ``is_causal`` too), ``LinearGeneral`` (without ``batch_axis``) and ``Einsum`` as linen's
+    DenseGeneral and Einsum, under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and
+    ``nnx.scan``.
+
+    Where the kernels take a call but lose to stock XLA on this CPU, the call stays stock,
+    with the reason in the report: ``jax_brgemm.accelerate.policy.TABLE``, fixed at import from the
+    CPU's ISA (float32 Dense-like layers over fewer than 512 rows, whose dots XLA overlaps
+    with the optimizer step; larger or bfloat16 ones, convolutions, LSTMs and attention run
+    on the kernels). ``policy=False`` runs every call the kernels take on them.
+
+    ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
+    not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
+    when the context saw no layer call at all. A recurrent cell run step by step (a stock
+    ``nn.scan`` over a cell or a method, a stock RNN fallback, a loop) is listed with its
+    reason, and the layers inside it, which run on the kernels once per time step, say so.
+
+    Only code traced inside the context runs on the kernels, and all of it does, in the
+    thread that entered it: the context (with its ``policy``) is part of what ``jax.jit``'s
+    caches key on (``jax.make_user_context``), so a function jitted and traced before is
+    traced again inside, and its first trace runs again after. Outside every context flax
+    is exactly itself (``patches``).
+
+    Usable as ``with jax_brgemm.accelerate(): ...`` or as a decorator.
+    """
+    return Accelerate(report, policy)
+
+
+_NOTHING_SEEN = (
+    "jax_brgemm.accelerate(report=True) saw no layer call: nothing was traced inside the "
+    "context. The likely cause: a jitted function already traced inside an equal context "
+    "ran from jax.jit's cache (its program is on the kernels, but nothing was recorded), or "
+    "it ran in another thread, or the model has no flax Dense / Linear, Conv or RNN layers.")
+
+
+def record(path: str, layer: str, reason: str) -> None:
+    """Adds a call to the report of this thread's innermost context (once)."""
+    call = Call(path, layer, not reason, reason, state.stock_scans[-1] if state.stock_scans else "")
+    calls = state.contexts[-1].calls
+    if call not in calls:
+        calls.append(call)
+
+
+@contextlib.contextmanager
+def stock_scan(layer: str, why: str):
+    """Marks, in this thread, a stock recurrent scan that runs its cell step by step (``why``
+    the fused kernels did not take it): layer calls inside are per-step work of that scan."""
+    state.stock_scans.append(f"{layer}: {why}")
+    try:
+        yield
+    finally:
+        state.stock_scans.pop()
+
+
+def in_stock_scan() -> bool:
+    return bool(state.stock_scans)
+
+
+@contextlib.contextmanager
+def probing():
+    """While a scanned body runs abstractly (``scans``), nothing is intercepted."""
+    state.probing += 1
+    try:
+        yield
+    finally:
+        state.probing -= 1
+
+
+# last: the replacements installed on entering read this module's state
+from jax_brgemm.accelerate import patches  # noqa: E402
