@@ -113,15 +113,8 @@ def linen_scan(module, scan: scans.Scan, args, kwargs) -> Decision:
     broadcast over time, the time axis of the inputs and outputs is 0 or 1 of 3-D arrays and
     there is no data_transform; ``reverse`` runs the sequence from its end, each output in
     its own place (the RNN's reverse with keep_order)."""
-    cell, cell_class, params = module, scan.cell_class, None
-    if scan.body is not None:
-        step = scans.lstm_step(module, scan.body, scan.settings, args, kwargs)
-        if not step.taken:
-            return step
-        cell, params = step.value
-        cell_class = type(cell)
     settings = scan.settings
-    why = _lstm_cell_why(cell, cell_class) or scans.scan_settings_why(settings)
+    why = scans.scan_settings_why(settings)
     if why:
         return Decision.stock(why)
     if len(args) != 2 or kwargs:
@@ -135,6 +128,16 @@ def linen_scan(module, scan: scans.Scan, args, kwargs) -> Decision:
         return Decision.stock("nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays")
     if settings.get("length") not in (None, inputs.shape[in_axis]):
         return Decision.stock("nn.scan length other than the inputs' time steps")
+    cell, cell_class, params = module, scan.cell_class, None
+    if scan.body is not None:
+        step = scans.lstm_step(module, scan.body, carry, inputs, in_axis)
+        if not step.taken:
+            return step
+        cell, params = step.value
+        cell_class = type(cell)
+    why = _lstm_cell_why(cell, cell_class)
+    if why:
+        return Decision.stock(why)
     if params is None:
         params = module.variables.get("params", {})
     result = _lstm(cell, params, inputs, carry, time_major=in_axis == 0,

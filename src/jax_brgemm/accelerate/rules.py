@@ -21,6 +21,7 @@ from jax_brgemm.accelerate.context import options
 from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.attention import dense_general_on_kernels
 from jax_brgemm.nn.linear import conv_on_kernels, dense_on_kernels
+from jax_brgemm.nnx.linear import kernel_and_bias
 
 
 def _policy(dtype, rows: int) -> str:
@@ -40,11 +41,6 @@ def linen_params(module, args, kwargs, arguments=(1, 1), keywords=()) -> Decisio
     if "kernel" not in params or (module.use_bias and "bias" not in params):
         return Decision.stock("parameters not created yet")
     return Decision((params["kernel"], params.get("bias")))
-
-
-def nnx_params(layer) -> Decision:
-    """``Decision((kernel, bias))`` of an NNX Linear-like layer, the bias None without one."""
-    return Decision((layer.kernel[...], layer.bias[...] if layer.bias is not None else None))
 
 
 def _bind(names, args, kwargs) -> dict | None:
@@ -94,13 +90,13 @@ def nnx_linear(module, args, kwargs):
     call = _nnx_one_input(module, args, kwargs)
     if not call.taken:
         return call
-    return dense_on_kernels(module, call.value["inputs"], *nnx_params(module).value,
+    return dense_on_kernels(module, call.value["inputs"], *kernel_and_bias(module),
                             stays_stock=_policy)
 
 
 def nnx_conv(module, args, kwargs):
     call = _nnx_one_input(module, args, kwargs, spatial=len(module.kernel_size))
-    return conv_on_kernels(module, call.value["inputs"], *nnx_params(module).value) if call.taken else call
+    return conv_on_kernels(module, call.value["inputs"], *kernel_and_bias(module)) if call.taken else call
 
 
 # --- DenseGeneral / LinearGeneral and Einsum --------------------------------------------------
@@ -135,7 +131,7 @@ def nnx_linear_general(module, args, kwargs):
     if module.batch_axis:
         return Decision.stock("batch_axis")
     view = linen_view(module, batch_dims=(), axis=module.axis, features=module.out_features)
-    return dense_general_on_kernels(view, call.value["inputs"], *nnx_params(module).value,
+    return dense_general_on_kernels(view, call.value["inputs"], *kernel_and_bias(module),
                                     stays_stock=_policy)
 
 
@@ -157,7 +153,7 @@ def nnx_einsum(module, args, kwargs):
     if module.einsum_op is not jnp.einsum:
         return Decision.stock("custom einsum_op")
     spec = call.value.get("einsum_str") or module.einsum_str
-    return einsum_on_kernels(linen_view(module), spec, call.value["inputs"], *nnx_params(module).value,
+    return einsum_on_kernels(linen_view(module), spec, call.value["inputs"], *kernel_and_bias(module),
                              stays_stock=_policy)
 
 

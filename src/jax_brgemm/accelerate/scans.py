@@ -213,22 +213,11 @@ def _verdict(module, body, carry, x_step) -> _Verdict:
     return cached
 
 
-def lstm_step(module, body, scan: dict, args, kwargs) -> Decision:
+def lstm_step(module, body, carry, inputs, axis: int) -> Decision:
     """``Decision((cell, its parameters))`` when the scanned method ``body`` of ``module``,
-    called on ``args``, computes one step of an OptimizedLSTMCell / LSTMCell on its own
-    ``(carry, x)`` and returns its result unchanged, with the parameters broadcast over
-    time."""
-    why = scan_settings_why(scan)
-    if why:
-        return Decision.stock(why)
-    if len(args) != 2 or kwargs:
-        return Decision.stock("unexpected arguments")
-    carry, inputs = args
-    if getattr(inputs, "ndim", None) != 3:
-        return Decision.stock("inputs other than one 3-D array")
-    axis = time_axis(scan.get("in_axes"), 3)
-    if axis is None:
-        return Decision.stock("nn.scan in_axes / out_axes other than 0 or 1 of 3-D arrays")
+    called on ``(carry, inputs)`` (time along ``axis``), computes one step of an
+    OptimizedLSTMCell / LSTMCell on its own ``(carry, x)`` and returns its result
+    unchanged."""
     if module.scope.mutable:
         return Decision.stock("a variable collection is mutable in this apply (the scanned "
                               "method could write to it)")
