@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_brgemm._native import ACTIVATION_CODES
+from jax_brgemm import _activations
 
 #: The dtypes the kernels read and write.
 KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -22,10 +22,6 @@ KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 #: The dtypes the ops take: the kernels' and float64, which only survives canonicalization
 #: with ``jax_enable_x64``; the ops then compute in XLA, in float64, as the stock ops do.
 OP_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
-
-#: Fused activations: None (no activation) or a name -> the kernels' code.
-ACTIVATIONS: dict[str | None, int] = {
-    (None if name == "none" else name): code for name, code in ACTIVATION_CODES.items()}
 
 
 def canonical(d) -> np.dtype:
@@ -140,12 +136,11 @@ def broadcast(op: str, **leading) -> tuple[int, ...]:
 
 
 def activation(value: Any, op: str, arg: str = "activation") -> int:
-    """The kernels' code of a fused activation (None or one of ``ACTIVATIONS``' names)."""
-    names = sorted(a for a in ACTIVATIONS if a is not None)
+    """The kernels' code of a fused activation (None or a name of ``_activations.ACTIVATIONS``)."""
+    names = sorted(_activations.ACTIVATIONS)
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{op}: {arg} must be None or the name of a fused activation, one of "
                         f"{names}; got {value!r}")
-    if value not in ACTIVATIONS:
+    if value is not None and value not in _activations.ACTIVATIONS:
         raise ValueError(f"{op}: unknown {arg} {value!r}; expected None or one of {names}")
-    return ACTIVATIONS[value]
-
+    return _activations.code_of(value)

@@ -351,13 +351,17 @@ def test_forward_mode_is_one_clear_error(transform):
 
 
 def test_activation_table_comes_from_cpp():
-    """Names and codes are C++'s (jb::kActivationNames); every name has its jnp twin."""
-    from jax_brgemm import _activations, _native
+    """Names and codes are C++'s (jb::kActivationNames); every name has its jnp twin, in one
+    table that the public names share (not copies of it)."""
+    from jax_brgemm import _activations, _native, models
 
     codes = _native.ACTIVATION_CODES
-    assert set(codes) == {"none"} | set(_activations.FUNCTIONS) == {"none"} | set(jb.nn.ACTIVATIONS)
+    assert set(codes) == {"none"} | set(_activations.ACTIVATIONS)
     assert len(set(codes.values())) == len(codes) and codes["none"] == 0
-    assert set(ACTS) == {None} | set(_activations.FUNCTIONS)
+    assert set(ACTS) == {None} | set(_activations.ACTIVATIONS)
+    assert jb.nn.ACTIVATIONS is _activations.ACTIVATIONS and models.ACTIVATIONS is _activations.ACTIVATIONS
+    for name in ACTS:
+        assert _activations.name_of(_activations.code_of(name)) == name
 
 
 def _rel_error(out, ref):

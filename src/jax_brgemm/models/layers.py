@@ -25,13 +25,12 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 
 from jax_brgemm import nn as jbnn
+# ACTIVATIONS: the activations a model can apply after a layer (jax_brgemm.nn's table):
+# fused by jax_brgemm's layers, the same stock function after flax.linen's.
+from jax_brgemm.nn import ACTIVATIONS
 
 #: The implementations a model can be built on.
 IMPLS = ("brgemm", "xla")
-
-#: The activations a model can apply after a layer: fused by jax_brgemm's layers,
-#: the same stock function after flax.linen's.
-ACTIVATIONS: dict[str, Callable[[Any], Any]] = jbnn.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)

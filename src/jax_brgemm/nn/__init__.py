@@ -13,17 +13,11 @@ with its attention and projections on the kernels.
 
 from __future__ import annotations
 
-from typing import Callable
-
-from flax.typing import Array
-
-from jax_brgemm import _activations
+# ACTIVATIONS: the activations the modules fuse, by name, and the stock function each one
+# matches (what a stock layer followed by that function computes); the package's one table.
+from jax_brgemm._activations import ACTIVATIONS
 from jax_brgemm.nn.attention import MultiHeadDotProductAttention, dot_product_attention
 from jax_brgemm.nn.linear import Conv, Dense
 from jax_brgemm.nn.recurrent import LSTM
 
 __all__ = ["ACTIVATIONS", "Conv", "Dense", "LSTM", "MultiHeadDotProductAttention", "dot_product_attention"]
-
-#: The activations the modules fuse, by name, and the stock function each one matches
-#: (what a stock layer followed by that function computes).
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(_activations.FUNCTIONS)

@@ -87,7 +87,7 @@ def _dense_xla(x, kernel, bias, activation, dtype):
 def act_grad(dy, y, activation):
     """``dy * activation'(.)`` from the layer's output ``y`` (the activations whose derivative
     is a function of the output: None, relu, sigmoid, tanh)."""
-    act = fc_passes.ACTIVATION_CODES[activation or "none"]
+    act = check.activation(activation, "act_grad")
     if act == fc_passes.GELU:
         raise ValueError("act_grad: gelu's derivative is not a function of its output")
     return dy if act == fc_passes.NONE else fc_passes.activation_grad_call(dy, y, act)

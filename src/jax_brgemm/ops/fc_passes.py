@@ -183,7 +183,7 @@ def _activation_grad_fwd(dy, saved, act):
 
 def _activation_grad_bwd(act, res, g):
     dy, saved = res
-    name = _activations.NAMES[act]
+    name = _activations.name_of(act)
     # d/d saved of dy * f'(saved), in jnp (f'' is cheap, element-wise, and differentiable)
     _, vjp = jax.vjp(lambda s: dy.astype(jnp.float32) * _activations.derivative(name, s), saved)
     (d_saved,) = vjp(g.astype(jnp.float32))
