@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -38,6 +40,25 @@ class Decision(NamedTuple):
 
 #: The LSTM's gates in the order the fused layer (and ``OptimizedLSTMCell``) computes them.
 GATES = "ifgo"
+
+#: The gate and cell functions the fused LSTM computes, sigmoid and tanh, under every name
+#: Flax and JAX give them (one object each today; the sets outlive a re-export changing).
+SIGMOIDS = frozenset({nn.sigmoid, nnx.sigmoid, jax.nn.sigmoid})
+TANHS = frozenset({nn.tanh, nnx.tanh, jnp.tanh, getattr(jax.nn, "tanh", jnp.tanh)})
+
+
+def sigmoid_tanh_gates(cell) -> bool:
+    """A linen or NNX LSTM cell's ``gate_fn`` is sigmoid and its ``activation_fn`` tanh, as
+    the fused layer computes them (by identity: a callable object need not be hashable)."""
+    return (any(cell.gate_fn is f for f in SIGMOIDS)
+            and any(cell.activation_fn is f for f in TANHS))
+
+
+def per_dim(value, rank: int) -> tuple[int, ...]:
+    """A conv stride or dilation (None: 1; an int: every dim) as one value per spatial dim."""
+    value = 1 if value is None else value
+    return (value,) * rank if isinstance(value, (int, np.integer)) else tuple(value)
+
 
 _F32, _BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 

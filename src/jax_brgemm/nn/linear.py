@@ -153,12 +153,6 @@ def _kernel_size(layer) -> tuple[int, ...]:
     return (layer.kernel_size,) if isinstance(layer.kernel_size, int) else tuple(layer.kernel_size)
 
 
-def _per_dim(value, rank: int) -> tuple[int, ...]:
-    """A stride or dilation (None: 1; an int: every dim) as one int per spatial dim."""
-    value = 1 if value is None else value
-    return (value,) * rank if isinstance(value, int) else tuple(value)
-
-
 def _pad_by_mode(inputs, padding, kernel_size, kernel_dilation):
     """``(inputs, padding)`` with Flax's ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'`` (1-D)
     paddings applied to the inputs, as Flax does, leaving ``'VALID'``; others unchanged."""
@@ -284,7 +278,7 @@ class Conv(Module):
         if batch_dims != 1:
             inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
         strides, input_dilation, kernel_dilation = (
-            _per_dim(v, rank) for v in (self.strides, self.input_dilation, self.kernel_dilation))
+            _adapt.per_dim(v, rank) for v in (self.strides, self.input_dilation, self.kernel_dilation))
 
         padding = canonicalize_padding(self.padding, rank)
         if padding == 'CAUSAL' and rank != 1:
@@ -348,7 +342,7 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     if _adapt.custom_conv(layer):
         return Decision.stock("custom conv_general_dilated")
     strides, input_dilation, kernel_dilation = (
-        _per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
+        _adapt.per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
     if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in strides):
         return Decision.stock("non-integer strides")  # the stock code raises lax's TypeError
     if any(d != 1 for d in input_dilation):

@@ -18,7 +18,8 @@ from jax import lax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
-from jax_brgemm import nn as jbnn
+from jax_brgemm.nn import _adapt
+from jax_brgemm.nn.linear import conv_on_kernels, dense_on_kernels
 
 Array = tp.Any
 
@@ -29,12 +30,6 @@ _PADDING_NAMES = ('SAME', 'SAME_LOWER', 'VALID', 'CIRCULAR', 'REFLECT', 'CAUSAL'
 def kernel_and_bias(layer) -> tuple[Array, Array | None]:
     """An NNX Linear / Conv layer's parameters as arrays (the bias None without one)."""
     return layer.kernel[...], (layer.bias[...] if layer.bias is not None else None)
-
-
-def _per_dim(value, rank: int) -> tuple[int, ...]:
-    """A stride or dilation (None: 1; an int: every dim) as one int per spatial dim."""
-    value = 1 if value is None else value
-    return (value,) * rank if isinstance(value, (int, np.integer)) else tuple(value)
 
 
 def _positive_int(op: str, **values) -> None:
@@ -113,7 +108,7 @@ class Linear(stock_linear.Linear):
             raise ValueError(f"jb.nnx.Linear: inputs must be (..., in_features = "
                              f"{self.in_features}), got shape {inputs.shape}")
         if out_sharding is None:
-            y, _ = jbnn.dense_on_kernels(self, inputs, *kernel_and_bias(self), self.activation)
+            y, _ = dense_on_kernels(self, inputs, *kernel_and_bias(self), self.activation)
             if y is not None:
                 return y
         return _activations.apply(self.activation, super().__call__(inputs, out_sharding))
@@ -187,7 +182,7 @@ class Conv(stock_linear.Conv):
         _positive_int(op, **{f"kernel_size[{i}]": k for i, k in enumerate(sizes)})
         for name, value in (("strides", strides), ("input_dilation", input_dilation),
                             ("kernel_dilation", kernel_dilation)):
-            values = _per_dim(value, len(sizes))
+            values = _adapt.per_dim(value, len(sizes))
             if len(values) != len(sizes):
                 raise ValueError(f"{op}: {name} must be an int or {len(sizes)} ints (one per "
                                  f"spatial dim of kernel_size {sizes}), got {value!r}")
@@ -226,7 +221,7 @@ class Conv(stock_linear.Conv):
             raise ValueError(f"jb.nnx.Conv: inputs must be (*batch, {rank} spatial dims, "
                              f"in_features = {self.in_features}), got shape {inputs.shape}")
         if out_sharding is None:
-            y, _ = jbnn.conv_on_kernels(self, inputs, *kernel_and_bias(self), self.activation)
+            y, _ = conv_on_kernels(self, inputs, *kernel_and_bias(self), self.activation)
             if y is not None:
                 return y
         return _activations.apply(self.activation, super().__call__(inputs, out_sharding))

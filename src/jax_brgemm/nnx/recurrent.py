@@ -28,9 +28,6 @@ from jax_brgemm.nnx.linear import _positive_int
 
 Array = tp.Any
 
-_SIGMOIDS = (nnx.sigmoid, jax.nn.sigmoid)
-_TANHS = (nnx.tanh, jnp.tanh, getattr(jax.nn, "tanh", jnp.tanh))
-
 
 def _stock_linear(layer, with_bias: bool) -> bool:
     """``layer`` is a plain ``nnx.Linear`` that computes ``x @ kernel (+ bias)``."""
@@ -45,8 +42,7 @@ def lstm_params(cell) -> Decision:
     it."""
     if type(cell) not in (stock_recurrent.OptimizedLSTMCell, stock_recurrent.LSTMCell):
         return Decision.stock(f"cell {type(cell).__name__}")
-    if not any(cell.gate_fn is f for f in _SIGMOIDS) or not any(
-            cell.activation_fn is f for f in _TANHS):
+    if not _adapt.sigmoid_tanh_gates(cell):
         return Decision.stock("gate_fn / activation_fn other than sigmoid / tanh")
     if cell.promote_dtype is not nnx_dtypes.promote_dtype:
         return Decision.stock("custom promote_dtype")
