@@ -4,16 +4,11 @@ convolution kernels, and the functions that run a stock layer's call on them (fo
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-from flax.linen import initializers
-from flax.linen.dtypes import promote_dtype
-from flax.linen.linear import PromoteDtypeFn, canonicalize_padding, default_kernel_init
-from flax.linen.module import Module, compact
-from flax.typing import Array, DotGeneralT, Dtype, Initializer, PrecisionLike
-from jax import lax
+from flax.linen.linear import canonicalize_padding
+from flax.typing import Array
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
@@ -45,13 +40,14 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None, *, stays_stoc
     return Decision(dense(inputs, kernel, bias, activation=activation, dtype=dtype))
 
 
-class Dense(Module):
+class Dense(nn.Dense):
     """A linear transformation applied over the last dimension of the input, with an
     optional fused activation, on jax_brgemm's fully-connected kernels.
 
-    A drop-in for ``flax.linen.Dense``: the same fields in the same order (so positional
-    construction such as ``Dense(4, True, jnp.bfloat16)`` means what it means there), the
-    same parameters, the same results; ``activation`` comes after the stock fields::
+    A drop-in for ``flax.linen.Dense`` (a subclass of it): the same fields in the same order
+    (so positional construction such as ``Dense(4, True, jnp.bfloat16)`` means what it means
+    there), the same parameters, the same results; ``activation`` comes after the stock
+    fields::
 
       >>> import jax, jax.numpy as jnp
       >>> import jax_brgemm as jb
@@ -60,92 +56,55 @@ class Dense(Module):
       >>> jax.tree_util.tree_map(jnp.shape, params)
       {'params': {'bias': (4,), 'kernel': (3, 4)}}
 
-    The kernels run when the computation dtype is float32 or bfloat16, ``dot_general`` and
-    ``dot_general_cls`` are None, and ``promote_dtype`` is Flax's own or returns arrays of
-    one of those dtypes. Otherwise the call computes as ``flax.linen.Dense`` does (followed
-    by the activation).
+    ``init`` is flax's own call (it creates the parameters), followed by the activation. A
+    call on existing parameters runs on the kernels when the computation dtype is float32 or
+    bfloat16, ``dot_general`` and ``dot_general_cls`` are None, and ``promote_dtype`` is
+    Flax's own or returns arrays of one of those dtypes; otherwise it is flax's call too.
 
     Attributes:
-      features: the number of output features.
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-        bfloat16 computes with float32 accumulation, bias and activation.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      precision: numerical precision of the computation, see ``jax.lax.Precision``. On the
-        kernels every precision is the same: products in the computation dtype, float32
-        accumulation (what XLA's CPU dot does for every precision, too).
-      kernel_init: initializer function for the weight matrix.
-      bias_init: initializer function for the bias.
-      promote_dtype: function to promote the dtype of the arrays to the desired dtype, as
-        in ``flax.linen.Dense``: called as ``promote_dtype(inputs, kernel, bias,
-        dtype=dtype)``, returns the three arrays.
-      dot_general: a custom ``lax.dot_general``; given, the layer computes as
-        ``flax.linen.Dense`` with it (not on the kernels).
-      dot_general_cls: a class whose instances are a custom ``dot_general``; as above.
+      features, use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
+        promote_dtype, dot_general, dot_general_cls: as in ``flax.linen.Dense``. A bfloat16
+        ``dtype`` computes with float32 accumulation, bias and activation; on the kernels
+        every ``precision`` is the same (products in the computation dtype, float32
+        accumulation, what XLA's CPU dot does for every precision, too).
       activation: ``None``, ``"relu"``, ``"gelu"`` (tanh approximation, as
         ``flax.linen.gelu``), ``"sigmoid"`` or ``"tanh"``, applied in the kernel while the
         output is in registers (default: None).
     """
 
-    features: int
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    precision: PrecisionLike = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = initializers.zeros_init()
-    promote_dtype: PromoteDtypeFn = promote_dtype
-    dot_general: DotGeneralT | None = None
-    dot_general_cls: Any = None
     activation: str | None = None
 
-    @compact
+    @nn.compact
     def __call__(self, inputs: Array) -> Array:
-        """Applies the layer to the last dimension of ``inputs``.
-
-        Args:
-          inputs: the nd-array to be transformed.
-
-        Returns:
-          The transformed input, in the computation dtype.
-        """
+        """Applies the layer to the last dimension of ``inputs``; the result is in the
+        computation dtype."""
         check.activation(self.activation, "jb.nn.Dense")
-        kernel = self.param(
-            'kernel',
-            self.kernel_init,
-            (jnp.shape(inputs)[-1], self.features),
-            self.param_dtype,
-        )
-        if self.use_bias:
-            bias = self.param('bias', self.bias_init, (self.features,), self.param_dtype)
-        else:
-            bias = None
+        params = _existing_params(self, (jnp.shape(inputs)[-1], self.features))
+        if params is not None:
+            y, why = dense_on_kernels(self, inputs, *params, self.activation)
+            if not why:
+                return y
+        return _activations.apply(self.activation, super().__call__(inputs))
 
-        y, _ = dense_on_kernels(self, inputs, kernel, bias, self.activation)
-        if y is not None:
-            return y
 
-        # flax.linen.Dense's computation, for what the kernels cannot run.
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if self.dot_general_cls is not None:
-            dot_general = self.dot_general_cls()
-        elif self.dot_general is not None:
-            dot_general = self.dot_general
-        else:
-            dot_general = lax.dot_general
-        y = dot_general(
-            inputs,
-            kernel,
-            (((inputs.ndim - 1,), (0,)), ((), ())),
-            precision=self.precision,
-        )
-        if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-        return _activations.apply(self.activation, y)
+def _existing_params(layer, kernel_shape):
+    """``(kernel, bias)`` (bias None without ``use_bias``): the parameters a Dense or Conv
+    ``layer``'s stock call would read, with the shapes it would check; None while
+    initializing or when they are missing or misshapen (flax's call then creates them, or
+    raises its error). Read, not declared: flax's call may still declare them."""
+    if layer.is_initializing() or not layer.has_variable("params", "kernel") or (
+            layer.use_bias and not layer.has_variable("params", "bias")):
+        return None
+    kernel = nn.unbox(layer.get_variable("params", "kernel"))
+    bias = nn.unbox(layer.get_variable("params", "bias")) if layer.use_bias else None
+    if jnp.shape(kernel) != tuple(kernel_shape) or (
+            bias is not None and jnp.shape(bias) != (layer.features,)):
+        return None
+    return kernel, bias
 
 
 # --- Conv ----------------------------------------------------------------------------------
-# The geometry, shared by the module's stock path and conv_on_kernels.
+# The geometry conv_on_kernels applies before the kernels (the module's crop, too).
 
 
 def _kernel_size(layer) -> tuple[int, ...]:
@@ -169,33 +128,26 @@ def _pad_by_mode(inputs, padding, kernel_size, kernel_dilation):
 
 def _crop_negative_padding(inputs, padding, rank: int):
     """``(inputs, padding)`` with the negative pads sliced off the spatial dims of
-    ``inputs`` (N, spatial..., C) and the pads clamped at 0, or None when that leaves no
+    ``inputs`` (..., spatial..., C) and the pads clamped at 0, or None when that leaves no
     pixels. Stock XLA's own cropping convolution reads garbage now and then."""
     padding = [tuple(p) for p in padding]
     if all(v >= 0 for p in padding for v in p):
         return inputs, padding
-    pairs = list(zip(inputs.shape[1:1 + rank], padding, strict=True))
+    pairs = list(zip(inputs.shape[-rank - 1:-1], padding, strict=True))
     if any(n + min(lo, 0) + min(hi, 0) < 1 for n, (lo, hi) in pairs):
         return None
-    inputs = inputs[(slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0)) for n, (lo, hi) in pairs)]
+    window = tuple(slice(-min(lo, 0), n + min(hi, 0)) for n, (lo, hi) in pairs)
+    inputs = inputs[(Ellipsis,) + window + (slice(None),)]
     return inputs, [(max(lo, 0), max(hi, 0)) for lo, hi in padding]
 
 
-def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
-    """Flax's convolution layout for inputs of rank ``ndim``: (N, spatial..., C) inputs and
-    outputs, (spatial..., C, K) kernels."""
-    lhs = (0, ndim - 1) + tuple(range(1, ndim - 1))
-    rhs = (ndim - 1, ndim - 2) + tuple(range(0, ndim - 2))
-    return lax.ConvDimensionNumbers(lhs, rhs, lhs)
-
-
-class Conv(Module):
+class Conv(nn.Conv):
     """A convolution (channels last) with an optional fused activation, on jax_brgemm's
     convolution kernels.
 
-    A drop-in for ``flax.linen.Conv``: the same fields in the same order, the same
-    parameters (names, shapes, initializers, dtypes), the same results; ``activation``
-    comes after the stock fields::
+    A drop-in for ``flax.linen.Conv`` (a subclass of it): the same fields in the same order,
+    the same parameters (names, shapes, initializers, dtypes), the same results;
+    ``activation`` comes after the stock fields::
 
       >>> import jax, jax.numpy as jnp
       >>> import jax_brgemm as jb
@@ -204,123 +156,73 @@ class Conv(Module):
       >>> jax.tree_util.tree_map(jnp.shape, params)
       {'params': {'bias': (4,), 'kernel': (3, 3, 3, 4)}}
 
-    The kernels run 1-D and 2-D convolutions without dilation or feature groups, with
-    every Flax padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
-    ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs; a negative pad crops), a float32 or
-    bfloat16 computation, Flax's ``promote_dtype`` (or one returning arrays of those
-    dtypes) and no custom ``conv_general_dilated``. Anything else computes as
-    ``flax.linen.Conv`` does (followed by the activation).
+    ``init`` is flax's own call (it creates the parameters), followed by the activation. A
+    call on existing parameters runs on the kernels for 1-D and 2-D convolutions without
+    dilation or feature groups, with every Flax padding form (``'SAME'``, ``'VALID'``,
+    ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs; a
+    negative pad crops), a float32 or bfloat16 computation, Flax's ``promote_dtype`` (or
+    one returning arrays of those dtypes) and no custom ``conv_general_dilated``. Anything
+    else is flax's call, followed by the activation; negative pads (without input dilation)
+    crop the input first there too, as on the kernels, since XLA's own cropping
+    convolution reads garbage now and then.
 
     Attributes:
-      features: number of convolution filters.
-      kernel_size: shape of the convolutional kernel; an int is a 1-D kernel (as in Flax).
-      strides: an int or a sequence of ints, the inter-window strides (default: 1).
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D),
-        an int, or a sequence of ints / ``(low, high)`` pairs, one per spatial dim.
-      input_dilation: an int or a sequence of ints (default: 1).
-      kernel_dilation: an int or a sequence of ints (default: 1).
-      feature_group_count: divides the input features into groups (default: 1).
-      use_bias: whether to add a bias to the output (default: True).
-      mask: optional mask for the weights, of the kernel's shape.
-      dtype: the dtype of the computation (default: infer from input and params).
-        bfloat16 computes with float32 accumulation, bias and activation.
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      precision: numerical precision of the stock computation; on the kernels products are
-        in the computation dtype with float32 accumulation.
-      kernel_init: initializer for the convolutional kernel.
-      bias_init: initializer for the bias.
-      promote_dtype: as in ``flax.linen.Conv``.
-      conv_general_dilated: a custom ``lax.conv_general_dilated``; given, the layer computes
-        as ``flax.linen.Conv`` with it (not on the kernels).
-      conv_general_dilated_cls: a class whose instances are one; as above.
+      features, kernel_size, strides, padding, input_dilation, kernel_dilation,
+        feature_group_count, use_bias, mask, dtype, param_dtype, precision, kernel_init,
+        bias_init, promote_dtype, conv_general_dilated, conv_general_dilated_cls: as in
+        ``flax.linen.Conv``. A bfloat16 ``dtype`` computes with float32 accumulation, bias
+        and activation; ``precision`` only affects flax's call (on the kernels products are
+        in the computation dtype with float32 accumulation).
       activation: ``None``, ``"relu"``, ``"gelu"``, ``"sigmoid"`` or ``"tanh"``, applied in
         the kernel while the output is in registers (default: None).
     """
 
-    features: int
-    kernel_size: int | Sequence[int]
-    strides: None | int | Sequence[int] = 1
-    padding: Any = 'SAME'
-    input_dilation: None | int | Sequence[int] = 1
-    kernel_dilation: None | int | Sequence[int] = 1
-    feature_group_count: int = 1
-    use_bias: bool = True
-    mask: Array | None = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    precision: PrecisionLike = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = initializers.zeros_init()
-    promote_dtype: PromoteDtypeFn = promote_dtype
-    conv_general_dilated: Any = None
-    conv_general_dilated_cls: Any = None
     activation: str | None = None
 
-    @compact
+    @nn.compact
     def __call__(self, inputs: Array) -> Array:
         """Applies the convolution to ``inputs`` of shape ``(*batch_dims, spatial...,
         features)``: several batch dims are flattened and restored, a missing one is added
-        and removed (as in Flax).
-
-        Returns:
-          The convolved data, in the computation dtype.
-        """
+        and removed (as in Flax). The result is in the computation dtype."""
         op = "jb.nn.Conv"
         check.activation(self.activation, op)
+        inputs = jnp.asarray(inputs)
         kernel_size = _kernel_size(self)
         rank = len(kernel_size)
-        inputs = raw_inputs = jnp.asarray(inputs)
-        batch_dims = inputs.ndim - (rank + 1)
-        if batch_dims < 0:
+        if inputs.ndim < rank + 1:
             raise ValueError(f"{op}: a {rank}-D convolution needs inputs of rank >= {rank + 1} "
                              f"(spatial dims and features), got shape {inputs.shape}")
-        batch_shape = inputs.shape[:batch_dims]
-        if batch_dims != 1:
-            inputs = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
-        strides, input_dilation, kernel_dilation = (
-            _adapt.per_dim(v, rank) for v in (self.strides, self.input_dilation, self.kernel_dilation))
-
-        padding = canonicalize_padding(self.padding, rank)
-        if padding == 'CAUSAL' and rank != 1:
-            raise ValueError('Causal padding is only implemented for 1D convolutions.')
-        inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
-
-        in_features = jnp.shape(inputs)[-1]
+        in_features = inputs.shape[-1]
         if in_features % self.feature_group_count:
             raise ValueError(f"{op}: {in_features} input features do not divide into "
                              f"feature_group_count={self.feature_group_count} groups")
-        kernel_shape = kernel_size + (in_features // self.feature_group_count, self.features)
-        if self.mask is not None and self.mask.shape != kernel_shape:
-            raise ValueError('Mask needs to have the same shape as weights. '
-                             f'Shapes are: {self.mask.shape}, {kernel_shape}')
-        kernel = raw_kernel = self.param('kernel', self.kernel_init, kernel_shape, self.param_dtype)
-        if self.mask is not None:
-            kernel *= self.mask
-        bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
+        params = _existing_params(
+            self, kernel_size + (in_features // self.feature_group_count, self.features))
+        if params is not None:
+            y, why = conv_on_kernels(self, inputs, *params, self.activation)
+            if not why:
+                return y
+        cropped = _cropped_by_negative_padding(self, inputs, rank)
+        if cropped is not None:
+            # flax's call of this layer with the pads left after the crop, in this scope
+            inputs, padding = cropped
+            view = self.clone(padding=padding, parent=self.scope)
+            return _activations.apply(self.activation, nn.Conv.__call__(view, inputs))
+        return _activations.apply(self.activation, super().__call__(inputs))
 
-        # the kernels take the unpadded, unflattened inputs and the unmasked kernel
-        y, _ = conv_on_kernels(self, raw_inputs, raw_kernel, bias, self.activation)
-        if y is not None:
-            return y
-        # flax.linen.Conv's computation, for what the kernels cannot run; negative pads
-        # (without input dilation, which they would apply to) as crops, as on the kernels
-        if not isinstance(padding, str) and all(d == 1 for d in input_dilation):
-            inputs, padding = _crop_negative_padding(inputs, padding, rank) or (inputs, padding)
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if self.conv_general_dilated_cls is not None:
-            conv = self.conv_general_dilated_cls()
-        else:
-            conv = self.conv_general_dilated or lax.conv_general_dilated
-        y = conv(inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-                 rhs_dilation=kernel_dilation, dimension_numbers=_channels_last(inputs.ndim),
-                 feature_group_count=self.feature_group_count, precision=self.precision)
-        if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-        y = _activations.apply(self.activation, y)
-        if batch_dims != 1:
-            y = jnp.reshape(y, batch_shape + y.shape[1:])
-        return y
+
+def _cropped_by_negative_padding(layer, inputs, rank: int):
+    """``(inputs, padding)``: the inputs of a Conv ``layer`` whose explicit padding has a
+    negative pad, cropped by it, and the pads left (clamped at 0); None when there is nothing
+    to crop (or the crop would leave nothing, or input dilation, to which pads apply)."""
+    try:
+        padding = canonicalize_padding(layer.padding, rank)
+    except (TypeError, ValueError):  # flax's call raises it
+        return None
+    if (isinstance(padding, str) or all(v >= 0 for pair in padding for v in pair)
+            or any(d != 1 for d in _adapt.per_dim(layer.input_dilation, rank))):
+        return None
+    return _crop_negative_padding(inputs, padding, rank)
 
 
 def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
