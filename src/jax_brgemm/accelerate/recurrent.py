@@ -19,8 +19,6 @@ from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.recurrent import lstm_on_kernels, seq_lengths_problem
 from jax_brgemm.nnx.recurrent import rnn_on_kernels
 
-_SIGMOIDS = {nn.sigmoid, jax.nn.sigmoid}
-_TANHS = {nn.tanh, jnp.tanh, getattr(jax.nn, "tanh", jnp.tanh)}
 _RNN_KWARGS = {"initial_carry", "init_key", "seq_lengths", "return_carry", "time_major",
                "reverse", "keep_order"}
 _NNX_RNN_KWARGS = {"initial_carry", "seq_lengths", "return_carry", "time_major", "reverse",
@@ -35,7 +33,7 @@ def _lstm_cell_why(cell, cell_class: type) -> str:
     or made by nn.scan over it) does ("" when it does)."""
     if cell_class not in scans.LSTM_CELLS:
         return f"cell {cell_class.__name__}"
-    if cell.gate_fn not in _SIGMOIDS or cell.activation_fn not in _TANHS:
+    if not _adapt.sigmoid_tanh_gates(cell):
         return "gate_fn / activation_fn other than sigmoid / tanh"
     return ""
 
