@@ -172,7 +172,7 @@ def test_each_invocation_writes_a_new_set_and_deletes_nothing(tiny, tmp_path):
 # --------------------------------------------------------------------------- 6 normalization
 
 
-def test_normalization_only_against_the_same_cpu_model(tiny, tmp_path, capsys):
+def test_normalization_only_against_the_same_cpu_kind(tiny, tmp_path, capsys):
     bench = tiny.bench
     _record_reference(tiny, [2, 2, 2, 2, 2], cpu="Another CPU")
     try:
@@ -182,12 +182,12 @@ def test_normalization_only_against_the_same_cpu_model(tiny, tmp_path, capsys):
         assert summary["reference"]["result"] is not None
         assert summary["reference"]["same_cpu"] is False and summary["normalized_score"] is None
         assert "WARNING: no normalized score" in out and "Another CPU" in out
-        # The same reference recorded on this CPU normalizes.
+        # The same reference recorded on this CPU kind normalizes.
         sibling = {"benchmark": "tiny", "division": "closed", "dtype": "float32", "set": "s",
-                   "cpu_model": summary["cpu_model"], "score": {"value": 5.0, "valid": True},
-                   "runs": []}
+                   "cpu_model": summary["cpu_model"], "cpu_kind": summary["cpu_kind"],
+                   "score": {"value": 5.0, "valid": True}, "runs": []}
         reference = reference_result(bench, "brgemm", "closed", "float32", sibling,
-                                     summary["cpu_model"])
+                                     summary["cpu_kind"])
         assert reference["same_cpu"] and reference["result"] == 5.0
     finally:
         (tiny.reference / "tiny.json").unlink()

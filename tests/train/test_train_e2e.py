@@ -194,15 +194,15 @@ def test_brgemm_impl_end_to_end(tiny):
 
 def test_reference_result_prefers_sibling_xla_runs():
     bench = SUITE["mlp"]
-    recorded_cpu = bench.reference()["cpu_model"]
     sibling = {"benchmark": "mlp", "division": "closed", "dtype": "float32", "set": "runs/x/1",
-               "cpu_model": "CPU A", "score": {"value": 123.0, "valid": True}, "runs": []}
-    reference = reference_result(bench, "brgemm", "closed", "float32", sibling, "CPU A")
+               "cpu_model": "CPU A", "cpu_kind": "amd-25-17-avx512",
+               "score": {"value": 123.0, "valid": True}, "runs": []}
+    reference = reference_result(bench, "brgemm", "closed", "float32", sibling, "amd-25-17-avx512")
     assert reference == {"result": 123.0, "source": "xla runs in runs/x/1", "cpu_model": "CPU A",
-                         "same_cpu": True}
-    # Another dtype: the sibling's runs do not apply, the recorded reference runs do.
-    reference = reference_result(bench, "brgemm", "closed", "bfloat16", sibling,
-                                     recorded_cpu)
+                         "cpu_kind": "amd-25-17-avx512", "same_cpu": True}
+    # Another dtype: the sibling's runs do not apply, the recorded reference runs do, and
+    # they were recorded on no known CPU kind: reported, not normalized against.
+    reference = reference_result(bench, "brgemm", "closed", "bfloat16", sibling, "amd-25-17-avx512")
     assert reference["source"] == "recorded xla reference runs (src/jax_brgemm/train/reference/mlp.json)"
     assert reference["result"] == bench.reference_summary()["result"].value
-    assert reference["same_cpu"] is True
+    assert reference["same_cpu"] is False

@@ -79,7 +79,9 @@ class RunResult:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), the key normalization compares."""
+    """The CPU's model name (/proc/cpuinfo), for people: virtual machines report one name
+    ("Intel(R) Xeon(R) Processor") for very different CPUs, so normalization compares
+    cpu_kind() instead."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -87,6 +89,28 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_kind(cpuinfo: Optional[str] = None, isa: Optional[str] = None) -> str:
+    """The CPU kind a result is compared within: vendor, family and model (the first
+    processor of /proc/cpuinfo, or ``cpuinfo``) and the kernel ISA in use (``isa``, default
+    jax_brgemm.isa(): amx, avx512, avx2 or generic), e.g. "amd-25-17-avx512"."""
+    import jax_brgemm
+
+    info = {}
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block describes them all
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(
+        info.get("vendor_id", ""), (info.get("vendor_id") or platform.machine() or "unknown").lower())
+    return (f"{vendor}-{info.get('cpu family', '?')}-{info.get('model', '?')}-"
+            f"{isa or jax_brgemm.isa()}")
 
 
 def platform_name() -> str:

@@ -2,8 +2,10 @@
 
 Runs the reference implementation (impl="xla", float32, closed-division default
 hyperparameters) for the full ``max_epochs`` without stopping at the target, and
-stores every run's accuracy curve in reference/<name>.json (the benchmark's
-``reference_dir``). Everything the
+stores every run's accuracy curve in reference/<kind>/<name>.json (the benchmark's
+``reference_dir``; <kind> this CPU's vendor, family, model and kernel ISA, loop.cpu_kind()):
+its time to target normalizes runs on that CPU kind only. The reference convergence points
+come from reference/<name>.json's curves (epochs do not depend on the CPU). Everything the
 harness needs is derived from those curves for the suite's current target:
 epochs to target per run (the reference convergence points), the reference
 result (olympic mean time to target) and whether at least 4 of 5 runs reach the
@@ -72,7 +74,7 @@ def record(bench, runs: int, seed, data_dir, log_dir: Path) -> dict:
         "benchmark": bench.name, "impl": "xla", "dtype": "float32", "division": "closed",
         "hparams": hp, "max_epochs": bench.max_epochs,
         "eval_every_epochs": bench.eval_every_epochs,
-        "machine": loop.platform_name(), "cpu_model": loop.cpu_model(),
+        "machine": loop.platform_name(), "cpu_model": loop.cpu_model(), "cpu_kind": loop.cpu_kind(),
         "software": loop.software_versions(), "git_commit": loop.source_commit(),
         "date": datetime.date.today().isoformat(),
         "command": "python -m jax_brgemm.train.reference " + " ".join(sys.argv[1:]),
@@ -96,9 +98,11 @@ def main(argv=None, suite: Suite = SUITE) -> int:
                              "suite's current target")
     args = parser.parse_args(argv)
     bench = suite[args.benchmark]
-    path = Path(bench.reference_dir) / f"{bench.name}.json"
+    from . import loop
+
+    path = Path(bench.reference_dir) / loop.cpu_kind() / f"{bench.name}.json"
     if args.summarize:
-        reference = bench.reference()
+        reference = bench.reference_for(loop.cpu_kind()) or bench.reference()
         if reference is None:
             print(f"no reference runs recorded in {path}", file=sys.stderr)
             return 2
@@ -112,6 +116,7 @@ def main(argv=None, suite: Suite = SUITE) -> int:
             return 2
     reference["summary"] = summarize(bench, reference)
     if not args.summarize:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(reference, indent=1) + "\n")
         print(f"wrote {path}")
     print(json.dumps(reference["summary"], indent=1))

@@ -86,14 +86,17 @@ def table(summary: dict) -> str:
     lines.append(f"RCP check: {summary['rcp']['status']}: {summary['rcp']['message']}")
     ref = summary["reference"]
     if ref["result"] is not None and ref["same_cpu"]:
-        lines.append(f"reference result ({ref['source']}, {ref['cpu_model']}): "
+        lines.append(f"reference result ({ref['source']}, {ref.get('cpu_kind')}): "
                      f"{ref['result']:.1f} s  ->  normalized score "
                      f"{_fmt(summary['normalized_score'], '.3f')}")
-    elif ref["result"] is not None:
-        lines.append(f"WARNING: no normalized score: the reference result ({ref['source']}) "
-                     f"was recorded on {ref['cpu_model'] or 'an unrecorded CPU'}, not on this "
-                     f"CPU ({summary['cpu_model']}); record xla runs here (--impl xla) to "
-                     f"normalize")
+    else:
+        recorded = (f"the reference result ({ref['source']}) was recorded on "
+                    f"{ref.get('cpu_kind') or 'an unrecorded CPU kind'} ({ref['cpu_model'] or '-'})"
+                    if ref["result"] is not None else "no reference result is recorded")
+        lines.append(f"WARNING: no normalized score: {recorded}, not on this CPU kind "
+                     f"({summary.get('cpu_kind')}, {summary['cpu_model']}); record xla runs here "
+                     f"(--impl xla, or python -m jax_brgemm.train.reference "
+                     f"{summary['benchmark']}) to normalize")
     if summary["division"] == "open":
         lines.append(f"geometric mean of the final quality: "
                      f"{_fmt(summary['final_quality_geomean'], '.4f')}")

@@ -63,9 +63,9 @@ def run_set(config: SetConfig, out=None) -> dict:
         return _follow(checked)
     c = config
     log_dir = Path(c.log_dir if c.log_dir is not None else Path("runs") / c.bench.name / c.impl)
-    cpu = loop.cpu_model()
+    cpu, kind = loop.cpu_model(), loop.cpu_kind()
     sibling = summary.sibling_summary(log_dir, c.impl)
-    reference = summary.reference_result(c.bench, c.impl, c.division, c.dtype, sibling, cpu)
+    reference = summary.reference_result(c.bench, c.impl, c.division, c.dtype, sibling, kind)
     run_config = checked.run_config()
     for i, found in (c.resume.found.items() if c.resume else ()):
         if found.loop["config"] != checkpoint.run_config(run_config, checked.seeds[i][0]):
@@ -80,7 +80,7 @@ def run_set(config: SetConfig, out=None) -> dict:
               f"is kept as it is)", file=out)
     data_files = _write_config(checked, set_dir)
     results = _run_all(checked, run_config, set_dir, out)
-    result = summary.summarize(checked, set_dir, results, reference, cpu, data_files)
+    result = summary.summarize(checked, set_dir, results, reference, cpu, data_files, kind)
     report.write_summary(set_dir, result)
     print(report.table(result), file=out)
     png = summary.plot(checked, set_dir, results, sibling)

@@ -83,10 +83,21 @@ class Benchmark:
         path = Path(self.reference_dir) / f"{self.name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def reference_summary(self) -> Optional[dict]:
-        """What the recorded runs give for the current target: epochs and time to
-        target per run, the reference result and the RCP (scoring.reference_summary)."""
+    def reference_for(self, kind: str) -> Optional[dict]:
+        """The recorded reference runs of CPU kind ``kind`` (loop.cpu_kind()):
+        reference/<kind>/<name>.json, or reference/<name>.json if it was recorded on that
+        kind; None otherwise (times from another kind of CPU do not compare)."""
+        path = Path(self.reference_dir) / kind / f"{self.name}.json"
+        if path.exists():
+            return json.loads(path.read_text())
         reference = self.reference()
+        return reference if reference is not None and reference.get("cpu_kind") == kind else None
+
+    def reference_summary(self, reference: Optional[dict] = None) -> Optional[dict]:
+        """What the recorded runs give for the current target: epochs and time to
+        target per run, the reference result and the RCP (scoring.reference_summary);
+        of ``reference`` if given, else of reference/<name>.json."""
+        reference = reference if reference is not None else self.reference()
         if reference is None:
             return None
         return scoring.reference_summary(reference, self.target, self.eval_every_epochs,

@@ -24,31 +24,35 @@ def sibling_summary(log_dir: Path, impl: str) -> Optional[dict]:
 
 
 def reference_result(bench: Benchmark, impl, division, dtype, sibling: Optional[dict],
-                     cpu: str) -> dict:
+                     kind: str) -> dict:
     """The reference result (seconds) to normalize by: ``{"result", "source", "cpu_model",
-    "same_cpu"}``.
+    "cpu_kind", "same_cpu"}``; ``kind`` is this CPU's (loop.cpu_kind()).
 
     Prefer xla runs measured next to these ones (the newest set in LOG_DIR/../xla,
     same benchmark, division and dtype). Otherwise the recorded reference runs
-    shipped with the suite. A reference from another CPU model is reported, not
-    normalized against.
+    shipped with the suite for this CPU kind, else any recorded ones. A reference
+    from another CPU kind (or of no recorded kind) is reported, not normalized against.
     """
+    recorded = bench.reference_for(kind) or bench.reference()
     if (impl != "xla" and sibling and sibling["benchmark"] == bench.name
             and sibling["division"] == division and sibling["dtype"] == dtype
             and sibling["score"]["valid"]):
         reference = {"result": sibling["score"]["value"], "cpu_model": sibling["cpu_model"],
-                     "source": f"xla runs in {sibling['set']}"}
-    elif bench.reference_summary() is not None:
-        reference = {"result": bench.reference_summary()["result"].value,
-                     "cpu_model": bench.reference().get("cpu_model"),
-                     "source": f"recorded xla reference runs (src/jax_brgemm/train/reference/{bench.name}.json)"}
+                     "cpu_kind": sibling.get("cpu_kind"), "source": f"xla runs in {sibling['set']}"}
+    elif recorded is not None:
+        where = f"{kind}/" if (Path(bench.reference_dir) / kind / f"{bench.name}.json").exists() else ""
+        reference = {"result": bench.reference_summary(recorded)["result"].value,
+                     "cpu_model": recorded.get("cpu_model"), "cpu_kind": recorded.get("cpu_kind"),
+                     "source": f"recorded xla reference runs "
+                               f"(src/jax_brgemm/train/reference/{where}{bench.name}.json)"}
     else:
-        return {"result": None, "source": "none recorded", "cpu_model": None, "same_cpu": False}
-    return {**reference, "same_cpu": reference["cpu_model"] == cpu}
+        return {"result": None, "source": "none recorded", "cpu_model": None, "cpu_kind": None,
+                "same_cpu": False}
+    return {**reference, "same_cpu": reference["cpu_kind"] == kind}
 
 
 def summarize(checked: Checked, set_dir: Path, results: list, reference: dict, cpu: str,
-              data_files: dict) -> dict:
+              data_files: dict, kind: Optional[str] = None) -> dict:
     """The set's summary: its runs, the score (olympic mean, RCP-scaled), whether it is
     an official result, the reference and the normalized score."""
     c = checked.config
@@ -60,7 +64,7 @@ def summarize(checked: Checked, set_dir: Path, results: list, reference: dict, c
     resumed = [r.index for r in results if r.resumed]
     return {
         "benchmark": bench.name, "impl": c.impl, "division": c.division, "dtype": c.dtype,
-        "set": str(set_dir), "cpu_model": cpu, "target": bench.target,
+        "set": str(set_dir), "cpu_model": cpu, "cpu_kind": kind, "target": bench.target,
         "max_epochs": checked.max_epochs, "hparams": checked.hparams,
         "compliance_config": compliance.compliance_config(bench.name, c.suite),
         "data_files": data_files,
