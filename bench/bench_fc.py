@@ -11,13 +11,16 @@ fp32 and bf16 (bf16 compute with fp32 parameters, Flax's dtype=bfloat16):
   upd   dW = x^T (dy * relu'(y)), db      idem (XLA drops the part a pass does not need)
   step  fwd + bwd + upd: one jitted jax.grad of the layer w.r.t. x, W and b
 
-MLP suite: whole training steps (softmax cross-entropy, jax.grad, optax SGD with momentum,
-one jitted function) of models.MLP impl="brgemm" vs impl="xla" with the same parameters:
-N=256 784-1024-1024-1024-10 and N=64 with the same 1024-wide layers.
+MLP suite: whole training steps (softmax cross-entropy, jax.grad, a generic optax step:
+SGD with momentum, and AdamW; one jitted function) of models.MLP impl="brgemm" vs
+impl="xla" with the same parameters: N=256 784-1024-1024-1024-10 and N=64 with the same
+1024-wide layers.
 
 GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
-`repeats` samples; the machine's peak is measured by the probe in the same run.
+`repeats` samples; ratios are taken round by round (pair by pair), median and min-max;
+the machine's peak is measured by the probe in the same run; the CPU is named by vendor,
+family, model and kernel ISA.
 Writes bench/results/<cpu-kind>/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png.
 """
 
@@ -38,6 +41,7 @@ WIDTHS = (256, 512, 1024)
 BATCHES = (64, 256, 1024)
 PASSES = ("fwd", "bwd", "upd", "step")
 MLP_CASES = ((256, (1024, 1024, 1024)), (64, (1024, 1024, 1024)))
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.01, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -109,11 +113,11 @@ def layer_contenders(n, c, dtype, torch):
 
 # --- the MLP training step ------------------------------------------------------------------
 
-def mlp_contenders(n, features, dtype, torch):
+def mlp_contenders(n, features, dtype, torch, opt_name="sgd"):
     rng = np.random.default_rng(n)
     x = jnp.asarray(rng.uniform(0, 1, (n, 28, 28)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, n))
-    opt = optax.sgd(0.01, momentum=0.9)
+    opt = OPTIMIZERS[opt_name]()
     out = {}
     params = None
     for name, impl in (("jax_brgemm", "brgemm"), ("flax", "xla")):
@@ -136,7 +140,8 @@ def mlp_contenders(n, features, dtype, torch):
         for a, b_ in zip(widths[:-1], widths[1:]):
             layers += [torch.nn.Linear(a, b_), torch.nn.ReLU()]
         net = torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 10)).to(tdt)
-        topt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        topt = (torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9) if opt_name == "sgd" else
+                torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-4))
         tx = torch.from_numpy(np.array(x).reshape(n, -1)).to(tdt)
         tl = torch.from_numpy(np.array(labels)).long()
 
@@ -160,7 +165,7 @@ def main(argv=None):
     peak = common.measure_peak()
     print(f"measured peak: fp32 {peak['float32']:.0f} GFLOP/s, bf16 {peak['bfloat16']:.0f} GFLOP/s "
           f"({', '.join(f'{k} {v:.0f}' for k, v in peak.items() if k.startswith('bfloat16_'))}); "
-          f"kernel ISA {jb.isa()}; torch {'yes' if torch else 'not installed'}")
+          f"kernel ISA {jb.isa()}; torch {'yes' if torch else 'not installed'}\nCPU: {common.cpu_name()}")
 
     layer_rows = []
     shapes = [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
@@ -176,37 +181,49 @@ def main(argv=None):
                        **common.summarize(samples, flops)}
                 row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
                 row["peak_fraction_fp32"] = row["gflops"]["jax_brgemm"] / peak["float32"]
-                row["vs_flax"] = row["gflops"]["jax_brgemm"] / row["gflops"]["flax"]
-                if "torch" in row["gflops"]:
-                    row["vs_torch"] = row["gflops"]["jax_brgemm"] / row["gflops"]["torch"]
+                ratios(row, samples)
                 layer_rows.append(row)
                 print(f"{dname:8s} N={n:<5d} C=K={c:<5d} {pas:4s} " + "  ".join(
                     f"{k} {row['gflops'][k]:7.1f}" for k in row["gflops"]) +
-                    f"  | {100 * row['peak_fraction']:5.1f}% of peak, {row['vs_flax']:.2f}x flax", flush=True)
+                    f"  | {100 * row['peak_fraction']:5.1f}% of peak, {spread(row, 'flax')} flax", flush=True)
 
     mlp_rows = []
     for dname, dtype in DTYPES.items():
-        for n, features in MLP_CASES:
-            cont = mlp_contenders(n, features, dtype, torch)
+        for (n, features), opt_name in [(case, o) for case in MLP_CASES for o in OPTIMIZERS]:
+            cont = mlp_contenders(n, features, dtype, torch, opt_name)
             samples = common.interleaved({k: v[0] for k, v in cont.items()},
                                          {k: v[1] for k, v in cont.items()},
                                          repeats=args.repeats, min_time=args.min_time)
             widths = (784, *features, 10)
             flops = 6.0 * n * sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-            row = {"dtype": dname, "n": n, "widths": list(widths), "flops": flops, **common.summarize(samples, flops)}
+            row = {"dtype": dname, "n": n, "widths": list(widths), "optimizer": opt_name, "flops": flops,
+                   **common.summarize(samples, flops)}
             med = {k: v["median"] for k, v in row["seconds"].items()}
-            row["vs_flax"] = med["flax"] / med["jax_brgemm"]
+            ratios(row, samples)
             row["peak_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
-            if "torch" in med:
-                row["vs_torch"] = med["torch"] / med["jax_brgemm"]
             mlp_rows.append(row)
-            print(f"MLP {dname:8s} N={n:<4d} {'-'.join(map(str, widths))}: " + "  ".join(
-                f"{k} {1e3 * med[k]:.2f} ms" for k in med) + f"  | {row['vs_flax']:.2f}x flax", flush=True)
+            print(f"MLP {dname:8s} N={n:<4d} {opt_name:5s} {'-'.join(map(str, widths))}: " + "  ".join(
+                f"{k} {1e3 * med[k]:.2f} ms" for k in med) + f"  | {spread(row, 'flax')} flax"
+                + (f", {spread(row, 'torch')} torch" if "torch" in med else ""), flush=True)
 
     common.write_results("fc", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
                                 "torch": bool(torch), "layer": layer_rows, "mlp": mlp_rows})
     plots(layer_rows, mlp_rows, peak)
     print(markdown(layer_rows, mlp_rows, peak))
+    print(f"(CPU: {common.cpu_name()})")
+
+
+def ratios(row, samples):
+    """The row's speedups over flax (and torch), round by round: vs_X the median, vs_X_range."""
+    for other in ("flax", "torch"):
+        if other in samples:
+            r = common.pair_ratios(samples, "jax_brgemm", other)
+            row[f"vs_{other}"], row[f"vs_{other}_range"] = r["median"], [r["min"], r["max"]]
+
+
+def spread(row, other):
+    lo, hi = row[f"vs_{other}_range"]
+    return f"{row[f'vs_{other}']:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def plots(layer_rows, mlp_rows, peak):
@@ -223,10 +240,10 @@ def plots(layer_rows, mlp_rows, peak):
                      "GFLOP/s (median)", "FC layer passes, N=256",
                      hline=peak["float32"], hline_label="fp32 peak (probe)")
     mnames = list(mlp_rows[0]["seconds"])
-    common.plot_bars("fc_mlp", [f"{short[r['dtype']]} N{r['n']}" for r in mlp_rows],
+    common.plot_bars("fc_mlp", [f"{short[r['dtype']]} N{r['n']} {r['optimizer']}" for r in mlp_rows],
                      {n: [1e3 * r["seconds"][n]["median"] for r in mlp_rows] for n in mnames},
                      "ms per training step (median, lower is better)",
-                     "MLP 784-1024-1024-1024-10 SGD step")
+                     "MLP 784-1024-1024-1024-10 training step")
 
 
 def markdown(layer_rows, mlp_rows, peak):
@@ -235,16 +252,17 @@ def markdown(layer_rows, mlp_rows, peak):
     for r in layer_rows:
         cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
         out.append(f"| {r['dtype']} | {r['n']} | {r['c']} | {r['pass']} | " + " | ".join(cells) +
-                   f" | {100 * r['peak_fraction']:.0f}% | {r['vs_flax']:.2f}x |" +
-                   (f" {r['vs_torch']:.2f}x |" if "vs_torch" in r else ""))
+                   f" | {100 * r['peak_fraction']:.0f}% | {spread(r, 'flax')} |" +
+                   (f" {spread(r, 'torch')} |" if "vs_torch" in r else ""))
     mnames = list(mlp_rows[0]["seconds"])
     out += ["", "| MLP step | N | " + " | ".join(f"{n} ms" for n in mnames) + " | vs flax |" +
             (" vs torch |" if "torch" in mnames else ""), "|" + "---|" * (len(mnames) + 3 + ("torch" in mnames))]
     for r in mlp_rows:
         s = r["seconds"]
         cells = [f"{1e3 * s[n]['median']:.2f} ({1e3 * s[n]['min']:.2f}-{1e3 * s[n]['max']:.2f})" for n in mnames]
-        out.append(f"| {r['dtype']} {'-'.join(map(str, r['widths']))} | {r['n']} | " + " | ".join(cells) +
-                   f" | {r['vs_flax']:.2f}x |" + (f" {r['vs_torch']:.2f}x |" if "vs_torch" in r else ""))
+        out.append(f"| {r['dtype']} {'-'.join(map(str, r['widths']))} {r['optimizer']} | {r['n']} | " +
+                   " | ".join(cells) + f" | {spread(r, 'flax')} |" +
+                   (f" {spread(r, 'torch')} |" if "vs_torch" in r else ""))
     return "\n".join(out)
 
 

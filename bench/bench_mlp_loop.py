@@ -107,17 +107,19 @@ def main(argv=None):
         for name, run in contenders.items():
             rates[name].append(run())
         print(f"round {r + 1}: " + "  ".join(f"{n} {v[-1]:,.0f}" for n, v in rates.items()), flush=True)
-    cpu = common.machine().get("cpu", "?")
-    print(f"\nmlp training loop, {args.dtype}, img/s ({cpu}, {os.cpu_count()} CPUs; "
+    print(f"\nmlp training loop, {args.dtype}, img/s ({common.cpu_name()}; "
           f"median of {args.rounds} rounds, min-max)")
     for name, v in rates.items():
         print(f"  {name:7s} {statistics.median(v):9,.0f}  ({min(v):,.0f}-{max(v):,.0f})")
+    ratios = {}
     for other in ("xla", "torch"):
-        ratios = [a / b for a, b in zip(rates["brgemm"], rates[other])]
-        print(f"  brgemm / {other:5s} {statistics.median(ratios):.3f}  "
-              f"({min(ratios):.3f}-{max(ratios):.3f}, pair by pair)")
-    common.write_results(f"mlp_loop_{args.dtype}", {"epochs": args.epochs, "rounds": args.rounds,
-                                                     "img_per_s": rates})
+        r = [a / b for a, b in zip(rates["brgemm"], rates[other])]
+        ratios[other] = {"pairs": r, **common.stats(r)}
+        print(f"  brgemm / {other:5s} {statistics.median(r):.3f}  "
+              f"({min(r):.3f}-{max(r):.3f}, pair by pair)")
+    path = common.write_results(f"mlp_loop_{args.dtype}", {"epochs": args.epochs, "rounds": args.rounds,
+                                                            "img_per_s": rates, "brgemm_vs": ratios})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

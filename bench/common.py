@@ -26,17 +26,35 @@ jax_brgemm.reuse_freed_memory()
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 
 
-def cpu_kind() -> str:
-    """This CPU's kind (zen4, xeon-amx, ...), from /proc/cpuinfo: its results folder's name."""
+def cpuinfo() -> dict:
+    """The first processor's block of /proc/cpuinfo (it describes them all), or {}."""
     info = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if not line.strip():
-                    break  # the first processor's block describes them all
+                    break
                 key, _, value = line.partition(":")
                 info[key.strip()] = value.strip()
     except OSError:
+        pass
+    return info
+
+
+def cpu_name() -> str:
+    """This CPU as every figure names it: vendor, family, model, the kernel ISA and the
+    model name, e.g. "AuthenticAMD family 25 model 17, avx512 (AMD EPYC 9R14 ...)"."""
+    info = cpuinfo()
+    return (f"{info.get('vendor_id', platform.machine())} family {info.get('cpu family', '?')} "
+            f"model {info.get('model', '?')}, {jax_brgemm.isa()} ({info.get('model name', '?')}, "
+            f"{os.cpu_count()} CPUs)")
+
+
+def cpu_kind() -> str:
+    """This CPU's kind (zen4, xeon-207-amx, ...), from /proc/cpuinfo: its results folder's
+    name. Intel kinds carry the model: Xeons of one model name differ (DESIGN.md)."""
+    info = cpuinfo()
+    if not info:
         return platform.machine().lower() or "unknown"
     vendor, flags = info.get("vendor_id", ""), set(info.get("flags", "").split())
     family, model = int(info.get("cpu family", 0)), int(info.get("model", 0))
@@ -49,7 +67,7 @@ def cpu_kind() -> str:
             return "zen4" if "avx512f" in flags else "zen3"
         return "zen5" if family == 26 else f"amd-{family}-{model}"
     if vendor == "GenuineIntel":
-        name = "xeon" if "Xeon" in info.get("model name", "") else "intel"
+        name = ("xeon" if "Xeon" in info.get("model name", "") else "intel") + f"-{model}"
         if "amx_bf16" in flags:
             return f"{name}-amx"
         return f"{name}-noamx" if "avx512f" in flags else f"{name}-avx2"
@@ -98,6 +116,12 @@ def stats(samples) -> dict:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
 
+def pair_ratios(samples: dict, ours: str, other: str) -> dict:
+    """other's time / ours, round by round (interleaved samples of one round are pairs), so
+    the machine's drift hits both alike: {"median", "min", "max"}."""
+    return stats([b / a for a, b in zip(samples[ours], samples[other])])
+
+
 def summarize(samples: dict, flops: float) -> dict:
     """Seconds and GFLOP/s (median and range) per contender, for a results row."""
     return {"seconds": {k: stats(v) for k, v in samples.items()},
@@ -143,8 +167,10 @@ def peak_table_head(peak: dict, keys: list[str], names: list[str], vs: str) -> l
 
 
 def machine() -> dict:
+    cpu = cpuinfo()
     info = {"platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "cpus": os.cpu_count(), "cpu_kind": cpu_kind()}
+            "jax": jax.__version__, "cpus": os.cpu_count(), "cpu_kind": cpu_kind(),
+            "vendor": cpu.get("vendor_id"), "family": cpu.get("cpu family"), "model": cpu.get("model")}
     try:
         import jax_brgemm
         info["jax_brgemm_isa"] = jax_brgemm.isa()
