@@ -64,16 +64,20 @@ def _nnx_call(module, args, kwargs, names=("inputs", "out_sharding")) -> Decisio
 # --- Dense / Linear and Conv ----------------------------------------------------------------
 
 
-def linen_dense(module, args, kwargs):
-    params = linen_params(module, args, kwargs)
-    if not params.taken:
-        return params
-    return dense_on_kernels(module, args[0], *params.value, stays_stock=_policy)
+def _linen_rule(on_kernels, **options):
+    """The rule of a linen layer called on one input, computed on the kernels by
+    ``on_kernels(module, inputs, kernel, bias, **options)``."""
+
+    def rule(module, args, kwargs):
+        params = linen_params(module, args, kwargs)
+        return on_kernels(module, args[0], *params.value, **options) if params.taken else params
+
+    return rule
 
 
-def linen_conv(module, args, kwargs):
-    params = linen_params(module, args, kwargs)
-    return conv_on_kernels(module, args[0], *params.value) if params.taken else params
+linen_dense = _linen_rule(dense_on_kernels, stays_stock=_policy)
+linen_conv = _linen_rule(conv_on_kernels)
+linen_dense_general = _linen_rule(dense_general_on_kernels, stays_stock=_policy)
 
 
 def _nnx_one_input(module, args, kwargs, spatial: int = 0) -> Decision:
@@ -114,13 +118,6 @@ def linen_view(module, **fields):
         preferred_element_type=getattr(module, "preferred_element_type", None),
         dot_general=getattr(module, "dot_general", None),
         dot_general_cls=getattr(module, "dot_general_cls", None), **fields)
-
-
-def linen_dense_general(module, args, kwargs):
-    params = linen_params(module, args, kwargs)
-    if not params.taken:
-        return params
-    return dense_general_on_kernels(module, args[0], *params.value, stays_stock=_policy)
 
 
 def nnx_linear_general(module, args, kwargs):
