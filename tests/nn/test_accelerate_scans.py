@@ -304,12 +304,12 @@ def test_sst2_method_form_bidirectional_fused_forward_and_backward(dtype, tol):
 
 
 def test_both_directions_share_one_probe(monkeypatch):
-    from jax_brgemm.accelerate import scans as scan_methods
+    from jax_brgemm.accelerate import scans
 
     probes = []
-    probe = scan_methods._probe
-    monkeypatch.setattr(scan_methods, "_verdicts", {})
-    monkeypatch.setattr(scan_methods, "_probe", lambda *a: probes.append(a) or probe(*a))
+    probe = scans._probe
+    monkeypatch.setattr(scans, "_verdicts", {})
+    monkeypatch.setattr(scans, "_probe", lambda *a: probes.append(a) or probe(*a))
     model, x, lengths = TwoDirections(features=3), jnp.ones((2, 4, 3)), jnp.array([4, 1])
     params = model.init(jax.random.key(0), x, lengths)
     with jb.accelerate() as acc:

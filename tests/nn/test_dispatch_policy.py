@@ -1,4 +1,4 @@
-"""accelerate()'s dispatch policy: the layer calls jax_brgemm.policy.TABLE names for this
+"""accelerate()'s dispatch policy: the layer calls jax_brgemm.accelerate.policy.TABLE names for this
 CPU's ISA stay stock (the same program as without the context), the report says why, and
 policy=False, jax_brgemm's own modules and the other layer kinds still run on the kernels."""
 
