@@ -170,11 +170,12 @@ def rnn_on_kernels(rnn, inputs, *, initial_carry=None, seq_lengths=None, return_
     dtype, why = _adapt.computation_dtype(cell.dtype, inputs, h0, kernel_i, kernel_h, bias)
     if why:
         return Decision.stock(why)
-    if initial_carry is None:  # the stock module's rng stream and carry, taken as it takes them
+    # the stock module's rng stream (forked on every call) and carry, taken as it takes them
+    rngs = rnn.rngs if rngs is None else rngs
+    if isinstance(rngs, rnglib.Rngs):
+        rngs = rngs.carry.fork()
+    if initial_carry is None:
         time_axis = 0 if opts["time_major"] else inputs.ndim - 2
-        rngs = rnn.rngs if rngs is None else rngs
-        if isinstance(rngs, rnglib.Rngs):
-            rngs = rngs.carry.fork()
         initial_carry = cell.initialize_carry(inputs.shape[:time_axis] + inputs.shape[time_axis + 1:],
                                               rngs)
     c0, h0 = (jnp.asarray(a) for a in initial_carry)
