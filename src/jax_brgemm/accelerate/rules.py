@@ -114,7 +114,7 @@ def linen_view(module, **fields):
     if isinstance(module, nnx.Module) and promote is not nnx_dtypes.promote_dtype:
         promote = lambda *arrays, dtype: module.promote_dtype(arrays, dtype=dtype)  # noqa: E731
     return types.SimpleNamespace(
-        dtype=module.dtype, promote_dtype=promote,
+        dtype=module.dtype, promote_dtype=promote, precision=getattr(module, "precision", None),
         preferred_element_type=getattr(module, "preferred_element_type", None),
         dot_general=getattr(module, "dot_general", None),
         dot_general_cls=getattr(module, "dot_general_cls", None), **fields)

@@ -20,6 +20,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as jb_precision
 
 class Decision(NamedTuple):
     """Whether the kernels take a layer's call: ``value`` (the result on the kernels, or
@@ -81,6 +82,16 @@ def custom_conv(layer) -> bool:
 def out_features(layer) -> int:
     """A linen layer's ``features``, an NNX layer's ``out_features``."""
     return layer.out_features if isinstance(layer, nnx.Module) else layer.features
+
+
+def precision_why(precision) -> str:
+    """Why a layer's ``precision`` field asks for what the kernels do not compute (an
+    algorithm outside ``jax_brgemm.precision.ACCURACY``), "" when they take it."""
+    try:
+        jb_precision.accuracy(precision, "")
+    except ValueError:
+        return f"precision {precision!r}"
+    return ""
 
 
 def computation_dtype(requested, *arrays):

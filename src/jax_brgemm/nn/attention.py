@@ -27,10 +27,13 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
     The kernels take float32 or bfloat16 computations without attention dropout, without
     custom einsums or ``einsum_dot_general``, and without a ``module`` to sow the attention
     weights into (the kernels never form them). The softmax is always float32 (Flax's is in
-    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is moot (float32
-    accumulation).
+    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is met by exact
+    float32 products (``jax_brgemm.precision``).
     """
-    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    del broadcast_dropout, dropout_rng, force_fp32_for_softmax
+    why = _adapt.precision_why(precision)
+    if why:
+        return Decision.stock(why)
     if dropout_rate > 0.0 and not deterministic:
         return Decision.stock("attention dropout")
     if module is not None:
@@ -58,7 +61,7 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
             operands.append(a.astype(bool) if name == "mask" else a)
         else:
             operands.append(None)
-    y = _attention(q, k, v, *operands, is_causal=is_causal)
+    y = _attention(q, k, v, *operands, is_causal=is_causal, precision=precision)
     return Decision(y.reshape(query.shape))
 
 

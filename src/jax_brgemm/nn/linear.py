@@ -30,6 +30,10 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None, *, stays_stoc
     """
     if _adapt.custom_dot_general(layer):
         return Decision.stock("custom dot_general")
+    precision = getattr(layer, "precision", None)
+    why = _adapt.precision_why(precision)
+    if why:
+        return Decision.stock(why)
     operands = _adapt.kernel_operands(layer, inputs, kernel, bias)
     if not operands.taken:
         return operands
@@ -37,7 +41,7 @@ def dense_on_kernels(layer, inputs, kernel, bias, activation=None, *, stays_stoc
     why = stays_stock(dtype, int(np.prod(inputs.shape[:-1]))) if stays_stock else ""
     if why:
         return Decision.stock(why)
-    return Decision(dense(inputs, kernel, bias, activation=activation, dtype=dtype))
+    return Decision(dense(inputs, kernel, bias, activation=activation, dtype=dtype, precision=precision))
 
 
 class Dense(nn.Dense):

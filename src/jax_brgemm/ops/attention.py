@@ -29,12 +29,14 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as _precision
 from jax_brgemm.ops import partitioning
 
 _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False):
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          precision=None):
     """Scaled dot-product attention on the BRGEMM kernels, as ``jax.nn.dot_product_attention``.
 
     ``softmax(scale * query @ key^T + bias, where masked: a large negative) @ value`` per head,
@@ -50,6 +52,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       mask: optional boolean, True where a query attends to a key; shaped like ``bias``.
       scale: the logits' scale, a Python number; ``None`` means ``1 / sqrt(H)``.
       is_causal: query ``i`` attends to keys ``j <= i`` only.
+      precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
+        ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
+        ``jax.default_matmul_precision``); every one is met by exact float32 products
+        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
 
     Returns:
       query's shape and dtype. A fully masked row attends uniformly to every key, as in jax.
@@ -66,6 +72,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(f"{op}: {name} must be (B, {'T' if name == 'query' else 'S'}, heads, H) or "
                              f"unbatched without B (rank 3 or 4), got shape {tuple(a.shape)}")
     check.same_dtype(op, query=query, key=key, value=value)
+    _precision.accuracy(precision, op)
     q, k, v = (a if a.ndim == 4 else a[None] for a in (query, key, value))
     b, t, n, h = q.shape
     if k.shape != v.shape:

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as _precision
 from jax_brgemm.ops import partitioning
 
 _F32, _BF16, _F64 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)
 
 
-def brgemm(a, b, c=None, *, out_dtype=None):
+def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     """Batch-reduce GEMM: ``c + sum_i a[..., i, :, :] @ b[..., i, :, :]``.
 
     Args:
@@ -23,6 +24,10 @@ def brgemm(a, b, c=None, *, out_dtype=None):
       c: optional ``(..., M, N)`` accumulator in the output dtype.
       out_dtype: float32 (default; accumulation is always float32) or, for bfloat16
         inputs, bfloat16. Defaults to ``c.dtype`` when ``c`` is given.
+      precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
+        ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
+        ``jax.default_matmul_precision``); every one is met by exact float32 products
+        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
 
     Leading dims broadcast numpy-style. Returns ``(..., M, N)``. Any size of 0 (a leading
     dim, B, M, K or N) gives what ``jnp.einsum`` gives, computed in XLA; so does float64
@@ -36,6 +41,7 @@ def brgemm(a, b, c=None, *, out_dtype=None):
     a = check.array(a, "a", op, check.OP_DTYPES)
     b = check.array(b, "b", op, check.OP_DTYPES)
     check.same_dtype(op, a=a, b=b)
+    _precision.accuracy(precision, op)
     check.rank(a, "a", op, "(..., B, M, K)", at_least=3)
     check.rank(b, "b", op, "(..., B, K, N)", at_least=3)
     (nb, m, k), (nb2, k2, n) = a.shape[-3:], b.shape[-3:]

@@ -20,12 +20,13 @@ import numpy as np
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as _precision
 from jax_brgemm.ops import fc_passes
 
 __all__ = ["act_grad", "dense", "sgd_update"]
 
 
-def dense(x, kernel, bias=None, *, activation=None, dtype=None):
+def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     """Fully-connected layer: ``activation(x @ kernel + bias)`` on the BRGEMM kernels.
 
     Args:
@@ -39,6 +40,10 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
         dtypes like ``flax.linen.dtypes.promote_dtype``. ``x`` and ``kernel`` are used in
         this dtype (the kernel is cast while it is re-blocked, inside the call);
         accumulation, bias and activation are always float32.
+      precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
+        ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
+        ``jax.default_matmul_precision``); every one is met by exact float32 products
+        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
 
     Returns:
       ``(..., K)`` in ``dtype``. Gradients come back in each argument's own dtype; with a
@@ -55,6 +60,7 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None):
     if bias is not None:
         bias = check.array(bias, "bias", op, check.OP_DTYPES)
     act = check.activation(activation, op)
+    _precision.accuracy(precision, op)
     check.rank(x, "x", op, "(..., C)", at_least=1)
     check.rank(kernel, "kernel", op, "(C, K)", exactly=2)
     c, k = kernel.shape

@@ -36,6 +36,7 @@ import numpy as np
 
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as _precision
 from jax_brgemm.ops import fc_passes
 
 # jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
@@ -43,7 +44,7 @@ _AUTOMATIC = 0
 
 
 def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None,
-         seq_lengths=None):
+         seq_lengths=None, precision=None):
     """An LSTM over a whole sequence on the BRGEMM kernels.
 
     Gate order (i, f, g, o) as ``flax.linen.OptimizedLSTMCell``::
@@ -69,6 +70,10 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
         them all. As in stock Flax, whose gather clamps such an index but whose gradient
         drops it, a row whose index is past an end (``seq_lengths`` above T or below
         1 - T) gets no gradient through its carry.
+      precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
+        ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
+        ``jax.default_matmul_precision``); every one is met by exact float32 products
+        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
 
     Returns:
       ``(carry, y)``: ``carry = (c_T, h_T)`` (or each row's with ``seq_lengths``) with
@@ -87,6 +92,7 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     kernel_i = check.array(kernel_i, "kernel_i", op, check.OP_DTYPES)
     kernel_h = check.array(kernel_h, "kernel_h", op, check.OP_DTYPES)
     bias = check.array(bias, "bias", op, check.OP_DTYPES)
+    _precision.accuracy(precision, op)
     check.rank(x, "x", op, "(T, N, C)" if time_major else "(N, T, C)", exactly=3)
     check.rank(kernel_h, "kernel_h", op, "(K, 4K)", exactly=2)
     k = kernel_h.shape[0]

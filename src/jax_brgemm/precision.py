@@ -1,0 +1,84 @@
+"""``precision=``: the accuracy a caller asks of the kernels' float32 matrix products, named
+as JAX names it, and what the kernels compute for it on this CPU.
+
+Every op takes ``precision`` like ``lax.dot_general`` (a ``lax.Precision``, a pair of them,
+a ``lax.DotAlgorithmPreset``, or the strings JAX accepts) and, given None, follows
+``jax.default_matmul_precision``. JAX's own equivalences hold (``'bfloat16'`` is
+``DEFAULT``, ``'bfloat16_3x'`` and ``'tensorfloat32'`` are ``HIGH``, ``'float32'`` is
+``HIGHEST``), and each request is one of four accuracies:
+
+==================================================  ===========  =========================
+requested                                           accuracy     computed here
+==================================================  ===========  =========================
+None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32
+HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  exact float32
+BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32
+BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32
+==================================================  ===========  =========================
+
+A precision is a floor on accuracy, never an order to lose some: every request is met by
+exact float32 products, which is what the kernels compute today for every one of them (as
+stock XLA on CPU does); bfloat16 inputs are exact in one product whatever the precision.
+A request outside the table (float16 or float8 algorithms, unequal per-operand pairs) is a
+``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+_P, _A = lax.Precision, lax.DotAlgorithmPreset
+
+#: Every precision the ops take -> the accuracy it asks for.
+ACCURACY = {
+    None: "float32", _P.DEFAULT: "float32", _P.HIGHEST: "float32", _P.HIGH: "bf16_3x",
+    _A.DEFAULT: "float32", _A.F32_F32_F32: "float32", _A.F64_F64_F64: "float32",
+    _A.BF16_BF16_F32_X9: "float32", _A.BF16_BF16_F32_X6: "bf16_6x",
+    _A.BF16_BF16_F32_X3: "bf16_3x", _A.TF32_TF32_F32: "bf16_3x", _A.TF32_TF32_F32_X3: "bf16_3x",
+    _A.BF16_BF16_F32: "bf16", _A.BF16_BF16_BF16: "bf16",
+}
+
+
+def _one(value, op: str, name: str):
+    """A lax.Precision or DotAlgorithmPreset from one value of JAX's forms, or a ValueError."""
+    if isinstance(value, str):
+        for parse in (_P, lambda v: _A[v]):
+            try:
+                return parse(value)
+            except (ValueError, KeyError):
+                pass
+    if value is None or isinstance(value, (_P, _A)):
+        return value
+    raise ValueError(f"{op}: {name} must be None, a jax.lax.Precision, a pair of them, a "
+                     f"jax.lax.DotAlgorithmPreset or one of their names, got {value!r}")
+
+
+def accuracy(precision, op: str, name: str = "precision") -> str:
+    """The accuracy ``precision`` asks for (``ACCURACY``'s values); None follows
+    ``jax.default_matmul_precision``. Raises ValueError naming ``name`` for anything else."""
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2:
+            raise ValueError(f"{op}: {name} as a sequence must be a pair (lhs, rhs), got {precision!r}")
+        lhs, rhs = (_one(p, op, name) for p in precision)
+        if lhs != rhs:
+            raise ValueError(f"{op}: {name} {precision!r} asks different precisions of the two "
+                             f"operands; the kernels take one for both")
+        key = lhs
+    else:
+        key = _one(precision, op, name)
+    if key is None:
+        precision = jax.config.jax_default_matmul_precision
+        if precision is not None:
+            name, key = "jax.default_matmul_precision", _one(precision, op, name)
+    if key not in ACCURACY:
+        raise ValueError(f"{op}: {name} {precision!r} asks for an algorithm the kernels do not "
+                         f"compute; they take those of jax_brgemm.precision.ACCURACY")
+    return ACCURACY[key]
+
+
+def computed(requested: str) -> str:
+    """What the kernels compute on this CPU for a requested accuracy: exact float32 for all
+    of them (the multi-product bf16 emulation has no kernel yet)."""
+    del requested
+    return "float32"
