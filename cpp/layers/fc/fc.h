@@ -21,6 +21,7 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/common/blocking.h"
+#include "parallel/job.h"
 #include "parallel/parallel_for.h"
 
 namespace jb::fc {
@@ -53,14 +54,22 @@ bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp);
 // Every pass finds its plan (blocking, kernels, work split, scratch sizes) in a cache keyed
 // by the shape, dtypes, thread count and dispatch: built on the first call, reused after.
 // `force` overrides the blocking heuristic (tests use it to exercise edge blocks).
+// Each pass is also a Job (parallel/job.h) for `threads` workers, which the FFI handlers run
+// asynchronously; the function of the pass's name runs that job on the Executor. Same
+// blocks, same kernels, same bits either way.
 
 // y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
              DType w_dt, const float* bias, void* y, void* z, const Blocking* force = nullptr);
 
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w, DType w_dt,
+                const float* bias, void* y, void* z, const Blocking* force = nullptr);
+
 // dz = dy * act'(saved), element-wise (all in dt). Not needed without an activation.
 void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
               const void* saved, void* dz);
+Job act_grad_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dy, const void* saved,
+                 void* dz);
 
 // The backward passes are linear in dz (s.act is not used) and take it from act_grad's one
 // pass: applying act' while they read dz made neither faster (both would recompute it).
@@ -68,12 +77,16 @@ void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // dx = dz @ w^T (dz's rows s.ldz apart when it is set).
 void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
               DType w_dt, void* dx, const Blocking* force = nullptr);
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w, DType w_dt,
+                 void* dx, const Blocking* force = nullptr);
 
 // dw = x^T @ dz (written in dw_dt) and, when db is not null, db = sum over the batch of dz.
 // x's rows are s.ldx apart when it is set (the first c columns of a wider matrix), dz's
 // s.ldz apart.
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force = nullptr);
+Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, void* dw,
+               DType dw_dt, float* db, const Blocking* force = nullptr);
 
 // SGD with momentum (optax's add_decayed_weights + sgd, per element, in fp32):
 //   g' = g + weight_decay * w      (the kernel only; the bias takes no decay)
@@ -90,5 +103,7 @@ struct Sgd {
 // b and mb may be null (no bias).
 void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
                 const Sgd& o, float* w, float* mw, float* b, float* mb);
+Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, const Sgd& o,
+                   float* w, float* mw, float* b, float* mb);
 
 }  // namespace jb::fc

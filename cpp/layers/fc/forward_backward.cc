@@ -2,8 +2,8 @@
 // work item re-blocks one weight panel (a K-block of w, or a C-block of w^T) into L2 and
 // computes the output blocks of its group of N-blocks with it, one BRGEMM call each,
 // batch-reducing over the blocks of the reduced dimension, epilogue (bias, activation) fused
-// (panel.h). Execution takes its scratch on the calling thread, then only loops and calls
-// kernels.
+// (panel.h). Each pass is built as a Job (parallel/job.h): the plan and a leased scratch
+// buffer, then phases that only loop and call kernels.
 #include <algorithm>
 
 #include "layers/common/eltwise.h"
@@ -72,48 +72,68 @@ Blocking backward_blocking(const Shape& s, int64_t threads, const Dispatch& dp) 
 // panel in cache for its reuse across the N-blocks instead of a separate pass through
 // memory.
 
-void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
-             DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
-  if (s.n <= 0 || s.k <= 0) return;
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w, DType w_dt,
+                const float* bias, void* y, void* z, const Blocking* force) {
+  Job job;
+  job.name = "fc_fwd";
+  if (s.n <= 0 || s.k <= 0) return job;
   const bool gelu = s.act == Activation::gelu;
-  const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
-    return PanelPlan(dp, s, force ? *force : forward_blocking(s, ex.num_threads, dp), s.k, s.c, s.c,
-                     bias != nullptr, gelu ? Activation::none : s.act, ex.num_threads, s.dt);
+  const auto plan = forward_plans.get(key_of(s, bias != nullptr, threads, dp, force), [&] {
+    return PanelPlan(dp, s, force ? *force : forward_blocking(s, threads, dp), s.k, s.c, s.c, bias != nullptr,
+                     gelu ? Activation::none : s.act, threads, s.dt);
   });
-  const PanelPlan& p = *plan;
+  const PanelPlan* p = plan.get();
+  job.keep.push_back(plan);
+  job.flops = 2.0 * double(s.n) * double(s.c) * double(s.k);
   const size_t es = dtype_size(s.dt);
   char* out = static_cast<char*>(gelu ? z : y);
-  p.run(
-      ex, x,
-      [&](int64_t k0, int64_t cols, int64_t cb, char* dst) {
-        reblock::pack(at(w, w_dt, cb * p.b.red * s.k + k0), w_dt, s.k, false, p.b.red, cols, p.b.red,
-                      p.b.cols, p.mul_dt, p.vnni, dst, p.isa);
+  p->add(
+      job, x,
+      [p, w, w_dt, s](int64_t k0, int64_t cols, int64_t cb, char* dst) {
+        reblock::pack(at(w, w_dt, cb * p->b.red * s.k + k0), w_dt, s.k, false, p->b.red, cols, p->b.red,
+                      p->b.cols, p->mul_dt, p->vnni, dst, p->isa);
       },
-      [&](int64_t n0, int64_t rows, int64_t k0, int64_t cols, auto&& multiply) {
+      [p, s, es, out, bias, gelu, y, z](int64_t n0, int64_t rows, int64_t k0, int64_t cols, auto&& multiply) {
         multiply(out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
         if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t off = (n0 + r) * s.k + k0;
-            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off),
-                              static_cast<char*>(y) + off * es, cols, p.isa);
+            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off), static_cast<char*>(y) + off * es, cols,
+                              p->isa);
           }
       });
+  return job;
+}
+
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+             DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
+  run(ex, forward_job(ex.num_threads, dp, s, x, w, w_dt, bias, y, z, force));
 }
 
 // ---------------------------------------------------------------------------------------
 // dz = dy * act'(saved): element-wise, in chunks.
 
-void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
-              const void* saved, void* dz) {
+Job act_grad_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dy, const void* saved,
+                 void* dz) {
+  Job job;
+  job.name = "fc_act_grad";
   const int64_t total = s.n * s.k;
-  if (total <= 0) return;
-  const int64_t chunk = std::max<int64_t>(4096, ceil_div(total, 8 * ex.num_threads));
+  if (total <= 0) return job;
+  const int64_t chunk = std::max<int64_t>(4096, ceil_div(total, 8 * threads));
   const int64_t es = int64_t(dtype_size(s.dt));
-  parallel_for(ex, ceil_div(total, chunk), [&](int64_t i) {
+  job.flops = double(3 * total * es);  // bytes moved: it is memory-bound
+  const Isa isa = dp.isa;
+  job.add(ceil_div(total, chunk), [=](int64_t i) {
     const int64_t a = i * chunk, count = std::min(chunk, total - a);
     eltwise::act_grad(s.act, s.dt, at(dy, s.dt, a), saved ? at(saved, s.dt, a) : nullptr,
-                      static_cast<char*>(dz) + a * es, count, dp.isa);
+                      static_cast<char*>(dz) + a * es, count, isa);
   });
+  return job;
+}
+
+void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dy,
+              const void* saved, void* dz) {
+  run(ex, act_grad_job(ex.num_threads, dp, s, dy, saved, dz));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -122,24 +142,34 @@ void act_grad(const Executor& ex, const Dispatch& dp, const Shape& s, const void
 // w transposed ([Cb][Kb][bk][bc], VNNI pairs of k) and computes the (N-block, C-block) tiles
 // of dx of its group, batch-reducing over the K-blocks. dz is the A operand.
 
-void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
-              DType w_dt, void* dx, const Blocking* force) {
-  if (s.n <= 0 || s.c <= 0) return;
-  const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, force), [&] {
-    return PanelPlan(dp, s, force ? *force : backward_blocking(s, ex.num_threads, dp), s.c, s.k,
-                     s.ldz ? s.ldz : s.k, false, Activation::none, ex.num_threads, s.dt);
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w, DType w_dt,
+                 void* dx, const Blocking* force) {
+  Job job;
+  job.name = "fc_bwd";
+  if (s.n <= 0 || s.c <= 0) return job;
+  const auto plan = backward_plans.get(key_of(s, 0, threads, dp, force), [&] {
+    return PanelPlan(dp, s, force ? *force : backward_blocking(s, threads, dp), s.c, s.k, s.ldz ? s.ldz : s.k,
+                     false, Activation::none, threads, s.dt);
   });
-  const PanelPlan& p = *plan;
+  const PanelPlan* p = plan.get();
+  job.keep.push_back(plan);
+  job.flops = 2.0 * double(s.n) * double(s.c) * double(s.k);
   const size_t es = dtype_size(s.dt);
-  p.run(
-      ex, dz,
-      [&](int64_t c0, int64_t cols, int64_t kb, char* dst) {
-        reblock::pack(at(w, w_dt, c0 * s.k + kb * p.b.red), w_dt, s.k, true, p.b.red, cols, p.b.red,
-                      p.b.cols, p.mul_dt, p.vnni, dst, p.isa);
+  p->add(
+      job, dz,
+      [p, w, w_dt, s](int64_t c0, int64_t cols, int64_t kb, char* dst) {
+        reblock::pack(at(w, w_dt, c0 * s.k + kb * p->b.red), w_dt, s.k, true, p->b.red, cols, p->b.red, p->b.cols,
+                      p->mul_dt, p->vnni, dst, p->isa);
       },
-      [&](int64_t n0, int64_t, int64_t c0, int64_t, auto&& multiply) {
+      [s, es, dx](int64_t n0, int64_t, int64_t c0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + (n0 * s.c + c0) * es, nullptr);
       });
+  return job;
+}
+
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force) {
+  run(ex, backward_job(ex.num_threads, dp, s, dz, w, w_dt, dx, force));
 }
 
 }  // namespace jb::fc

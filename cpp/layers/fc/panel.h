@@ -2,7 +2,8 @@
 // every fc pass's plan cache keys on.
 //
 // The pass computes an N x `out_cols` output reducing over `reduced`. The A operand is an
-// activation matrix (N x reduced, rows `lda` apart), read in place or copied once. Work items
+// activation matrix (N x reduced, rows `lda` apart), read in place or copied once. It is
+// added to a Job as phases whose items only capture values (see parallel/job.h). Work items
 // are a weight panel of `cols` output columns, re-blocked by the item into a leased buffer
 // (reduced / red blocks of red x cols), and the group of N-blocks computed with it; or, with
 // weights_first, every panel is re-blocked by a first parallel loop and an item is one
@@ -19,6 +20,7 @@
 #include "layers/common/scratch.h"
 #include "layers/common/work.h"
 #include "layers/fc/fc.h"
+#include "parallel/job.h"
 
 namespace jb::fc {
 
@@ -55,51 +57,64 @@ struct PanelPlan : MultiplyPath {
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
         panel_bytes(Scratch::aligned(size_t(rblk * blk) * mul_bytes)) {}
 
-  // Runs the pass on the A operand a_src: pack(c0, cols, r, dst) re-blocks reduction block
-  // r of the panel of output columns [c0, c0 + cols) into dst; tile(n0, rows, c0, cols,
-  // multiply) computes one output block, where multiply(out, bias) is the block's BRGEMM
-  // call.
+  // Adds the pass on the A operand a_src to `job` (whose keep must hold this plan):
+  // pack(c0, cols, r, dst) re-blocks reduction block r of the panel of output columns
+  // [c0, c0 + cols) into dst; tile(n0, rows, c0, cols, multiply) computes one output block,
+  // where multiply(out, bias) is the block's BRGEMM call. Both are copied into the job.
   template <class Pack, class Tile>
-  void run(const Executor& ex, const void* a_src, Pack&& pack, Tile&& tile) const {
-    run_with(
-        ex, aop.bytes(),
-        [&](char* dst) {
-          if (!aop.copied()) return static_cast<const char*>(a_src);
-          parallel_for(ex, aop.items(), [&](int64_t i) { aop.copy(i, a_src, dst); });
-          return const_cast<const char*>(dst);
-        },
-        pack, tile);
+  void add(Job& job, const void* a_src, Pack pack, Tile tile) const {
+    const auto buf = job_scratch<2>(job, {aop.bytes(), scratch_bytes()});
+    const char* a = static_cast<const char*>(a_src);
+    if (aop.copied()) {
+      const ActivationOperand* op = &aop;
+      char* dst = buf[0];
+      job.add(aop.items(), [op, a_src, dst](int64_t i) { op->copy(i, a_src, dst); });
+      a = dst;
+    }
+    add_with(job, a, buf[1], std::move(pack), std::move(tile));
   }
 
-  // run's body, with A laid out by the caller: prepare(dst) returns the A operand (rows
-  // aop.ld() apart, the multiply dtype), written to dst (a_bytes of scratch) if need be.
-  template <class Prepare, class Pack, class Tile>
-  void run_with(const Executor& ex, size_t a_bytes, Prepare&& prepare, Pack&& pack, Tile&& tile) const {
+  // Panel buffers add_with needs.
+  size_t scratch_bytes() const {
+    return panel_bytes * size_t(b.weights_first ? ceil_div(out_cols, b.cols) : groups.concurrency());
+  }
+
+  // add's phases, with the A operand laid out by the caller at `a` (rows aop.ld() apart, the
+  // multiply dtype, ready when the job's earlier phases are done) and scratch_bytes() of
+  // panel buffers at `panels`.
+  template <class Pack, class Tile>
+  void add_with(Job& job, const char* a, char* panels, Pack pack, Tile tile) const {
+    const PanelPlan* p = this;
     const int64_t npanels = ceil_div(out_cols, b.cols);
-    const auto buf = Scratch::get<2>({a_bytes, panel_bytes * size_t(b.weights_first ? npanels : groups.concurrency())});
-    const char* a = prepare(buf[0]);
-    auto block = [&](int64_t n0, int64_t c0, const char* panel) {
-      const int64_t rows = std::min(b.rows, n - n0), cols = std::min(b.cols, out_cols - c0);
+    auto block = [p, a, tile](int64_t n0, int64_t c0, const char* panel) {
+      const int64_t rows = std::min(p->b.rows, p->n - n0), cols = std::min(p->b.cols, p->out_cols - c0);
       tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
-        kernels(rows, cols).strided(a + n0 * aop.ld() * mul_bytes, b.red, panel, blk, rblk, out, bias);
+        p->kernels(rows, cols).strided(a + n0 * p->aop.ld() * p->mul_bytes, p->b.red, panel, p->blk, p->rblk, out,
+                                       bias);
       });
     };
     if (b.weights_first) {
-      parallel_for(ex, npanels, [&](int64_t i) {
-        const int64_t c0 = i * b.cols, cols = std::min(b.cols, out_cols - c0);
-        for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, buf[1] + i * panel_bytes + r * blk * mul_bytes);
+      job.add(npanels, [p, pack, panels](int64_t i) {
+        const ReblockTimer timer;
+        const int64_t c0 = i * p->b.cols, cols = std::min(p->b.cols, p->out_cols - c0);
+        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panels + i * p->panel_bytes + r * p->blk * p->mul_bytes);
       });
-      parallel_for(ex, ceil_div(n, b.rows), [&](int64_t nb) {
-        for (int64_t i = 0; i < npanels; ++i) block(nb * b.rows, i * b.cols, buf[1] + i * panel_bytes);
+      job.add(ceil_div(n, b.rows), [p, block, npanels, panels](int64_t nb) {
+        for (int64_t i = 0; i < npanels; ++i) block(nb * p->b.rows, i * p->b.cols, panels + i * p->panel_bytes);
       });
       return;
     }
-    PanelPool panels(buf[1], panel_bytes, groups.concurrency());
-    parallel_for(ex, groups.items(), [&](int64_t i) {
-      const int64_t c0 = groups.panel(i) * b.cols, cols = std::min(b.cols, out_cols - c0);
-      const PanelPool::Lease panel(panels);
-      for (int64_t r = 0; r < rblk; ++r) pack(c0, cols, r, panel.data + r * blk * mul_bytes);
-      for (int64_t nb = groups.first(i); nb < groups.last(i); ++nb) block(nb * b.rows, c0, panel.data);
+    auto pool = std::make_shared<PanelPool>(panels, panel_bytes, groups.concurrency());
+    PanelPool* pp = pool.get();
+    job.keep.push_back(std::move(pool));
+    job.add(groups.items(), [p, pack, block, pp](int64_t i) {
+      const int64_t c0 = p->groups.panel(i) * p->b.cols, cols = std::min(p->b.cols, p->out_cols - c0);
+      const PanelPool::Lease panel(*pp);
+      {
+        const ReblockTimer timer;
+        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panel.data + r * p->blk * p->mul_bytes);
+      }
+      for (int64_t nb = p->groups.first(i); nb < p->groups.last(i); ++nb) block(nb * p->b.rows, c0, panel.data);
     });
   }
 

@@ -12,6 +12,7 @@
 #include "layers/common/plan_cache.h"
 #include "layers/common/view.h"
 #include "layers/fc/panel.h"
+#include "parallel/job.h"
 
 namespace jb::fc {
 
@@ -110,33 +111,36 @@ PlanCache<14, LongUpdatePlan> long_update_plans;
 // Rows of x^T a transposing item writes.
 constexpr int64_t kTransposeRows = 16;
 
-void long_update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
-                 void* dw, DType dw_dt, float* db, const PlanKey& key) {
-  const LongUpdatePlan& lp = *long_update_plans.get(key, [&] { return LongUpdatePlan(dp, s, dw_dt, ex.num_threads); });
-  const PanelPlan& p = lp.plan;
+void add_long_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                     void* dw, DType dw_dt, float* db, const PlanKey& key) {
+  const auto plan = long_update_plans.get(key, [&] { return LongUpdatePlan(dp, s, dw_dt, threads); });
+  job.keep.push_back(plan);
+  const LongUpdatePlan* lp = plan.get();
+  const PanelPlan* p = &lp->plan;
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
-  const size_t os = dtype_size(dw_dt);
-  const int64_t mul_bytes = int64_t(p.mul_bytes);
-  p.run_with(
-      ex, size_t(s.c * lp.ld * mul_bytes),
-      [&](char* xt) {
-        parallel_for(ex, ceil_div(s.c, kTransposeRows), [&](int64_t i) {
-          const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
-          reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp.ld, p.mul_dt, false, xt + c0 * lp.ld * mul_bytes,
-                        dp.isa);
-        });
-        return const_cast<const char*>(xt);
+  const int64_t os = int64_t(dtype_size(dw_dt));
+  const int64_t mul_bytes = int64_t(p->mul_bytes);
+  const Isa isa = dp.isa;
+  const auto buf = job_scratch<2>(job, {size_t(s.c * lp->ld * mul_bytes), p->scratch_bytes()});
+  char* xt = buf[0];
+  job.add(ceil_div(s.c, kTransposeRows), [=](int64_t i) {
+    const ReblockTimer timer;
+    const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
+    reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp->ld, p->mul_dt, false,
+                  xt + c0 * lp->ld * mul_bytes, isa);
+  });
+  p->add_with(
+      job, xt, buf[1],
+      [=](int64_t k0, int64_t cols, int64_t r, char* dst) {
+        const int64_t n0 = r * lp->red;
+        reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp->red, s.n - n0), cols, lp->red,
+                      p->b.cols, p->mul_dt, p->vnni, dst, isa);
       },
-      [&](int64_t k0, int64_t cols, int64_t r, char* dst) {
-        const int64_t n0 = r * lp.red;
-        reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp.red, s.n - n0), cols, lp.red,
-                      p.b.cols, p.mul_dt, p.vnni, dst, dp.isa);
-      },
-      [&](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
-        multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), nullptr);
+      [=](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
+        multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * os, nullptr);
       });
   if (db)  // a column block of dz per item
-    parallel_for(ex, ceil_div(s.k, kCols), [&](int64_t i) {
+    job.add(ceil_div(s.k, kCols), [=](int64_t i) {
       const int64_t k0 = i * kCols, cols = std::min(kCols, s.k - k0);
       float sum[kCols] = {};
       add_column_sums(at(dz, s.dt, k0), s.dt, ldz, s.n, cols, sum);
@@ -163,43 +167,45 @@ Blocking update_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 
 namespace {
 
-const UpdatePlan& update_plan(int64_t threads, const Dispatch& dp, const Shape& s, DType dw_dt,
-                              const Blocking* force) {
-  return *update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
+std::shared_ptr<const UpdatePlan> update_plan(int64_t threads, const Dispatch& dp, const Shape& s, DType dw_dt,
+                                              const Blocking* force) {
+  return update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
     return UpdatePlan(dp, s, force ? *force : update_blocking(s, threads, dp), dw_dt);
   });
 }
 
-// Both passes: re-block the operands (and sum db), then call item(i, xt, dzb) for each
-// (C-block, K-block) item of dw, whose BRGEMM reduces over every N-block.
+// Both passes' phases: re-block the operands (and sum db), then call item(i, xt, dzb) for
+// each (C-block, K-block) item of dw, whose BRGEMM reduces over every N-block. `item` is
+// copied into the job.
 template <class Item>
-void update_blocks(const Executor& ex, const Shape& s, const UpdatePlan& p, const void* x,
-                   const void* dz, float* db, char* xt_buf, char* dz_buf, Item&& item) {
-  const Blocking& b = p.b;
+void add_update_blocks(Job& job, const Shape& s, const UpdatePlan* p, const void* x, const void* dz, float* db,
+                       char* xt_buf, char* dz_buf, Item item) {
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
-  const View<char, 2> xt(xt_buf, {p.cblk * p.nblk, int64_t(p.blk_a * p.mul_bytes)});   // [Cb][Nb] blocks
-  const View<char, 3> dzb(dz_buf, {p.kblk, p.nsub * p.nblk, int64_t(p.blk_sub * p.mul_bytes)});  // [Kb][sub][Nb] blocks
-  parallel_for(ex, p.cblk * p.nblk + p.kblk, [&](int64_t i) {
-    if (i < p.cblk * p.nblk) {  // x^T block (cb, nb)
-      const int64_t cb = i / p.nblk, c0 = cb * b.rows, n0 = i % p.nblk * b.red;
+  const View<char, 2> xt(xt_buf, {p->cblk * p->nblk, int64_t(p->blk_a * p->mul_bytes)});   // [Cb][Nb] blocks
+  const View<char, 3> dzb(dz_buf, {p->kblk, p->nsub * p->nblk, int64_t(p->blk_sub * p->mul_bytes)});  // [Kb][sub][Nb]
+  job.add(p->cblk * p->nblk + p->kblk, [=](int64_t i) {
+    const ReblockTimer timer;
+    const Blocking& b = p->b;
+    if (i < p->cblk * p->nblk) {  // x^T block (cb, nb)
+      const int64_t cb = i / p->nblk, c0 = cb * b.rows, n0 = i % p->nblk * b.red;
       reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
-                    std::min(b.red, s.n - n0), b.rows, b.red, p.mul_dt, false, xt.at(i), p.isa);
+                    std::min(b.red, s.n - n0), b.rows, b.red, p->mul_dt, false, xt.at(i), p->isa);
       return;
     }
-    const int64_t kb = i - p.cblk * p.nblk, k0 = kb * b.cols;  // dz column panel kb
+    const int64_t kb = i - p->cblk * p->nblk, k0 = kb * b.cols;  // dz column panel kb
     const int64_t cols = std::min(b.cols, s.k - k0);
     if (db) std::fill(db + k0, db + k0 + cols, 0.0f);
-    for (int64_t nb = 0; nb < p.nblk; ++nb) {
+    for (int64_t nb = 0; nb < p->nblk; ++nb) {
       const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
       const void* src = at(dz, s.dt, n0 * ldz + k0);
-      for (int64_t j = 0; j < cols; j += p.sub)
-        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p.sub, cols - j), b.red, p.sub, p.mul_dt,
-                      p.vnni, dzb.at(kb, j / p.sub * p.nblk + nb), p.isa);
+      for (int64_t j = 0; j < cols; j += p->sub)
+        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p->sub, cols - j), b.red, p->sub, p->mul_dt,
+                      p->vnni, dzb.at(kb, j / p->sub * p->nblk + nb), p->isa);
       if (db) add_column_sums(src, s.dt, ldz, rows, cols, db + k0);
     }
   });
   // C-block major: an x^T panel is reused
-  parallel_for(ex, p.cblk * p.kblk, [&](int64_t i) { item(i, xt.at(i / p.kblk * p.nblk), dzb.at(i % p.kblk)); });
+  job.add(p->cblk * p->kblk, [=](int64_t i) { item(i, xt.at(i / p->kblk * p->nblk), dzb.at(i % p->kblk)); });
 }
 
 // One row piece of the SGD step (see fc.h), g the gradient of w.
@@ -210,63 +216,89 @@ void sgd_row(const Sgd& o, const float* g, float* w, float* m, int64_t cols, Isa
 }  // namespace
 
 bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp) {
-  return s.n > 0 && s.c > 0 && s.k > 0 && update_plan(threads, dp, s, DType::f32, nullptr).long_batch;
+  return s.n > 0 && s.c > 0 && s.k > 0 && update_plan(threads, dp, s, DType::f32, nullptr)->long_batch;
+}
+
+Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, void* dw,
+               DType dw_dt, float* db, const Blocking* force) {
+  Job job;
+  job.name = "fc_upd";
+  if (s.c <= 0 || s.k <= 0) return job;
+  if (s.n <= 0) {  // an empty batch: zero gradients
+    job.add(1, [=](int64_t) {
+      std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
+      if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
+    });
+    return job;
+  }
+  job.flops = 2.0 * double(s.n) * double(s.c) * double(s.k);
+  const auto plan = update_plan(threads, dp, s, dw_dt, force);
+  if (plan->long_batch && !force) {
+    add_long_update(job, threads, dp, s, x, dz, dw, dw_dt, db, key_of(s, int64_t(dw_dt), threads, dp, force));
+    return job;
+  }
+  const UpdatePlan* p = plan.get();
+  job.keep.push_back(plan);
+  const auto buf = job_scratch<2>(job, {size_t(p->cblk * p->nblk * p->blk_a) * p->mul_bytes,
+                                        size_t(p->kblk * p->nblk * p->nsub * p->blk_sub) * p->mul_bytes});
+  const int64_t os = int64_t(dtype_size(dw_dt));
+  add_update_blocks(job, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
+    const Blocking& b = p->b;
+    const int64_t c0 = i / p->kblk * b.rows, k0 = i % p->kblk * b.cols;
+    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
+    p->run(p->kernels, rows, cols, a, bb, static_cast<char*>(dw) + (c0 * s.k + k0) * os, size_t(os));
+  });
+  return job;
 }
 
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force) {
-  if (s.c <= 0 || s.k <= 0) return;
-  if (s.n <= 0) {  // an empty batch: zero gradients
-    std::memset(dw, 0, size_t(s.c * s.k) * dtype_size(dw_dt));
-    if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
-    return;
-  }
-  const UpdatePlan& p = update_plan(ex.num_threads, dp, s, dw_dt, force);
-  if (p.long_batch && !force)
-    return long_update(ex, dp, s, x, dz, dw, dw_dt, db, key_of(s, int64_t(dw_dt), ex.num_threads, dp, force));
-  const Blocking& b = p.b;
-  const auto buf = Scratch::get<2>(
-      {size_t(p.cblk * p.nblk * p.blk_a) * p.mul_bytes, size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.mul_bytes});
-  const size_t os = dtype_size(dw_dt);
-  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
-    const int64_t c0 = i / p.kblk * b.rows, k0 = i % p.kblk * b.cols;
-    const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
-    p.run(p.kernels, rows, cols, a, bb, static_cast<char*>(dw) + (c0 * s.k + k0) * int64_t(os), os);
-  });
+  run(ex, update_job(ex.num_threads, dp, s, x, dz, dw, dw_dt, db, force));
 }
 
 // The fused step: an item's block of dw goes to a leased tile (L1/L2) and is applied from
 // there, so dw never reaches memory; a long batch computes the whole dw first (long_update).
-void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
-                const Sgd& o, float* w, float* mw, float* b, float* mb) {
-  if (s.c <= 0 || s.k <= 0) return;
+Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, const Sgd& o,
+                   float* w, float* mw, float* b, float* mb) {
+  Job job;
+  job.name = "fc_upd_sgd";
+  if (s.c <= 0 || s.k <= 0) return job;
   const Sgd ob{o.lr, o.momentum, 0.0f, o.nesterov};  // the bias takes no weight decay
   const Isa isa = dp.isa;
   if (s.n <= 0) {  // an empty batch: zero gradients (never in a training step)
-    const std::vector<float> none(size_t(s.k), 0.0f);  // one row of them
-    for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, isa);
-    if (b) sgd_row(ob, none.data(), b, mb, s.k, isa);
-    return;
+    job.add(1, [=](int64_t) {
+      const std::vector<float> none(size_t(s.k), 0.0f);  // one row of them
+      for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, isa);
+      if (b) sgd_row(ob, none.data(), b, mb, s.k, isa);
+    });
+    return job;
   }
-  const UpdatePlan& p = update_plan(ex.num_threads, dp, s, DType::f32, nullptr);
-  if (p.long_batch) {  // the whole gradient first, in buffers of its own (update takes this
-                       // thread's scratch)
-    const std::unique_ptr<float[]> g(new float[size_t(s.c * s.k)]), gb(b ? new float[size_t(s.k)] : nullptr);
-    update(ex, dp, s, x, dz, g.get(), DType::f32, gb.get());
-    parallel_for(ex, s.c, [&](int64_t c) { sgd_row(o, g.get() + c * s.k, w + c * s.k, mw + c * s.k, s.k, isa); });
-    if (b) sgd_row(ob, gb.get(), b, mb, s.k, isa);
-    return;
+  job.flops = 2.0 * double(s.n) * double(s.c) * double(s.k);
+  const auto plan = update_plan(threads, dp, s, DType::f32, nullptr);
+  const UpdatePlan* p = plan.get();
+  job.keep.push_back(plan);
+  if (p->long_batch) {  // the whole gradient first, into scratch of its own
+    const auto g = job_scratch<2>(job, {size_t(s.c * s.k) * sizeof(float), b ? size_t(s.k) * sizeof(float) : 0});
+    float* gw = reinterpret_cast<float*>(g[0]);
+    float* gb = b ? reinterpret_cast<float*>(g[1]) : nullptr;
+    Job grad = update_job(threads, dp, s, x, dz, gw, DType::f32, gb);
+    grad.flops = 0;
+    job.then(std::move(grad));
+    job.add(s.c, [=](int64_t c) { sgd_row(o, gw + c * s.k, w + c * s.k, mw + c * s.k, s.k, isa); });
+    if (b) job.add(1, [=](int64_t) { sgd_row(ob, gb, b, mb, s.k, isa); });
+    return job;
   }
-  const Blocking& bl = p.b;
-  const size_t tile_bytes = size_t(bl.rows * bl.cols) * sizeof(float);
-  const auto buf = Scratch::get<4>({size_t(p.cblk * p.nblk * p.blk_a) * p.mul_bytes,
-                                    size_t(p.kblk * p.nblk * p.nsub * p.blk_sub) * p.mul_bytes,
-                                    Scratch::aligned(tile_bytes) * size_t(ex.num_threads),
-                                    b ? size_t(s.k) * sizeof(float) : 0});
+  const Blocking bl = p->b;
+  const size_t tile_bytes = Scratch::aligned(size_t(bl.rows * bl.cols) * sizeof(float));
+  const auto buf = job_scratch<4>(job, {size_t(p->cblk * p->nblk * p->blk_a) * p->mul_bytes,
+                                        size_t(p->kblk * p->nblk * p->nsub * p->blk_sub) * p->mul_bytes,
+                                        tile_bytes * size_t(threads), b ? size_t(s.k) * sizeof(float) : 0});
   float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;
-  PanelPool tiles(buf[2], Scratch::aligned(tile_bytes), ex.num_threads);
-  update_blocks(ex, s, p, x, dz, db, buf[0], buf[1], [&](int64_t i, char* a, char* bb) {
-    const int64_t c0 = i / p.kblk * bl.rows, k0 = i % p.kblk * bl.cols;
+  auto pool = std::make_shared<PanelPool>(buf[2], tile_bytes, threads);
+  PanelPool* tiles = pool.get();
+  job.keep.push_back(std::move(pool));
+  add_update_blocks(job, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
+    const int64_t c0 = i / p->kblk * bl.rows, k0 = i % p->kblk * bl.cols;
     const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
     // The block's parameters and momenta start on their way from memory now and are in
     // cache when the BRGEMM is done.
@@ -275,15 +307,21 @@ void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const vo
         __builtin_prefetch(w + (c0 + r) * s.k + k0 + j, 1, 2);
         __builtin_prefetch(mw + (c0 + r) * s.k + k0 + j, 1, 2);
       }
-    const PanelPool::Lease tile(tiles);
+    const PanelPool::Lease tile(*tiles);
     float* t = reinterpret_cast<float*>(tile.data);
-    p.run(p.tile, rows, cols, a, bb, reinterpret_cast<char*>(t), sizeof(float));
+    p->run(p->tile, rows, cols, a, bb, reinterpret_cast<char*>(t), sizeof(float));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t off = (c0 + r) * s.k + k0;
       sgd_row(o, t + r * bl.cols, w + off, mw + off, cols, isa);
     }
   });
-  if (b) sgd_row(ob, db, b, mb, s.k, isa);
+  if (b) job.add(1, [=](int64_t) { sgd_row(ob, db, b, mb, s.k, isa); });
+  return job;
+}
+
+void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                const Sgd& o, float* w, float* mw, float* b, float* mb) {
+  run(ex, update_sgd_job(ex.num_threads, dp, s, x, dz, o, w, mw, b, mb));
 }
 
 }  // namespace jb::fc

@@ -1,0 +1,210 @@
+// Jobs run asynchronously (parallel/job.h), as the FFI handlers run them: phases in order,
+// every item once, workers that start late or not at all, many calls in flight at once on
+// a small pool, the fc passes' results bitwise equal to the synchronous path's.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "fixtures.h"
+#include "layers/fc/fc.h"
+#include "parallel/job.h"
+
+namespace {
+
+using namespace jb;
+using jbtest::Tensor;
+
+// A fixed set of threads taking tasks from a queue, like XLA's intra-op pool.
+class QueuePool {
+ public:
+  explicit QueuePool(int threads) {
+    for (int t = 0; t < threads; ++t)
+      threads_.emplace_back([this] {
+        for (;;) {
+          std::function<void()> task;
+          {
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;
+            task = std::move(queue_.front());
+            queue_.pop_front();
+          }
+          task();
+        }
+      });
+  }
+  ~QueuePool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void schedule(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// Counts finished jobs; wait() returns when `n` have.
+struct Latch {
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  std::function<void()> arrive() {
+    return [this] {
+      std::lock_guard<std::mutex> lock(mu);
+      ++done;
+      cv.notify_all();
+    };
+  }
+  void wait(int n) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done >= n; });
+  }
+};
+
+TEST(job_phases_in_order_each_item_once_tasks_run_late) {
+  // The tasks only run after run_async has returned, in any order: one worker must be able
+  // to finish every phase, and a phase's items must all see the one before complete.
+  std::vector<std::function<void()>> queued;
+  const int64_t sizes[] = {5, 1, 37, 3};
+  std::vector<std::atomic<int>> hits(5 + 1 + 37 + 3);
+  std::atomic<int> phase_done[4] = {};
+  std::atomic<bool> order_ok{true};
+  Job job;
+  int64_t base = 0;
+  for (int p = 0; p < 4; ++p) {
+    job.add(sizes[p], [&, p, base](int64_t i) {
+      if (p > 0 && phase_done[p - 1].load() != sizes[p - 1]) order_ok = false;
+      hits[size_t(base + i)].fetch_add(1);
+      phase_done[p].fetch_add(1);
+    });
+    base += sizes[p];
+  }
+  int done = 0;
+  run_async([&](std::function<void()> t) { queued.push_back(std::move(t)); }, 4, std::move(job), [&] { ++done; });
+  CHECK(done == 0) << "finished before any task ran";
+  CHECK(queued.size() == 4);
+  for (auto it = queued.rbegin(); it != queued.rend(); ++it) (*it)();
+  CHECK(done == 1);
+  CHECK(order_ok.load());
+  for (size_t i = 0; i < hits.size(); ++i) CHECK(hits[i].load() == 1) << "item " << i;
+}
+
+TEST(job_empty_finishes_at_once) {
+  int done = 0;
+  run_async([](std::function<void()>) { CHECK(false) << "nothing to schedule"; }, 2, Job(), [&] { ++done; });
+  CHECK(done == 1);
+}
+
+// Every fc pass of one layer, each as a job, with its inputs and outputs.
+struct FcCase {
+  fc::Shape s;
+  DType w_dt;
+  Tensor x, w, b, y, z, dy, dz, dx, dw, db, wu, mu, bu, mbu;
+  FcCase(int64_t n, int64_t c, int64_t k, DType dt, DType w_dt, Activation act, std::mt19937& rng)
+      : s{n, c, k, dt, act},
+        w_dt(w_dt),
+        x(dt, n * c), w(w_dt, c * k), b(DType::f32, k), y(dt, n * k), z(dt, n * k), dy(dt, n * k), dz(dt, n * k),
+        dx(dt, n * c), dw(w_dt, c * k), db(DType::f32, k), wu(DType::f32, c * k), mu(DType::f32, c * k),
+        bu(DType::f32, k), mbu(DType::f32, k) {
+    for (Tensor* t : {&x, &w, &b, &dy, &wu, &mu, &bu, &mbu}) t->fill(rng);
+  }
+  std::vector<Job> jobs(int64_t threads) {
+    const Dispatch dp = dispatch();
+    std::vector<Job> out;
+    out.push_back(fc::forward_job(threads, dp, s, x.data(), w.data(), w_dt, b.f.data(), y.data(), z.data()));
+    if (s.act != Activation::none)
+      out.push_back(fc::act_grad_job(threads, dp, s, dy.data(), s.act == Activation::gelu ? z.data() : y.data(),
+                                      dz.data()));
+    out.push_back(fc::backward_job(threads, dp, s, dy.data(), w.data(), w_dt, dx.data()));
+    out.push_back(fc::update_job(threads, dp, s, x.data(), dy.data(), dw.data(), w_dt, db.f.data()));
+    out.push_back(fc::update_sgd_job(threads, dp, s, x.data(), dy.data(), {0.01f, 0.9f, 1e-4f, true},
+                                     wu.f.data(), mu.f.data(), bu.f.data(), mbu.f.data()));
+    return out;
+  }
+  std::vector<std::vector<uint16_t>> bits() const {
+    std::vector<std::vector<uint16_t>> out;
+    for (const Tensor* t : {&y, &z, &dz, &dx, &dw, &db, &wu, &mu, &bu, &mbu}) {
+      const char* p = t->dt == DType::f32 ? reinterpret_cast<const char*>(t->f.data())
+                                          : reinterpret_cast<const char*>(t->h.data());
+      const size_t bytes = t->f.size() * dtype_size(t->dt);
+      out.emplace_back(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p + bytes));
+    }
+    return out;
+  }
+};
+
+TEST(fc_async_many_overlapping_calls_bitwise_equal_to_sync) {
+  std::mt19937 rng(45);
+  struct Spec {
+    int64_t n, c, k;
+    DType dt, w_dt;
+    Activation act;
+  };
+  const Spec specs[] = {{256, 784, 1024, DType::f32, DType::f32, Activation::relu},
+                        {64, 1024, 1024, DType::f32, DType::f32, Activation::relu},
+                        {37, 200, 130, DType::f32, DType::f32, Activation::gelu},
+                        {100, 96, 250, DType::bf16, DType::f32, Activation::tanh},
+                        {3000, 64, 48, DType::f32, DType::f32, Activation::none},  // long batch update
+                        {12, 33, 10, DType::bf16, DType::bf16, Activation::sigmoid}};
+  const int64_t threads = 2;
+  jbtest::TestPool sync_pool;
+  const Executor ex = sync_pool.executor(threads);
+  std::vector<std::vector<std::vector<uint16_t>>> want;
+  for (const Spec& sp : specs) {
+    std::mt19937 r(uint32_t(sp.n * 7 + sp.c));
+    FcCase cs(sp.n, sp.c, sp.k, sp.dt, sp.w_dt, sp.act, r);
+    for (Job& j : cs.jobs(threads)) run(ex, std::move(j));
+    want.push_back(cs.bits());
+  }
+  // Every spec three times over, all passes of all of them in flight at once on a
+  // two-thread pool (each pass's inputs are ready: the layers' outputs are independent).
+  QueuePool pool(2);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<FcCase>> cases;
+    std::vector<Job> jobs;
+    for (const Spec& sp : specs)
+      for (int copy = 0; copy < 3; ++copy) {
+        std::mt19937 r(uint32_t(sp.n * 7 + sp.c));
+        cases.push_back(std::make_unique<FcCase>(sp.n, sp.c, sp.k, sp.dt, sp.w_dt, sp.act, r));
+      }
+    // act_grad reads the forward's y, and the sgd update the same x and dy as the update:
+    // the forward and act_grad of a case go in one job, phase after phase.
+    for (auto& cs : cases) {
+      std::vector<Job> js = cs->jobs(threads);
+      Job first = std::move(js[0]);
+      size_t rest = 1;
+      if (cs->s.act != Activation::none) first.then(std::move(js[rest++]));
+      jobs.push_back(std::move(first));
+      for (; rest < js.size(); ++rest) jobs.push_back(std::move(js[rest]));
+    }
+    std::shuffle(jobs.begin(), jobs.end(), rng);
+    Latch latch;
+    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
+                                  latch.arrive());
+    latch.wait(int(jobs.size()));
+    for (size_t i = 0; i < cases.size(); ++i)
+      CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
+  }
+}
+
+}  // namespace
