@@ -66,8 +66,11 @@ Isa requested_isa(Isa supported, const char* env) {
 }
 
 Dispatch detect_dispatch() {
-  return make_dispatch(requested_isa(detect_isa(), std::getenv("JAX_BRGEMM_ISA")),
-                       std::getenv("JAX_BRGEMM_BF16"));
+  Dispatch d = make_dispatch(requested_isa(detect_isa(), std::getenv("JAX_BRGEMM_ISA")),
+                             std::getenv("JAX_BRGEMM_BF16"));
+  const char* async = std::getenv("JAX_BRGEMM_ASYNC");
+  d.async_calls = !(async && async[0] == '0');
+  return d;
 }
 
 // AMX tiles multiply bf16 only (and need an even k: a tile row holds whole k pairs);

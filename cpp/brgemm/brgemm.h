@@ -43,6 +43,9 @@ struct Dispatch {
   // vdpbf16ps on AMD Zen 4), else fp32: bf16 widened exactly (Intel's vdpbf16ps issues at
   // half the FMA rate; AVX2 and the portable path widen anyway).
   DType bf16_multiply = DType::f32;
+  // Whether FFI handlers may return before their work is done (JAX_BRGEMM_ASYNC=0: never).
+  // Not a numerics choice: the same blocks and kernels run either way.
+  bool async_calls = true;
 };
 
 // The process's dispatch: the best ISA this CPU supports, lowered by

@@ -19,6 +19,9 @@
 // dims and are read in place. When the weights are shared by every item and the
 // activations are not, the items fold into the mini-batch: one layer call with N' = items
 // * N instead of a loop.
+//
+// Every handler is asynchronous where its work is large enough to split
+// (ffi_common.h's Launch): it returns a future, and XLA runs other thunks meanwhile.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -33,7 +36,7 @@ namespace {
 namespace ffi = xla::ffi;
 using namespace ffi_util;
 
-ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error fc_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
                   ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
   const char* op = "jb_fc_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
@@ -54,19 +57,19 @@ ffi::Error fc_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
   if (c == 0) return invalid("jb_fc_fwd: x has no features (C = 0)");
 
-  const Executor ex = executor(pool);
   const bool gelu = act == Activation::gelu;
   return guarded(op, [&] {
     // Weights shared by every item: the items fold into the mini-batch.
     per_item(items, lw.shared && lb.shared && lx.dense, [&](int64_t count, int64_t i) {
-      fc::forward(ex, dispatch(), {count * n, c, k, dt, act}, ptr(x, items.offset(lx, i)),
-                  ptr(w, items.offset(lw, i)), w_dt, has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr,
-                  ptr(y, i * n * k), gelu ? ptr(z, i * n * k) : nullptr);
+      launch(fc::forward_job(launch.threads(), dispatch(), {count * n, c, k, dt, act}, ptr(x, items.offset(lx, i)),
+                             ptr(w, items.offset(lw, i)), w_dt,
+                             has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr, ptr(y, i * n * k),
+                             gelu ? ptr(z, i * n * k) : nullptr));
     });
   });
 }
 
-ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
+ffi::Error fc_act_grad(Launch& launch, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
                        ffi::Result<ffi::AnyBuffer> dz, int32_t act_code) {
   const char* op = "jb_fc_act_grad";
   JB_TRY(dt, kernel_dtype(op, {{"dy", dy.element_type()}, {"saved", saved.element_type()}, {"dz", dz->element_type()}}));
@@ -79,11 +82,10 @@ ffi::Error fc_act_grad(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer s
   JB_TRY(ldy, operand(op, "dy", dy.dimensions(), {n, k}, items));
   JB_TRY(ls, operand(op, "saved", saved.dimensions(), {n, k}, items));
   if (items.count == 0 || n == 0 || k == 0) return ffi::Error::Success();
-  const Executor ex = executor(pool);
   return guarded(op, [&] {
     per_item(items, ldy.dense && ls.dense, [&](int64_t count, int64_t i) {
-      fc::act_grad(ex, dispatch(), {count * n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
-                   ptr(saved, items.offset(ls, i)), ptr(dz, i * n * k));
+      launch(fc::act_grad_job(launch.threads(), dispatch(), {count * n, 0, k, dt, act}, ptr(dy, items.offset(ldy, i)),
+                              ptr(saved, items.offset(ls, i)), ptr(dz, i * n * k)));
     });
   });
 }
@@ -97,7 +99,7 @@ ffi::ErrorOr<int64_t> dz_columns(const char* op, ffi::AnyBuffer::Dimensions dz, 
   return dz[dz.size() - 1];
 }
 
-ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Error fc_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = "jb_fc_bwd";
   JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
@@ -110,16 +112,15 @@ ffi::Error fc_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi
   JB_TRY(lw, operand(op, "w", wd, {c, k}, items));
   if (items.count == 0 || n == 0 || c == 0) return ffi::Error::Success();
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
-  const Executor ex = executor(pool);
   return guarded(op, [&] {
     per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
-      fc::backward(ex, dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz}, ptr(dz, items.offset(lz, i)),
-                   ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c));
+      launch(fc::backward_job(launch.threads(), dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz},
+                              ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c)));
     });
   });
 }
 
-ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
+ffi::Error fc_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
                   F32Out db) {
   const char* op = "jb_fc_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
@@ -138,16 +139,16 @@ ffi::Error fc_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {n, ldz}, items));
   JB_CHECK(expect_db(op, db->dimensions(), wd, 2, k));
   if (items.count == 0 || c == 0 || k == 0) return ffi::Error::Success();
-  const Executor ex = executor(pool);
   const bool has_db = db->element_count() != 0;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      fc::update(ex, dispatch(), {n, c, k, dt, Activation::none, ldx, ldz}, ptr(x, items.offset(lx, i)),
-                 ptr(dz, items.offset(lz, i)), ptr(dw, i * c * k), w_dt, has_db ? db->typed_data() + i * k : nullptr);
+      launch(fc::update_job(launch.threads(), dispatch(), {n, c, k, dt, Activation::none, ldx, ldz},
+                            ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * c * k), w_dt,
+                            has_db ? db->typed_data() + i * k : nullptr));
   });
 }
 
-ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b, F32 mb,
+ffi::Error fc_upd_sgd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b, F32 mb,
                       F32 lr, ffi::AnyBuffer /*after*/, F32Out w_out, F32Out mw_out, F32Out b_out, F32Out mb_out,
                       float momentum, float weight_decay, bool nesterov) {
   const char* op = "jb_fc_upd_sgd";
@@ -171,21 +172,53 @@ ffi::Error fc_upd_sgd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz,
     if ((*outs[i])->untyped_data() != ins[i]->untyped_data() && ins[i]->size_bytes())
       std::memcpy((*outs[i])->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
   const fc::Sgd o{*lr.typed_data(), momentum, weight_decay, nesterov};
-  const Executor ex = executor(pool);
   return guarded(op, [&] {
-    fc::update_sgd(ex, dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o, w_out->typed_data(),
-                   mw_out->typed_data(), has_b ? b_out->typed_data() : nullptr,
-                   has_b ? mb_out->typed_data() : nullptr);
+    launch(fc::update_sgd_job(launch.threads(), dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o,
+                              w_out->typed_data(), mw_out->typed_data(), has_b ? b_out->typed_data() : nullptr,
+                              has_b ? mb_out->typed_data() : nullptr));
   });
+}
+
+// The handlers XLA calls: validate and build the passes' jobs, then return the future of
+// the ones worth running asynchronously (see Launch).
+ffi::Future fc_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
+  Launch launch(pool);
+  return launch.finish(fc_fwd(launch, x, w, bias, y, z, act_code));
+}
+
+ffi::Future fc_act_grad_async(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
+                              ffi::Result<ffi::AnyBuffer> dz, int32_t act_code) {
+  Launch launch(pool);
+  return launch.finish(fc_act_grad(launch, dy, saved, dz, act_code));
+}
+
+ffi::Future fc_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
+  Launch launch(pool);
+  return launch.finish(fc_bwd(launch, dz, w, dx));
+}
+
+ffi::Future fc_upd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
+                         F32Out db) {
+  Launch launch(pool);
+  return launch.finish(fc_upd(launch, x, dz, dw, db));
+}
+
+ffi::Future fc_upd_sgd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b,
+                             F32 mb, F32 lr, ffi::AnyBuffer after, F32Out w_out, F32Out mw_out, F32Out b_out,
+                             F32Out mb_out, float momentum, float weight_decay, bool nesterov) {
+  Launch launch(pool);
+  return launch.finish(fc_upd_sgd(launch, x, dz, w, mw, b, mb, lr, after, w_out, mw_out, b_out, mb_out, momentum,
+                                  weight_decay, nesterov));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd, ffi_util::bind(fc_fwd, "act"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad, ffi_util::bind(fc_act_grad, "act"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd, ffi_util::bind(fc_bwd));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd, ffi_util::bind(fc_upd));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd,
-                              ffi_util::bind(fc_upd_sgd, "momentum", "weight_decay", "nesterov"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd_async, ffi_util::bind(fc_fwd_async, "act"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad_async, ffi_util::bind(fc_act_grad_async, "act"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd_async, ffi_util::bind(fc_bwd_async));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd_async, ffi_util::bind(fc_upd_async));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd_async,
+                              ffi_util::bind(fc_upd_sgd_async, "momentum", "weight_decay", "nesterov"));
 
 }  // namespace jb

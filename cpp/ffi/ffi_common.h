@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
@@ -15,6 +16,7 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/common/view.h"
+#include "parallel/job.h"
 #include "parallel/parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -33,6 +35,53 @@ inline Executor executor(ffi::ThreadPool& pool) {
   ex.schedule = [&pool](std::function<void()> task) { pool.Schedule(std::move(task)); };
   return ex;
 }
+
+// Whether handlers may return before their work is done (dispatch().async_calls at load;
+// jax_brgemm._jax_brgemm.set_async switches it for benchmarks). Results are the same bits
+// either way.
+inline std::atomic<bool>& async_enabled() {
+  static std::atomic<bool> on{dispatch().async_calls};
+  return on;
+}
+
+// Below this much work (flops, or bytes for element-wise passes) a call runs synchronously:
+// scheduling the workers and signalling the runtime would cost more than overlap can win.
+constexpr double kAsyncMinWork = 1e6;
+
+// Runs a handler's layer calls (Jobs): a small one at once, on the calling thread and the
+// pool; the others, once the handler has validated everything, asynchronously: the workers
+// are scheduled on XLA's pool inside the handler (the pool is only valid during the call),
+// and the last one to finish sets the promise of the future the handler returns.
+class Launch {
+ public:
+  explicit Launch(ffi::ThreadPool& pool) : pool_(pool), threads_(std::max<int64_t>(1, pool.num_threads())) {}
+  int64_t threads() const { return threads_; }
+  void operator()(Job job) {
+    if (!async_enabled().load(std::memory_order_relaxed) || threads_ < 2 || job.flops < kAsyncMinWork)
+      return run(executor(pool_), std::move(job));
+    const char* name = job.name;
+    pending_.then(std::move(job));
+    pending_.name = name;
+  }
+  // The handler's result: `error`, or the future of the pending jobs.
+  ffi::Future finish(const ffi::Error& error) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    if (error.failure()) {
+      promise.SetError(error);
+      return future;
+    }
+    ffi::ThreadPool& pool = pool_;
+    run_async([&pool](std::function<void()> task) { pool.Schedule(std::move(task)); }, threads_,
+              std::move(pending_), [promise]() mutable { promise.SetAvailable(); });
+    return future;
+  }
+
+ private:
+  ffi::ThreadPool& pool_;
+  const int64_t threads_;
+  Job pending_;
+};
 
 inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
 
@@ -245,8 +294,8 @@ auto bind_params(Binding&& binding, const char* const* names) {
 }
 
 // The binding of `handler`, its attributes named in order: bind(fc_fwd, "act").
-template <class... P, class... Names>
-auto bind(ffi::Error (*)(P...), Names... attribute_names) {
+template <class R, class... P, class... Names>
+auto bind(R (*)(P...), Names... attribute_names) {
   static_assert(sizeof...(Names) == (size_t(0) + ... + size_t(is_attribute<P>)), "one name per attribute");
   const char* const names[] = {attribute_names..., nullptr};
   return bind_params<P...>(ffi::Ffi::Bind(), names);

@@ -1,13 +1,16 @@
 // The nanobind extension: hands the FFI handlers to Python as capsules, once, at import.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
 
 #include "brgemm/brgemm.h"
 #include "brgemm/peak.h"
+#include "ffi/ffi_common.h"
 #include "layers/lstm/lstm.h"
+#include "parallel/job.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -60,6 +63,18 @@ NB_MODULE(_jax_brgemm, m) {
     for (const auto& a : jb::kActivationNames) codes[a.name] = static_cast<int>(a.act);
     return codes;
   }, "The fused activations: name -> the code the FFI handlers take as `act`.");
+  m.def("set_async", [](bool on) { jb::ffi_util::async_enabled().store(on); },
+        "Whether the handlers may return before their work is done (the same bits either way).");
+  m.def("async_enabled", [] { return jb::ffi_util::async_enabled().load(); });
+  m.def("timeline", [](bool on) { jb::timeline_enable(on); },
+        "Record every worker's stretch in a layer call (for profiles; see timeline_take).");
+  m.def("timeline_take", [] {
+    nb::list out;
+    for (const jb::Span& s : jb::timeline_take())
+      out.append(nb::make_tuple(s.tid, s.t0, s.t1, s.real0, s.reblock_ns, std::string(s.name), s.async, s.caller));
+    return out;
+  }, "The recorded spans (tid, start ns, end ns, start ns of CLOCK_REALTIME, ns re-blocking, job, async,\n"
+        "caller), cleared.");
   m.def("peak_flops_per_iter", [](const std::string& unit) {
     if (unit == "fma") return jb::peak_flops_per_iter(jb::DType::f32);
     if (unit == "vdpbf16ps") return jb::peak_flops_per_iter(jb::DType::bf16);
