@@ -77,6 +77,11 @@ def accuracy(precision, op: str, name: str = "precision") -> str:
     return ACCURACY[key]
 
 
+#: The harness's --precision names -> the jax.default_matmul_precision its steps trace under.
+HARNESS = {"float32": None, "bf16_3x": "BF16_BF16_F32_X3", "bf16_6x": "BF16_BF16_F32_X6",
+           "bf16": "BF16_BF16_F32"}
+
+
 def computed(requested: str) -> str:
     """What the kernels compute on this CPU for a requested accuracy: exact float32 for all
     of them (the multi-product bf16 emulation has no kernel yet)."""

@@ -20,7 +20,7 @@ import jax_brgemm
 from jax_brgemm.models import IMPLS
 
 from . import checkpoint, data, distributed, interrupt
-from .config import DTYPES, SetConfig, UsageError
+from .config import DTYPES, PRECISIONS, SetConfig, UsageError
 from .hparams import HparamError
 from .runner import run_set
 from .suite import SUITE, Suite
@@ -80,6 +80,11 @@ def build_parser(suite: Suite = SUITE) -> argparse.ArgumentParser:
                              "are logged)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype of the model (parameters stay float32)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="float32",
+                        help="accuracy of the float32 matrix products (--impl brgemm): "
+                             "float32 (default), bf16_3x, bf16_6x or bf16, JAX's "
+                             "BF16_BF16_F32_X3 / _X6 / BF16_BF16_F32; each is met by exact "
+                             "float32 products today (jax_brgemm.precision), and logged"),
     parser.add_argument("--data-dir", metavar="DIR",
                         help="directory holding every IDX file of the dataset (.gz or not); "
                              "nothing else is searched. Without it: the first of "
@@ -136,6 +141,7 @@ def build_parser(suite: Suite = SUITE) -> argparse.ArgumentParser:
 
 # Options a resumed set takes from its config.json: option -> config key.
 _RESUMED_OPTIONS = {"impl": "impl", "division": "division", "dtype": "dtype",
+                    "precision": "precision",
                     "max_epochs": "max_epochs", "hparams": "hparams_file"}
 
 
@@ -158,6 +164,7 @@ def _resumed_config(args, parser, suite: Suite, on_run_end) -> SetConfig:
     data_dir = args.data_dir or str(Path(next(iter(config["data_files"].values()))).parent)
     return SetConfig(suite[config["benchmark"]], impl=config["impl"],
                      division=config["division"], runs=len(found.seeds), dtype=config["dtype"],
+                     precision=config.get("precision", "float32"),
                      data_dir=data_dir, log_dir=found.set_dir.parent,
                      overrides=config["hparams"], hparams_file=config["hparams_file"],
                      max_epochs=config["max_epochs"],
@@ -214,7 +221,8 @@ def _main(args, parser, suite: Suite, on_run_end) -> dict:
     overrides = _read_hparams(args.hparams) if args.hparams else {}
     return run_set(SetConfig(
         suite[args.benchmark], impl=args.impl, division=args.division, runs=args.runs,
-        seed=args.seed, dtype=args.dtype, data_dir=args.data_dir, log_dir=args.log_dir,
+        seed=args.seed, dtype=args.dtype, precision=args.precision, data_dir=args.data_dir,
+        log_dir=args.log_dir,
         overrides=overrides, hparams_file=args.hparams, max_epochs=args.max_epochs,
         check_replicas=args.check_replicas, checkpoint_every=args.checkpoint_every,
         suite=suite, on_run_end=on_run_end))

@@ -10,6 +10,7 @@ import dataclasses
 import secrets
 from typing import Any, Callable, Mapping, Optional
 
+from jax_brgemm import precision as jb_precision
 from jax_brgemm.models import IMPLS
 
 from . import checkpoint, data, distributed
@@ -17,6 +18,7 @@ from .hparams import resolve
 from .suite import SUITE, Benchmark, Suite
 
 DTYPES = ("float32", "bfloat16")
+PRECISIONS = tuple(jb_precision.HARNESS)
 MAX_SEED = 2**32 - 1
 SYSTEM_SEED_SOURCE = "system randomness (secrets.randbits(31), /dev/urandom)"
 
@@ -31,7 +33,8 @@ class SetConfig:
 
     Attributes:
       bench: the benchmark to run.
-      impl, division, dtype: ``--impl``, ``--division``, ``--dtype``.
+      impl, division, dtype, precision: ``--impl``, ``--division``, ``--dtype``,
+        ``--precision``.
       runs: the number of runs; ``seed``: the first run's seed (open division only;
         None: system randomness).
       data_dir, log_dir: ``--data-dir`` and ``--log-dir`` (None: the defaults).
@@ -53,6 +56,7 @@ class SetConfig:
     runs: int = 1
     seed: Optional[int] = None
     dtype: str = "float32"
+    precision: str = "float32"
     data_dir: Any = None
     log_dir: Any = None
     overrides: Optional[Mapping[str, Any]] = None
@@ -82,6 +86,7 @@ class Checked:
 
         c = self.config
         return loop.RunConfig(bench=c.bench, impl=c.impl, division=c.division, dtype=c.dtype,
+                              precision=c.precision,
                               hparams=self.hparams, max_epochs=self.max_epochs,
                               config_filename="config.json", target=c.bench.target,
                               check_replicas=c.check_replicas, on_run_end=c.on_run_end)
@@ -115,6 +120,11 @@ def check(config: SetConfig) -> Checked:
         raise UsageError(f"--runs must be at least 1, got {c.runs}")
     if c.dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {DTYPES}, got {c.dtype!r}")
+    if c.precision not in PRECISIONS:
+        raise UsageError(f"--precision must be one of {PRECISIONS}, got {c.precision!r}")
+    if c.precision != "float32" and c.impl != "brgemm":
+        raise UsageError(f"--precision {c.precision} applies to --impl brgemm only: stock XLA "
+                         f"on CPU ignores the precision of its products and computes float32")
     max_epochs = c.bench.max_epochs if c.max_epochs is None else c.max_epochs
     if max_epochs < 1:
         raise UsageError(f"--max-epochs must be at least 1, got {max_epochs}")

@@ -30,6 +30,8 @@ import numpy as np
 from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
 
+from jax_brgemm import precision as jb_precision
+
 from . import checkpoint, data, distributed, fused, interrupt, optim, step
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
@@ -51,6 +53,7 @@ class RunConfig:
     max_epochs: int
     config_filename: str
     target: Optional[float] = None
+    precision: str = "float32"  # --precision: jax_brgemm.precision.HARNESS's names
     check_replicas: bool = False  # debug: parameters identical on every process, each epoch
     on_run_end: Optional[Callable[[Any], None]] = None  # gets the final TrainState (tests, tools)
 
@@ -207,6 +210,9 @@ def log_config(mll, cfg: RunConfig, seed: int, seed_source: str, topo=None):
     # lowest_numerical_precision_in_attn (no attention); _in_comm only when there is
     # communication (several devices: the gradients are all-reduced in fp32).
     mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, PRECISION[cfg.dtype])
+    # --precision: what the float32 products asked for and what the kernels computed
+    mll.event("matmul_precision", {"requested": cfg.precision,
+                                   "computed": jb_precision.computed(cfg.precision)})
     if topo:
         mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
     for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM,
@@ -301,8 +307,9 @@ def _run(cfg, index, seed, seed_source, paths, log_path, progress, mll, ckpt=Non
         train_fn, eval_fn = topo.data_parallel(train_fn, (P(), P())), topo.data_parallel(
             eval_fn, P())
         train_batch, eval_batch = topo.batch_spec(train_batch), topo.batch_spec(eval_batch)
-    train = jax.jit(train_fn, donate_argnums=0).lower(state, train_batch).compile()
-    evaluate = jax.jit(eval_fn).lower(state, eval_batch).compile()
+    with jax.default_matmul_precision(jb_precision.HARNESS[cfg.precision]):
+        train = jax.jit(train_fn, donate_argnums=0).lower(state, train_batch).compile()
+        evaluate = jax.jit(eval_fn).lower(state, eval_batch).compile()
     to_device = topo.global_batch if topo else (lambda b: b)
     value = topo.local if topo else np.asarray
     if resume:

@@ -92,7 +92,8 @@ def _write_config(checked: Checked, set_dir: Path) -> dict:
     """Writes SET/config.json (and the checkpoints' set file); returns the data files."""
     c = checked.config
     config = {"benchmark": c.bench.name, "impl": c.impl, "division": c.division,
-              "dtype": c.dtype, "max_epochs": checked.max_epochs, "target": c.bench.target,
+              "dtype": c.dtype, "precision": c.precision, "max_epochs": checked.max_epochs,
+              "target": c.bench.target,
               "hparams": checked.hparams,
               "hparams_file": str(Path(c.hparams_file).resolve()) if c.hparams_file else None,
               "data_files": {k: str(v) for k, v in checked.paths.items()}}
