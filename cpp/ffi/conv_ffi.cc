@@ -6,7 +6,8 @@
 //   jb_conv_bwd  dz (.., N, P, Q, K), w (.., R, S, C, K) -> dx (.., N, H, W, C)
 //   jb_conv_upd  x (.., N, H, W, C), dz (.., N, P, Q, K) -> dw (.., R, S, C, K), db (.., K) or (.., 0)
 //
-// Attributes: act (fwd), strides sh, sw and paddings pt, pb, pl, pr (all passes).
+// Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr and kernel dilations dh, dw
+// (all passes).
 // The activation derivative is element-wise: jb.conv2d uses jb_fc_act_grad for it.
 // The leading dims (..) come from vmap (vmap_method="expand_dims"), broadcast as in
 // fc_ffi.cc: when the weights are shared and the activations are not, the items fold into
@@ -26,14 +27,15 @@ using namespace ffi_util;
 
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
-                                   int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+                                   int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
+                                   int64_t dil_h, int64_t dil_w) {
   if (xd.size() < 4 || wd.size() < 4)
     return ffi::Unexpected(invalid(std::string(op) + ": the input needs rank >= 4 (N, H, W, C), the "
                                    "weights rank >= 4 (R, S, C, K)"));
   conv::Shape s;
   s.n = xd[xd.size() - 4], s.h = xd[xd.size() - 3], s.w = xd[xd.size() - 2], s.c = xd[xd.size() - 1];
   s.r = wd[wd.size() - 4], s.s = wd[wd.size() - 3], s.k = wd[wd.size() - 1];
-  s.sh = sh, s.sw = sw, s.pt = pt, s.pb = pb, s.pl = pl, s.pr = pr;
+  s.sh = sh, s.sw = sw, s.pt = pt, s.pb = pb, s.pl = pl, s.pr = pr, s.dil_h = dil_h, s.dil_w = dil_w;
   if (wd[wd.size() - 2] != s.c)
     return ffi::Unexpected(invalid(std::string(op) + ": weights " + dims_str(wd) + " expect " +
                                    std::to_string(wd[wd.size() - 2]) + " input channels, the input " +
@@ -48,12 +50,13 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
 
 ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
-                    int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+                    int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
+                    int64_t dil_h, int64_t dil_w) {
   const char* op = "jb_conv_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
-  JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
+  JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
   conv::Shape s = s0;
   s.dt = dt;
   s.act = act;
@@ -86,11 +89,12 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
 }
 
 ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
-                    int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+                    int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
+                    int64_t dil_h, int64_t dil_w) {
   const char* op = "jb_conv_bwd";
   JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
-  JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr));
+  JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
   conv::Shape s = s0;
   s.dt = dt;
   const Items items = items_of(dx->dimensions(), 4);
@@ -110,11 +114,12 @@ ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, f
 }
 
 ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
-                    F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr) {
+                    F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
+                    int64_t dil_h, int64_t dil_w) {
   const char* op = "jb_conv_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
-  JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr));
+  JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
   conv::Shape s = s0;
   s.dt = dt;
   const auto wd = dw->dimensions();
@@ -135,8 +140,9 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
 
 }  // namespace
 
-// The attributes after each pass's operands: strides, then padding top, bottom, left, right.
-#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr"
+// The attributes after each pass's operands: strides, padding top, bottom, left, right, then
+// the kernel dilations.
+#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd, ffi_util::bind(conv_fwd, "act", JB_CONV_GEOMETRY));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd, ffi_util::bind(conv_bwd, JB_CONV_GEOMETRY));

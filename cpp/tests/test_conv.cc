@@ -26,6 +26,7 @@ namespace conv = jb::conv;
 
 struct Case {
   int64_t n, h, w, c, k, r, s, sh, sw, pt, pb, pl, pr;
+  int64_t dh = 1, dw = 1;  // kernel dilation
 };
 
 std::string name(const Case& c, DType dt) {
@@ -33,13 +34,15 @@ std::string name(const Case& c, DType dt) {
          std::to_string(c.c) + " -> " + std::to_string(c.k) + " f" + std::to_string(c.r) + "x" +
          std::to_string(c.s) + " st" + std::to_string(c.sh) + "," + std::to_string(c.sw) + " pad" +
          std::to_string(c.pt) + "," + std::to_string(c.pb) + "," + std::to_string(c.pl) + "," +
-         std::to_string(c.pr) + (dt == DType::bf16 ? " bf16" : " f32");
+         std::to_string(c.pr) + " dil" + std::to_string(c.dh) + "," + std::to_string(c.dw) +
+         (dt == DType::bf16 ? " bf16" : " f32");
 }
 
 void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, int64_t threads,
               const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch()) {
   const std::string tag = name(cs, dt);
   conv::Shape s{cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.s, cs.sh, cs.sw, cs.pt, cs.pb, cs.pl, cs.pr, dt, act};
+  s.dil_h = cs.dh, s.dil_w = cs.dw;
   const int64_t P = s.p(), Q = s.q();
   std::mt19937 rng(unsigned(cs.n * 7 + cs.h * 131 + cs.c * 17 + cs.k + cs.r * 1000));
   TestPool pool;
@@ -63,7 +66,7 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
         for (int64_t q = 0; q < Q; ++q)
           for (int64_t r = 0; r < s.r; ++r)
             for (int64_t t = 0; t < s.s; ++t) {
-              const int64_t ih = p * s.sh + r - s.pt, iw = q * s.sw + t - s.pl;
+              const int64_t ih = p * s.sh + r * s.dil_h - s.pt, iw = q * s.sw + t * s.dil_w - s.pl;
               if (ih >= 0 && ih < s.h && iw >= 0 && iw < s.w) f(n, p, q, r, t, ih, iw);
             }
   };
@@ -149,6 +152,25 @@ TEST(conv_all_passes_bf16) {
   run_case(kCases[0], DType::bf16, DType::f32, Activation::none, false, 2);  // fp32 weights
 }
 
+// Kernel dilation: dilated taps in every pass, with strides, borders in place and copied,
+// dilations larger than the filter and the input's rows no tap reaches.
+const Case kDilated[] = {
+    {2, 9, 11, 3, 5, 3, 3, 1, 1, 2, 2, 2, 2, 2, 2},      // SAME-like 3x3 dilation 2
+    {1, 12, 13, 6, 7, 3, 3, 2, 2, 3, 3, 3, 3, 3, 3},     // dilation 3 with stride 2
+    {1, 8, 16, 5, 4, 2, 3, 1, 1, 0, 1, 0, 0, 3, 2},      // mixed, VALID-ish, asymmetric
+    {1, 30, 31, 16, 20, 3, 3, 1, 1, 2, 2, 2, 2, 2, 2},   // a larger image: borders in place
+    {2, 5, 7, 4, 3, 3, 2, 1, 2, 0, 0, 0, 0, 2, 5},       // dilation > filter, to one column
+    {1, 20, 20, 8, 9, 3, 3, 1, 1, 0, 0, 0, 0, 4, 4},     // VALID dilation 4
+};
+
+TEST(conv_kernel_dilation) {
+  for (const Case& c : kDilated)
+    for (DType dt : {DType::f32, DType::bf16}) run_case(c, dt, dt, Activation::none, true, 2);
+  const jb::Blocking bl{5, 16, 4};
+  run_case(kDilated[1], DType::f32, DType::f32, Activation::relu, true, 3, &bl);
+  run_case(kDilated[3], DType::bf16, DType::bf16, Activation::none, false, 1, &bl);
+}
+
 TEST(conv_activations_and_no_bias) {
   for (Activation act : {Activation::relu, Activation::gelu, Activation::sigmoid, Activation::tanh})
     run_case(kCases[4], DType::f32, DType::f32, act, act != Activation::tanh, 1);
@@ -213,6 +235,12 @@ TEST(conv_empty_batch_and_bad_shapes) {
   CHECK(throws(t));
   t = ok;
   t.c = 0;
+  CHECK(throws(t));
+  t = ok;
+  t.dil_w = 0;
+  CHECK(throws(t));
+  t = ok;
+  t.dil_h = 3;  // a dilated 3-row filter spans 7 rows of 5
   CHECK(throws(t));
 }
 

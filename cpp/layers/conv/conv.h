@@ -1,7 +1,8 @@
 // The 2-D convolution layer (paper, Algorithm 4 and its "dual convolutions"): all three
 // training passes as loops around the batch-reduce GEMM kernel, nothing else.
 //
-//   forward   y[n,p,q,k]  = act(sum_{r,s,c} x[n, p*sh + r - pt, q*sw + s - pl, c] w[r,s,c,k] + b[k])
+//   forward   y[n,p,q,k]  = act(sum_{r,s,c} x[n, p*sh + r*dh - pt, q*sw + s*dw - pl, c] w[r,s,c,k] + b[k])
+//   (dh, dw: the kernel dilation, 1 unless given; every pass below reads its taps likewise)
 //   act_grad  dz = dy * act'(saved), element-wise: fc::act_grad (the FFI's jb_fc_act_grad)
 //   backward  dx[n,h,w,c] = sum over (p, q, r, s) with p*sh + r - pt = h, q*sw + s - pl = w
 //                           of dz[n,p,q,k] w[r,s,c,k]
@@ -31,13 +32,16 @@ struct Shape {
   int64_t pt = 0, pb = 0, pl = 0, pr = 0;  // zero padding: top, bottom, left, right
   DType dt = DType::f32;               // compute dtype
   Activation act = Activation::none;
+  int64_t dil_h = 1, dil_w = 1;        // kernel (rhs) dilation: tap r reads row r * dil_h
 
-  int64_t p() const { return (h + pt + pb - r) / sh + 1; }  // output rows
-  int64_t q() const { return (w + pl + pr - s) / sw + 1; }  // output columns
+  int64_t er() const { return (r - 1) * dil_h + 1; }  // the dilated filter's extent
+  int64_t es() const { return (s - 1) * dil_w + 1; }
+  int64_t p() const { return (h + pt + pb - er()) / sh + 1; }  // output rows
+  int64_t q() const { return (w + pl + pr - es()) / sw + 1; }  // output columns
 };
 
 // Throws std::invalid_argument unless the shape makes sense: sizes >= 1 (n >= 0), strides
-// >= 1, paddings >= 0 and a filter that fits the padded input.
+// and dilations >= 1, paddings >= 0 and a (dilated) filter that fits the padded input.
 void validate(const Shape& s);
 
 // What the forward leaves for the backward besides x and w (as fc::Saved).

@@ -36,8 +36,8 @@ namespace jb::conv {
 // ---------------------------------------------------------------------------------------
 // One spatial axis of a direct-convolution pass. Output index o reads input index i with
 // weight tap t:
-//   forward  i = o * stride - pad + t
-//   dual     i = (o + pad - t) / stride, where it divides (the backward by data)
+//   forward  i = o * stride - pad + t * dil
+//   dual     i = (o + pad - t * dil) / stride, where it divides (the backward by data)
 // A tap is valid where lo <= i < hi: [0, in) in place; a copy with zero columns widens it.
 
 using Taps = std::vector<std::pair<int64_t, int64_t>>;  // (tap, input index)
@@ -46,17 +46,18 @@ struct Axis {
   int64_t in = 0, out = 0, taps = 0, stride = 1, pad = 0;
   bool dual = false;
   int64_t lo = 0, hi = 0;
+  int64_t dil = 1;  // kernel dilation
 
   Taps of(int64_t o) const {
     Taps v;
     for (int64_t t = 0; t < taps; ++t) {
       int64_t i;
       if (dual) {
-        const int64_t u = o + pad - t;
+        const int64_t u = o + pad - t * dil;
         if (u % stride) continue;
         i = u / stride;
       } else {
-        i = o * stride - pad + t;
+        i = o * stride - pad + t * dil;
       }
       if (i >= lo && i < hi) v.push_back({t, i});
     }
@@ -167,9 +168,9 @@ inline bool pointwise(const Shape& s) {
 
 // The cache key of a pass: everything its plan depends on. `extra` is the pass's own (the
 // forward's bias, the update's dw dtype).
-using PlanKey = std::array<int64_t, 22>;
+using PlanKey = std::array<int64_t, 24>;
 inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
-  return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, int64_t(s.dt),
+  return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, s.dil_h, s.dil_w, int64_t(s.dt),
           int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
           force ? force->rows : -1, force ? force->cols : -1, force ? force->red : -1};
 }

@@ -18,6 +18,7 @@ Dims forward_dims(const Shape& s, bool bias, Activation act) {
   d.co = s.k;
   d.h = Axis{pw ? 1 : s.h, pw ? 1 : s.p(), s.r, s.sh, s.pt, false, 0, pw ? 1 : s.h};
   d.w = Axis{pw ? s.n * s.h * s.w : s.w, pw ? s.n * s.h * s.w : s.q(), s.s, s.sw, s.pl, false, 0, 0};
+  d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
   d.bias = bias;
   d.act = act;
@@ -32,13 +33,14 @@ Dims backward_dims(const Shape& s) {
   d.co = s.c;
   d.h = Axis{pw ? 1 : s.p(), pw ? 1 : s.h, s.r, s.sh, s.pt, true, 0, pw ? 1 : s.p()};
   d.w = Axis{pw ? s.n * s.h * s.w : s.q(), pw ? s.n * s.h * s.w : s.w, s.s, s.sw, s.pl, true, 0, 0};
+  d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
   d.bias = false;
   d.act = Activation::none;
   return d;
 }
 
-PlanCache<22, DirectPlan> forward_plans, backward_plans;
+PlanCache<24, DirectPlan> forward_plans, backward_plans;
 
 }  // namespace
 
@@ -48,8 +50,10 @@ void validate(const Shape& s) {
   if (s.h < 1 || s.w < 1 || s.c < 1 || s.k < 1 || s.r < 1 || s.s < 1)
     bad("sizes must be >= 1 (H, W, C, K, R, S)");
   if (s.sh < 1 || s.sw < 1) bad("strides must be >= 1");
+  if (s.dil_h < 1 || s.dil_w < 1) bad("kernel dilations must be >= 1");
   if (s.pt < 0 || s.pb < 0 || s.pl < 0 || s.pr < 0) bad("paddings must be >= 0");
-  if (s.h + s.pt + s.pb < s.r || s.w + s.pl + s.pr < s.s) bad("the filter is larger than the padded input");
+  if (s.h + s.pt + s.pb < s.er() || s.w + s.pl + s.pr < s.es())
+    bad("the (dilated) filter is larger than the padded input");
 }
 
 Saved saved_for(Activation act) {

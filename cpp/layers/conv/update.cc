@@ -21,7 +21,8 @@ constexpr int64_t kChunkBytes = 192 << 10;  // operand rows reduced at once (L2)
 // convolution regroups its N x H x W pixels into rows of at most 256). x is transposed into
 // xt [N][Hp][sw][C][Wq]: for every padded input row and column phase, channels x columns,
 // zeros in the padding, so the A operand of tap (r, s) for output row (n, p) is the
-// C-block's rows starting at column s / sw of phase s % sw of padded row p * sh + r, and
+// C-block's rows starting at column s' / sw of phase s' % sw of padded row p * sh + r', with
+// (r', s') = (r * dh, s * dw) the dilated tap, and
 // every batch element reduces over exactly Q pixels. dz is the B operand: read in place
 // (fp32) or re-blocked [Kb][rows][Q][bk] (VNNI pairs of pixels for bf16 multiplies).
 
@@ -42,21 +43,21 @@ struct UpdatePlan : MultiplyPath {
       : MultiplyPath(s.dt, dp),
         v(update_view(s)), c(s.c), k(s.k), rt(s.r), st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
-        pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl) {
+        pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl), dil_h(s.dil_h), dil_w(s.dil_w) {
     bm = std::min(c, force && force->rows > 0 ? force->rows : 64);
     bn = std::min(k, force && force->cols > 0 ? force->cols : 64);
     cb = ceil_div(c, bm);
     kb = ceil_div(k, bn);
     rows = v.n * v.p;
-    hp = (v.p - 1) * sh + rt;
-    wq = ceil_div((v.q - 1) * sw + st, sw);
+    hp = (v.p - 1) * sh + (rt - 1) * dil_h + 1;
+    wq = ceil_div((v.q - 1) * sw + (st - 1) * dil_w + 1, sw);
     slack = round_up(ceil_div(pl, sw) + 1, 32);
     bstride = c * wq + slack;
     packed = s.dt != DType::f32;
     blk_q = packed ? reblock::block_elems(v.q, bn, vnni) : 0;
     splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb)));
     direct = splits == 1 && dw_dt == DType::f32;
-    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * ((v.q - 1) * sw + st) + v.q * bn) * mul_bytes));
+    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * wq * sw + v.q * bn) * mul_bytes));
     for (int64_t img = 0; img < v.n; ++img)
       for (int64_t p = 0; p < v.p; ++p) {
         a_rows.push_back((img * hp + p * sh) * sw * bstride);
@@ -78,7 +79,7 @@ struct UpdatePlan : MultiplyPath {
   }
 
   const UpdateView v;
-  const int64_t c, k, rt, st, sh, sw, pt, pl;
+  const int64_t c, k, rt, st, sh, sw, pt, pl, dil_h, dil_w;
   int64_t bm = 0, bn = 0, cb = 0, kb = 0, rows = 0, hp = 0, wq = 0, slack = 0, bstride = 0;
   bool packed = false, direct = false;
   int64_t blk_q = 0, splits = 1, chunk = 1;
@@ -87,7 +88,7 @@ struct UpdatePlan : MultiplyPath {
   size_t xt_bytes = 0, dz_bytes = 0, part_bytes = 0;
 };
 
-PlanCache<22, UpdatePlan> update_plans;
+PlanCache<24, UpdatePlan> update_plans;
 
 }  // namespace
 
@@ -171,7 +172,8 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       const Brgemm& kern = (ch == r0 ? *p.first : *p.more)(m, cols);
       for (int64_t r = 0; r < s.r; ++r)
         for (int64_t t = 0; t < s.s; ++t) {
-          const char* a = buf[0] + ((r * p.sw + t % p.sw) * p.bstride + c0 * p.wq + t / p.sw) * int64_t(mul_bytes);
+          const int64_t rr = r * p.dil_h, tt = t * p.dil_w;  // the dilated tap's input offsets
+          const char* a = buf[0] + ((rr * p.sw + tt % p.sw) * p.bstride + c0 * p.wq + tt / p.sw) * int64_t(mul_bytes);
           kern.offsets(a, p.a_rows.data() + ch, b, p.b_rows.data() + ch, count,
                        out + ((r * s.s + t) * s.c + c0) * s.k + k0);
         }

@@ -253,8 +253,6 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         return Decision.stock("non-integer strides")  # the stock code raises lax's TypeError
     if any(d != 1 for d in input_dilation):
         return Decision.stock("input dilation")
-    if any(d != 1 for d in kernel_dilation):
-        return Decision.stock("kernel dilation")
     inputs = jnp.asarray(inputs)
     batch_dims = inputs.ndim - (rank + 1)
     features = _adapt.out_features(layer)
@@ -289,10 +287,10 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         if not isinstance(padding, str):
             padding = [(0, 0)] + padding
         y = conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
-                   activation=activation, dtype=dtype)[:, 0]
+                   activation=activation, dtype=dtype, rhs_dilation=(1,) + kernel_dilation)[:, 0]
     else:
         y = conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=activation,
-                   dtype=dtype)
+                   dtype=dtype, rhs_dilation=kernel_dilation)
     if batch_dims != 1:
         y = jnp.reshape(y, batch_shape + y.shape[1:])
     return Decision(y)

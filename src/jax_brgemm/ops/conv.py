@@ -32,7 +32,12 @@ _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
 
 
-def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None):
+class _NotPositive(ValueError, TypeError):
+    """A dilation < 1: a ValueError as every bad size here, and the TypeError lax raises."""
+
+
+def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None,
+           rhs_dilation=1):
     """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.
 
     Same result as ``flax.linen.Conv`` / ``lax.conv_general_dilated`` with NHWC inputs and
@@ -50,6 +55,9 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
       dtype: the computation dtype (float32 or bfloat16); ``None`` promotes the arguments'
         dtypes. Accumulation, bias and activation are float32; gradients come back in
         each argument's own dtype.
+      rhs_dilation: the kernel dilation (flax's ``kernel_dilation``), an int or a pair of
+        ints >= 1: tap ``(r, s)`` reads input pixel ``(p * sh + r * dh, q * sw + s * dw)``
+        of the padded input. ``"SAME"`` pads for the dilated kernel, as lax does.
 
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
@@ -76,23 +84,26 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
         check.shape(bias, "bias", _OP, (k,), "(K,)")
     if r < 1 or s < 1:  # lax refuses an empty window too
         raise ValueError(f"{_OP}: the kernel's window must be at least 1x1, got R={r}, S={s}")
-    st = _strides(strides)
-    pads = resolve_padding(padding, (h, w), (r, s), st)
+    st = _pair(strides, "strides")
+    dil = _pair(rhs_dilation, "rhs_dilation", _NotPositive)
+    pads = resolve_padding(padding, (h, w), ((r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1), st)
     dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
-    out = _out_shape(x.shape, kernel.shape, (act, st, pads))
+    cfg = (act, st, pads, dil)
+    out = _out_shape(x.shape, kernel.shape, cfg)
     # an empty input with padding can still have output pixels (all padding)
     if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
-        return _conv_xla(x, kernel, bias, activation, st, pads, dtype)
+        return _conv_xla(x, kernel, bias, activation, cfg, dtype)
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
-    return _conv(x, kernel, bias, (act, st, pads))
+    return _conv(x, kernel, bias, cfg)
 
 
-def _conv_xla(x, kernel, bias, activation, strides, pads, dtype):
+def _conv_xla(x, kernel, bias, activation, cfg, dtype):
     """What the kernels compute, in XLA: for sizes they do not take (0, or no output
     pixels) and for float64."""
+    _, strides, pads, dil = cfg
     acc = jnp.promote_types(dtype, jnp.float32)
-    y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads,
+    y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads, rhs_dilation=dil,
                                  dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=acc)
     if bias is not None:
         y = y + bias.astype(acc)
@@ -131,20 +142,20 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
     return pads
 
 
-def _strides(strides):
-    """A pair of ints >= 1. Like lax, a non-integer (1.5, or 2.0) is a TypeError, never
-    truncated; a wrong count or a stride < 1 is a ValueError."""
-    if isinstance(strides, (int, np.integer)) and not isinstance(strides, bool):
-        strides = (strides,) * 2
-    if not isinstance(strides, (Sequence, np.ndarray)) or np.ndim(strides) != 1:
-        raise TypeError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
-    if len(strides) != 2:
-        raise ValueError(f"{_OP}: strides must be an int or a pair of ints, got {strides!r}")
-    check.integers(_OP, **{f"strides[{i}]": v for i, v in enumerate(strides)})
-    st = tuple(int(v) for v in strides)
-    if min(st) < 1:
-        raise ValueError(f"{_OP}: strides must be >= 1, got {st}")
-    return st
+def _pair(value, name, below_one=ValueError):
+    """A pair of ints >= 1 (strides, dilations). Like lax, a non-integer (1.5, or 2.0) is a
+    TypeError, never truncated; a wrong count is a ValueError, a value < 1 `below_one`."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,) * 2
+    if not isinstance(value, (Sequence, np.ndarray)) or np.ndim(value) != 1:
+        raise TypeError(f"{_OP}: {name} must be an int or a pair of ints, got {value!r}")
+    if len(value) != 2:
+        raise ValueError(f"{_OP}: {name} must be an int or a pair of ints, got {value!r}")
+    check.integers(_OP, **{f"{name}[{i}]": v for i, v in enumerate(value)})
+    pair = tuple(int(v) for v in value)
+    if min(pair) < 1:
+        raise below_one(f"{_OP}: {name} must be >= 1, got {pair}")
+    return pair
 
 
 # --- the custom calls --------------------------------------------------------------------
@@ -153,16 +164,16 @@ def _strides(strides):
 
 
 def _geometry(cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)) = cfg
+    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg
     return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb),
-                pl=np.int64(pl), pr=np.int64(pr))
+                pl=np.int64(pl), pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw))
 
 
 def _out_shape(x_shape, k_shape, cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)) = cfg
+    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg
     n, h, w, _ = x_shape
     r, s, _, k = k_shape
-    return (n, (h + pt + pb - r) // sh + 1, (w + pl + pr - s) // sw + 1, k)
+    return (n, (h + pt + pb - (r - 1) * dh - 1) // sh + 1, (w + pl + pr - (s - 1) * dw - 1) // sw + 1, k)
 
 
 def _forward(x, kernel, bias, cfg):
@@ -190,7 +201,7 @@ def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
 # As in ops/fc_passes.py: each pass is a custom_vjp function whose bwd is made of the
 # others and whose fwd computes its outputs by calling itself, so an outer differentiation
 # (grad of grad) sees only differentiable functions. The geometry (activation, strides,
-# pads) is static.
+# pads, dilations) is static.
 
 
 def _conv(x, kernel, bias, cfg):

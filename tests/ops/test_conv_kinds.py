@@ -1,0 +1,142 @@
+"""The convolution kinds beyond the plain one: kernel dilation (jb.conv2d's rhs_dilation,
+flax's kernel_dilation), against stock lax.conv_general_dilated and its jax.grad over many
+shapes (odd sizes, size 1, strides, every padding form, fp32 and bf16), grad of grad, the
+linen and NNX modules, accelerate() and bad input."""
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_brgemm as jb
+import jax_brgemm.nnx as jbnnx
+
+HI = jax.lax.Precision.HIGHEST
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+def stock_conv(x, w, b=None, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), dtype=jnp.float32):
+    """lax.conv_general_dilated as jb.conv2d computes it: products in `dtype`, fp32 sums."""
+    y = jax.lax.conv_general_dilated(x.astype(dtype), w.astype(dtype), strides, padding,
+                                     rhs_dilation=rhs_dilation, dimension_numbers=DN, precision=HI,
+                                     preferred_element_type=jnp.float32)
+    return (y if b is None else y + b).astype(dtype)
+
+
+def close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, atol=tol * (1 + np.abs(b).max(initial=0)), rtol=tol)
+
+
+def check_op(x_shape, w_shape, dtype=jnp.float32, seed=0, **kw):
+    """jb.conv2d's output and its gradients in x, w and b against stock's."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], x_shape)
+    w = jax.random.normal(keys[1], w_shape) / np.sqrt(np.prod(w_shape[:-1]))
+    b = 0.1 * jax.random.normal(keys[2], w_shape[-1:])
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
+    ours = lambda x, w, b: jb.conv2d(x, w, b, dtype=dtype, **kw)  # noqa: E731
+    theirs = lambda x, w, b: stock_conv(x, w, b, dtype=dtype, **kw)  # noqa: E731
+    y = jax.jit(ours)(x, w, b)
+    assert y.dtype == dtype
+    close(y, theirs(x, w, b), tol)
+    cot = jax.random.normal(keys[3], y.shape)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32) * cot),
+                                argnums=(0, 1, 2)))(x, w, b)
+
+    for g, want in zip(grads(ours), grads(theirs), strict=True):
+        close(g, want, tol)
+
+
+# --- kernel dilation ------------------------------------------------------------------------
+
+# (x shape, w shape, strides, padding, rhs_dilation)
+DILATED = [
+    ((2, 9, 11, 3), (3, 3, 3, 5), 1, "SAME", 2),
+    ((1, 12, 13, 6), (3, 3, 6, 7), 2, "SAME", 3),
+    ((1, 8, 16, 5), (2, 3, 5, 4), 1, "VALID", (3, 2)),
+    ((2, 30, 29, 16), (3, 3, 16, 20), 1, "SAME", 2),          # borders in place
+    ((2, 5, 7, 4), (3, 2, 4, 3), (1, 2), "VALID", (2, 5)),    # dilation > filter
+    ((1, 20, 20, 8), (3, 3, 8, 9), 1, ((0, 1), (2, 0)), 4),
+    ((3, 1, 9, 2), (1, 3, 2, 1), 1, "SAME", 3),               # one row, one output channel
+    ((1, 7, 7, 1), (7, 7, 1, 2), 1, ((6, 6), (6, 6)), 2),     # padding near the dilated extent
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,strides,padding,dil", DILATED)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_dilation_matches_lax(x_shape, w_shape, strides, padding, dil, dtype):
+    check_op(x_shape, w_shape, dtype, strides=strides if isinstance(strides, tuple) else (strides,) * 2,
+             padding=padding, rhs_dilation=dil if isinstance(dil, tuple) else (dil, dil))
+
+
+def test_kernel_dilation_runs_on_the_kernels():
+    x, w = jnp.ones((1, 9, 9, 3)), jnp.ones((3, 3, 3, 4))
+    hlo = jax.jit(lambda x, w: jb.conv2d(x, w, rhs_dilation=2)).lower(x, w).as_text()
+    assert "jb_conv_fwd" in hlo and "convolution" not in hlo
+
+
+@pytest.mark.parametrize("strides,padding,dil", [((1, 1), "SAME", (2, 2)), ((2, 1), ((1, 0), (2, 1)), (1, 3))])
+def test_kernel_dilation_grad_of_grad(strides, padding, dil):
+    keys = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(keys[0], (2, 9, 8, 3))
+    w = 0.3 * jax.random.normal(keys[1], (3, 3, 3, 5))
+    b = 0.1 * jax.random.normal(keys[2], (5,))
+    kw = dict(strides=strides, padding=padding, rhs_dilation=dil)
+
+    def outer(conv):
+        inner = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(conv(x, w, b, **kw))), argnums=(0, 1, 2))
+        return jax.grad(lambda x, w, b: sum(jnp.sum(jnp.cos(g)) for g in inner(x, w, b)), argnums=(0, 1, 2))
+
+    for a, e in zip(jax.jit(outer(jb.conv2d))(x, w, b), outer(stock_conv)(x, w, b), strict=True):
+        close(a, e, 2e-4)
+
+
+@pytest.mark.parametrize("kernel_size,dil,padding", [((3, 3), 2, "SAME"), ((3, 2), (3, 1), "VALID"),
+                                                     (3, 2, "CAUSAL"), ((5,), 3, "SAME"),
+                                                     ((3, 3), 2, "CIRCULAR")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_linen_and_nnx_conv_kernel_dilation(kernel_size, dil, padding, dtype):
+    """jb.nn.Conv / jb.nnx.Conv / stock Conv under accelerate() with kernel_dilation run on
+    the kernels with flax's results and gradients (1-D through the 2-D path)."""
+    rank = 1 if isinstance(kernel_size, int) else len(kernel_size)
+    x = jax.random.normal(jax.random.key(0), (2, 13, 4) if rank == 1 else (2, 12, 11, 4))
+    kw = dict(kernel_dilation=dil, padding=padding, dtype=dtype)
+    ref = fnn.Conv(6, kernel_size, precision=HI, **kw)
+    params = ref.init(jax.random.key(1), x)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
+
+    def accelerated(p, x):
+        with jb.accelerate():
+            return ref.apply(p, x)
+
+    for apply in (jb.nn.Conv(6, kernel_size, **kw).apply, accelerated):
+        assert "jb_conv_fwd" in jax.jit(apply).lower(params, x).as_text()
+        close(jax.jit(apply)(params, x), ref.apply(params, x), tol)
+        loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
+        got = jax.grad(loss(apply), argnums=(0, 1))(params, x)
+        want = jax.grad(loss(ref.apply), argnums=(0, 1))(params, x)
+        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+            close(a, e, tol)
+    ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
+    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
+    close(ours(x), stock(x), tol)
+
+
+def test_bad_dilation():
+    x, w = jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+    for bad in (0, (1, -2)):
+        for kind in (ValueError, TypeError):  # ours is a ValueError, lax's a TypeError: both
+            with pytest.raises(kind, match="rhs_dilation must be >= 1"):
+                jb.conv2d(x, w, rhs_dilation=bad)
+    with pytest.raises(TypeError, match="rhs_dilation"):
+        jb.conv2d(x, w, rhs_dilation=1.5)
+    with pytest.raises(ValueError, match="rhs_dilation"):
+        jb.conv2d(x, w, rhs_dilation=(1, 2, 3))
+    # a dilated kernel larger than the input: lax's empty result, as for a plain one
+    assert jb.conv2d(x, w, padding="VALID", rhs_dilation=3).shape == (1, 0, 0, 4)
