@@ -28,6 +28,7 @@ struct Run {
   void work(bool caller = false) {
     const SpanStart start = timeline_start();
     const int64_t phases = int64_t(job.loops.size());
+    std::function<void()> finish;
     for (;;) {
       const int64_t p = phase.load(std::memory_order_acquire);
       if (p >= phases) break;
@@ -35,27 +36,30 @@ struct Run {
       const int64_t i = next[size_t(p)].fetch_add(1, std::memory_order_relaxed);
       if (i < loop.n) {
         loop.body(i);
-        if (finished[size_t(p)].fetch_add(1, std::memory_order_acq_rel) + 1 == loop.n) complete(p + 1);
+        if (finished[size_t(p)].fetch_add(1, std::memory_order_acq_rel) + 1 == loop.n) finish = complete(p + 1);
         continue;
       }
       // Every item of the phase is claimed: wait for the running ones.
       while (phase.load(std::memory_order_acquire) == p) std::this_thread::yield();
     }
+    // The runtime may run the next thunks inside `done`, on this thread: the span ends first.
     timeline_record(start, job.name, async, caller);
+    if (finish) finish();
   }
 
-  // Phase p - 1 is complete (only its last item's worker gets here).
-  void complete(int64_t p) {
+  // Phase p - 1 is complete (only its last item's worker gets here); after the last phase,
+  // returns `done` for the worker to call.
+  std::function<void()> complete(int64_t p) {
     if (p < int64_t(job.loops.size())) {
       phase.store(p, std::memory_order_release);
-      return;
+      return {};
     }
     // Nobody touches the plan or the scratch any more: the scratch goes back to the pool
     // before the runtime hears of the results, so the next call can lease it warm.
     job.keep.clear();
     std::function<void()> d = std::move(done);
     phase.store(p, std::memory_order_release);
-    if (d) d();
+    return d;
   }
 
   Job job;
