@@ -1,13 +1,13 @@
 // XLA FFI handlers of the convolution layer (jb.conv2d): thin wrappers that decode and
 // validate the buffers, then call cpp/layers/conv.
 //
-//   jb_conv_fwd  x (.., N, H, W, C), w (.., R, S, C, K), bias (.., K) or (.., 0)
+//   jb_conv_fwd  x (.., N, H, W, C), w (.., R, S, C/G, K), bias (.., K) or (.., 0)
 //                -> y (.., N, P, Q, K), z (.., N, P, Q, K) for gelu else empty
-//   jb_conv_bwd  dz (.., N, P, Q, K), w (.., R, S, C, K) -> dx (.., N, H, W, C)
-//   jb_conv_upd  x (.., N, H, W, C), dz (.., N, P, Q, K) -> dw (.., R, S, C, K), db (.., K) or (.., 0)
+//   jb_conv_bwd  dz (.., N, P, Q, K), w (.., R, S, C/G, K) -> dx (.., N, H, W, C)
+//   jb_conv_upd  x (.., N, H, W, C), dz (.., N, P, Q, K) -> dw (.., R, S, C/G, K), db (.., K) or (.., 0)
 //
-// Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr and kernel dilations dh, dw
-// (all passes).
+// Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr, kernel dilations dh, dw and
+// feature groups g (all passes).
 // The activation derivative is element-wise: jb.conv2d uses jb_fc_act_grad for it.
 // The leading dims (..) come from vmap (vmap_method="expand_dims"), broadcast as in
 // fc_ffi.cc: when the weights are shared and the activations are not, the items fold into
@@ -28,7 +28,7 @@ using namespace ffi_util;
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
                                    int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                                   int64_t dil_h, int64_t dil_w) {
+                                   int64_t dil_h, int64_t dil_w, int64_t groups) {
   if (xd.size() < 4 || wd.size() < 4)
     return ffi::Unexpected(invalid(std::string(op) + ": the input needs rank >= 4 (N, H, W, C), the "
                                    "weights rank >= 4 (R, S, C, K)"));
@@ -36,10 +36,11 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
   s.n = xd[xd.size() - 4], s.h = xd[xd.size() - 3], s.w = xd[xd.size() - 2], s.c = xd[xd.size() - 1];
   s.r = wd[wd.size() - 4], s.s = wd[wd.size() - 3], s.k = wd[wd.size() - 1];
   s.sh = sh, s.sw = sw, s.pt = pt, s.pb = pb, s.pl = pl, s.pr = pr, s.dil_h = dil_h, s.dil_w = dil_w;
-  if (wd[wd.size() - 2] != s.c)
-    return ffi::Unexpected(invalid(std::string(op) + ": weights " + dims_str(wd) + " expect " +
-                                   std::to_string(wd[wd.size() - 2]) + " input channels, the input " +
-                                   dims_str(xd) + " has " + std::to_string(s.c)));
+  s.groups = groups;
+  if (groups < 1 || wd[wd.size() - 2] * groups != s.c)
+    return ffi::Unexpected(invalid(std::string(op) + ": weights " + dims_str(wd) + " in " + std::to_string(groups) +
+                                   " feature groups expect " + std::to_string(wd[wd.size() - 2] * groups) +
+                                   " input channels, the input " + dims_str(xd) + " has " + std::to_string(s.c)));
   try {
     conv::validate(s);
   } catch (const std::exception& e) {
@@ -51,12 +52,12 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
 ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
-  JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
+  JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
   s.act = act;
@@ -65,7 +66,7 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
     return invalid("jb_conv_fwd: y needs rank >= 4, bias rank >= 1");
   const Items items = items_of(yd, 4);
   JB_TRY(lx, operand(op, "x", x.dimensions(), {s.n, s.h, s.w, s.c}, items));
-  JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.c, s.k}, items));
+  JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.cg(), s.k}, items));
   JB_TRY(ly, operand(op, "y", yd, {s.n, s.p(), s.q(), s.k}, items));
   (void)ly;
   const bool has_bias = bias.element_count() != 0;
@@ -90,16 +91,16 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
 
 ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_bwd";
   JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
-  JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
+  JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
   const Items items = items_of(dx->dimensions(), 4);
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
-  JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.c, s.k}, items));
+  JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.cg(), s.k}, items));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
   const Executor ex = executor(pool);
   const int64_t xsize = s.n * s.h * s.w * s.c;
@@ -115,11 +116,11 @@ ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, f
 
 ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
                     F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
-  JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w));
+  JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
   const auto wd = dw->dimensions();
@@ -130,7 +131,7 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
   if (items.count == 0) return ffi::Error::Success();
   const Executor ex = executor(pool);
   const bool has_db = db->element_count() != 0;
-  const int64_t wsize = s.r * s.s * s.c * s.k;
+  const int64_t wsize = s.r * s.s * s.cg() * s.k;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
       conv::update(ex, dispatch(), s, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * wsize),
@@ -141,8 +142,8 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
 }  // namespace
 
 // The attributes after each pass's operands: strides, padding top, bottom, left, right, then
-// the kernel dilations.
-#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw"
+// the kernel dilations and the feature groups.
+#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw", "g"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd, ffi_util::bind(conv_fwd, "act", JB_CONV_GEOMETRY));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd, ffi_util::bind(conv_bwd, JB_CONV_GEOMETRY));

@@ -27,6 +27,7 @@ namespace conv = jb::conv;
 struct Case {
   int64_t n, h, w, c, k, r, s, sh, sw, pt, pb, pl, pr;
   int64_t dh = 1, dw = 1;  // kernel dilation
+  int64_t g = 1;           // feature groups
 };
 
 std::string name(const Case& c, DType dt) {
@@ -35,21 +36,22 @@ std::string name(const Case& c, DType dt) {
          std::to_string(c.s) + " st" + std::to_string(c.sh) + "," + std::to_string(c.sw) + " pad" +
          std::to_string(c.pt) + "," + std::to_string(c.pb) + "," + std::to_string(c.pl) + "," +
          std::to_string(c.pr) + " dil" + std::to_string(c.dh) + "," + std::to_string(c.dw) +
-         (dt == DType::bf16 ? " bf16" : " f32");
+         " g" + std::to_string(c.g) + (dt == DType::bf16 ? " bf16" : " f32");
 }
 
 void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, int64_t threads,
               const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch()) {
   const std::string tag = name(cs, dt);
   conv::Shape s{cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.s, cs.sh, cs.sw, cs.pt, cs.pb, cs.pl, cs.pr, dt, act};
-  s.dil_h = cs.dh, s.dil_w = cs.dw;
+  s.dil_h = cs.dh, s.dil_w = cs.dw, s.groups = cs.g;
+  const int64_t cg = s.cg(), kg = s.kg();  // a group's channels
   const int64_t P = s.p(), Q = s.q();
   std::mt19937 rng(unsigned(cs.n * 7 + cs.h * 131 + cs.c * 17 + cs.k + cs.r * 1000));
   TestPool pool;
   const jb::Executor ex = pool.executor(threads);
-  Tensor x(dt, s.n * s.h * s.w * s.c), w(w_dt, s.r * s.s * s.c * s.k), dy(dt, s.n * P * Q * s.k);
+  Tensor x(dt, s.n * s.h * s.w * s.c), w(w_dt, s.r * s.s * cg * s.k), dy(dt, s.n * P * Q * s.k);
   x.fill(rng);
-  w.fill(rng, 1.0f / std::sqrt(float(s.r * s.s * s.c)));
+  w.fill(rng, 1.0f / std::sqrt(float(s.r * s.s * cg)));
   dy.fill(rng);
   std::vector<float> b(size_t(s.k));
   for (auto& v : b) v = std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
@@ -58,7 +60,8 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   };
   auto xi = [&](int64_t n, int64_t h, int64_t ww, int64_t c) { return ((n * s.h + h) * s.w + ww) * s.c + c; };
   auto yi = [&](int64_t n, int64_t p, int64_t q, int64_t k) { return ((n * P + p) * Q + q) * s.k + k; };
-  auto wi = [&](int64_t r, int64_t t, int64_t c, int64_t k) { return ((r * s.s + t) * s.c + c) * s.k + k; };
+  // w's row of input channel c (of the group of output channel k)
+  auto wi = [&](int64_t r, int64_t t, int64_t c, int64_t k) { return ((r * s.s + t) * cg + c % cg) * s.k + k; };
   // Visits every (output pixel, tap, input pixel) triple with a valid input pixel.
   auto taps = [&](auto&& f) {
     for (int64_t n = 0; n < s.n; ++n)
@@ -78,7 +81,8 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
     for (int64_t k = 0; k < s.k; ++k) {
       double acc = 0;
-      for (int64_t c = 0; c < s.c; ++c) acc += double(x.f[size_t(xi(n, ih, iw, c))]) * wv(wi(r, t, c, k));
+      for (int64_t c = k / kg * cg; c < (k / kg + 1) * cg; ++c)
+        acc += double(x.f[size_t(xi(n, ih, iw, c))]) * wv(wi(r, t, c, k));
       z_ref[size_t(yi(n, p, q, k))] += acc;
     }
   });
@@ -94,7 +98,8 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
     for (int64_t c = 0; c < s.c; ++c) {
       double acc = 0;
-      for (int64_t k = 0; k < s.k; ++k) acc += double(dy.f[size_t(yi(n, p, q, k))]) * wv(wi(r, t, c, k));
+      for (int64_t k = c / cg * kg; k < (c / cg + 1) * kg; ++k)
+        acc += double(dy.f[size_t(yi(n, p, q, k))]) * wv(wi(r, t, c, k));
       dx_ref[size_t(xi(n, ih, iw, c))] += acc;
     }
   });
@@ -104,14 +109,14 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   close(dx, dx_ref, tol, tag + " dx");
 
   // weight update
-  std::vector<double> dw_ref(size_t(s.r * s.s * s.c * s.k), 0.0), db_ref(size_t(s.k), 0.0);
+  std::vector<double> dw_ref(size_t(s.r * s.s * cg * s.k), 0.0), db_ref(size_t(s.k), 0.0);
   taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
     for (int64_t c = 0; c < s.c; ++c)
-      for (int64_t k = 0; k < s.k; ++k)
+      for (int64_t k = c / cg * kg; k < (c / cg + 1) * kg; ++k)
         dw_ref[size_t(wi(r, t, c, k))] += double(x.f[size_t(xi(n, ih, iw, c))]) * dy.f[size_t(yi(n, p, q, k))];
   });
   for (size_t i = 0; i < dy.f.size(); ++i) db_ref[i % size_t(s.k)] += dy.f[i];
-  Tensor dw(w_dt, s.r * s.s * s.c * s.k);
+  Tensor dw(w_dt, s.r * s.s * cg * s.k);
   for (size_t i = 0; i < dw.f.size(); ++i) dw.set(i, 12345.0f);
   std::vector<float> db(size_t(s.k), -1.0f);
   conv::update(ex, dp, s, x.data(), dy.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
@@ -169,6 +174,27 @@ TEST(conv_kernel_dilation) {
   const jb::Blocking bl{5, 16, 4};
   run_case(kDilated[1], DType::f32, DType::f32, Activation::relu, true, 3, &bl);
   run_case(kDilated[3], DType::bf16, DType::bf16, Activation::none, false, 1, &bl);
+}
+
+// Feature groups: group widths 1 (depthwise, with and without a channel multiplier), 2, odd
+// and wider than a block, with strides, dilation, pointwise, forced blockings.
+const Case kGrouped[] = {
+    {2, 9, 11, 6, 6, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 6},       // depthwise 3x3
+    {1, 12, 13, 8, 16, 5, 5, 2, 2, 2, 2, 2, 2, 1, 1, 8},     // depthwise x2, stride 2
+    {2, 7, 9, 12, 18, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 6},      // groups of 2 -> 3
+    {1, 10, 10, 15, 10, 3, 3, 1, 2, 2, 2, 2, 2, 2, 2, 5},    // odd widths 3 -> 2, dilated
+    {2, 8, 8, 96, 64, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 2},      // pointwise, wide groups
+    {1, 30, 31, 32, 32, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 4},    // borders in place
+    {1, 14, 14, 160, 80, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2},   // groups wider than a block
+};
+
+TEST(conv_feature_groups) {
+  for (const Case& c : kGrouped)
+    for (DType dt : {DType::f32, DType::bf16}) run_case(c, dt, dt, Activation::none, true, 2);
+  const jb::Blocking bl{5, 16, 4};
+  run_case(kGrouped[6], DType::f32, DType::f32, Activation::relu, true, 3, &bl);
+  run_case(kGrouped[2], DType::bf16, DType::bf16, Activation::none, false, 1, &bl);
+  run_case(kGrouped[1], DType::bf16, DType::f32, Activation::gelu, true, 3);
 }
 
 TEST(conv_activations_and_no_bias) {
@@ -241,6 +267,12 @@ TEST(conv_empty_batch_and_bad_shapes) {
   CHECK(throws(t));
   t = ok;
   t.dil_h = 3;  // a dilated 3-row filter spans 7 rows of 5
+  CHECK(throws(t));
+  t = ok;
+  t.groups = 2;  // does not divide C = 3
+  CHECK(throws(t));
+  t = ok;
+  t.groups = 0;
   CHECK(throws(t));
 }
 

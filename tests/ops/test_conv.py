@@ -200,7 +200,6 @@ def kernel_calls(apply, *args):
 
 
 @pytest.mark.parametrize("shape,features,kernel_size,kw,reason", [
-    ((1, 9, 9, 6), 6, (3, 3), dict(feature_group_count=3, activation="relu"), "feature groups"),
     ((1, 5, 5, 4, 2), 3, (3, 3, 3), {}, "3-D convolution"),
 ])
 def test_stock_fallback(shape, features, kernel_size, kw, reason):

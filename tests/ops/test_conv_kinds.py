@@ -1,7 +1,8 @@
 """The convolution kinds beyond the plain one: kernel dilation (jb.conv2d's rhs_dilation,
-flax's kernel_dilation), against stock lax.conv_general_dilated and its jax.grad over many
-shapes (odd sizes, size 1, strides, every padding form, fp32 and bf16), grad of grad, the
-linen and NNX modules, accelerate() and bad input."""
+flax's kernel_dilation) and feature groups (grouped and depthwise), against stock
+lax.conv_general_dilated and its jax.grad over many shapes (odd sizes, size 1, strides, every
+padding form, fp32 and bf16), grad of grad, the linen and NNX modules, accelerate() and bad
+input."""
 
 import flax.linen as fnn
 import jax
@@ -17,10 +18,12 @@ HI = jax.lax.Precision.HIGHEST
 DN = ("NHWC", "HWIO", "NHWC")
 
 
-def stock_conv(x, w, b=None, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), dtype=jnp.float32):
+def stock_conv(x, w, b=None, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature_group_count=1,
+               dtype=jnp.float32):
     """lax.conv_general_dilated as jb.conv2d computes it: products in `dtype`, fp32 sums."""
     y = jax.lax.conv_general_dilated(x.astype(dtype), w.astype(dtype), strides, padding,
-                                     rhs_dilation=rhs_dilation, dimension_numbers=DN, precision=HI,
+                                     rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
+                                     dimension_numbers=DN, precision=HI,
                                      preferred_element_type=jnp.float32)
     return (y if b is None else y + b).astype(dtype)
 
@@ -140,3 +143,98 @@ def test_bad_dilation():
         jb.conv2d(x, w, rhs_dilation=(1, 2, 3))
     # a dilated kernel larger than the input: lax's empty result, as for a plain one
     assert jb.conv2d(x, w, padding="VALID", rhs_dilation=3).shape == (1, 0, 0, 4)
+
+
+# --- feature groups -------------------------------------------------------------------------
+
+# (x shape, w shape (R, S, C / G, K), groups, strides, padding, rhs_dilation)
+GROUPED = [
+    ((2, 9, 11, 6), (3, 3, 1, 6), 6, 1, "SAME", 1),             # depthwise
+    ((1, 12, 13, 8), (5, 5, 1, 16), 8, 2, "SAME", 1),           # depthwise, multiplier 2, stride 2
+    ((2, 7, 9, 12), (3, 3, 2, 18), 6, 1, "SAME", 1),            # groups of 2 -> 3
+    ((1, 10, 10, 15), (3, 3, 3, 10), 5, (1, 2), "VALID", 2),    # odd widths, dilated
+    ((2, 8, 8, 96), (1, 1, 48, 64), 2, 1, "VALID", 1),          # pointwise, wide groups
+    ((1, 14, 14, 160), (3, 3, 80, 80), 2, 1, "SAME", 1),        # groups wider than a block
+    ((1, 1, 1, 4), (1, 1, 1, 4), 4, 1, "SAME", 1),              # one pixel, depthwise
+    ((3, 5, 1, 3), (3, 1, 1, 3), 3, 1, ((1, 1), (0, 0)), 3),    # one column, dilated depthwise
+    ((1, 16, 16, 64), (3, 3, 8, 64), 8, 2, "SAME", 1),          # ResNeXt-like, strided
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,groups,strides,padding,dil", GROUPED)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_feature_groups_match_lax(x_shape, w_shape, groups, strides, padding, dil, dtype):
+    check_op(x_shape, w_shape, dtype, strides=strides if isinstance(strides, tuple) else (strides,) * 2,
+             padding=padding, rhs_dilation=(dil, dil), feature_group_count=groups)
+
+
+def test_feature_groups_grad_of_grad():
+    keys = jax.random.split(jax.random.key(8), 3)
+    x = jax.random.normal(keys[0], (2, 7, 8, 6))
+    b = 0.1 * jax.random.normal(keys[2], (6,))
+    for groups, cg in ((3, 2), (6, 1)):
+        w = 0.3 * jax.random.normal(keys[1], (3, 3, cg, 6))
+        kw = dict(strides=(2, 1), padding="SAME", feature_group_count=groups)
+
+        def outer(conv):
+            inner = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(conv(x, w, b, **kw))), argnums=(0, 1, 2))
+            return jax.grad(lambda x, w, b: sum(jnp.sum(jnp.cos(g)) for g in inner(x, w, b)), argnums=(0, 1, 2))
+
+        for a, e in zip(jax.jit(outer(jb.conv2d))(x, w, b), outer(stock_conv)(x, w, b), strict=True):
+            close(a, e, 2e-4)
+
+
+def test_feature_groups_vmap():
+    x = jax.random.normal(jax.random.key(0), (3, 2, 6, 7, 4))
+    w = jax.random.normal(jax.random.key(1), (3, 3, 2, 6))
+    f = lambda x: jb.conv2d(x, w, feature_group_count=2, activation="relu")  # noqa: E731
+    close(jax.vmap(f)(x), jnp.stack([f(x[i]) for i in range(3)]), 1e-5)
+
+
+@pytest.mark.parametrize("features,kernel_size,groups,kw", [
+    (8, (3, 3), 4, {}), (12, (3, 3), 12, dict(strides=2)), (24, (3, 3), 12, dict(kernel_dilation=2)),
+    (6, 3, 3, dict(padding="CAUSAL")), (12, (7, 7), 12, dict(padding="CIRCULAR")),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_linen_and_nnx_conv_feature_groups(features, kernel_size, groups, kw, dtype):
+    """Grouped and depthwise jb.nn.Conv / jb.nnx.Conv / stock Conv under accelerate() run on
+    the kernels with flax's results and gradients."""
+    rank = 1 if isinstance(kernel_size, int) else len(kernel_size)
+    x = jax.random.normal(jax.random.key(0), (2, 13, 12) if rank == 1 else (2, 12, 11, 12))
+    kw = dict(feature_group_count=groups, dtype=dtype, **kw)
+    ref = fnn.Conv(features, kernel_size, precision=HI, **kw)
+    params = ref.init(jax.random.key(1), x)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
+
+    def accelerated(p, x):
+        with jb.accelerate():
+            return ref.apply(p, x)
+
+    for apply in (jb.nn.Conv(features, kernel_size, **kw).apply, accelerated):
+        assert "jb_conv_fwd" in jax.jit(apply).lower(params, x).as_text()
+        close(jax.jit(apply)(params, x), ref.apply(params, x), tol)
+        loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
+        got = jax.grad(loss(apply), argnums=(0, 1))(params, x)
+        want = jax.grad(loss(ref.apply), argnums=(0, 1))(params, x)
+        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+            close(a, e, tol)
+    ours = jbnnx.Conv(12, features, kernel_size, rngs=nnx.Rngs(0), **kw)
+    stock = nnx.Conv(12, features, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
+    close(ours(x), stock(x), tol)
+
+
+def test_bad_feature_groups():
+    x = jnp.ones((1, 5, 5, 6))
+    with pytest.raises(ValueError, match="feature_group_count=4 must divide"):
+        jb.conv2d(x, jnp.ones((3, 3, 1, 4)), feature_group_count=4)   # 6 channels
+    with pytest.raises(ValueError, match="feature_group_count=3 must divide"):
+        jb.conv2d(x, jnp.ones((3, 3, 2, 4)), feature_group_count=3)   # 4 outputs
+    with pytest.raises(ValueError, match="feature_group_count must be >= 1"):
+        jb.conv2d(x, jnp.ones((3, 3, 6, 4)), feature_group_count=0)
+    with pytest.raises(TypeError, match="feature_group_count"):
+        jb.conv2d(x, jnp.ones((3, 3, 3, 4)), feature_group_count=2.0)
+    with pytest.raises(ValueError, match="expects C = 4"):
+        jb.conv2d(x, jnp.ones((3, 3, 2, 4)), feature_group_count=2)   # kernel for 4 channels
+    with pytest.raises(AssertionError):  # flax's own error, inside accelerate() too
+        with jb.accelerate():
+            fnn.Conv(4, (3, 3), feature_group_count=4).init(jax.random.key(0), x)

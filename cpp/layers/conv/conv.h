@@ -13,6 +13,8 @@
 // re-blocks its weight-like operand inside the call ([Kb][Cb][R][S][bc][bk], VNNI-2 pairs
 // for bf16, cast to the multiply dtype on the way). Out-of-range taps (padding) are never
 // multiplied: the batch of each BRGEMM call holds only the valid (r, s, C-block) triples.
+// With feature groups, group g's outputs k in [g * k / groups, (g + 1) * k / groups) reduce over
+// its inputs c in [g * c / groups, ...) only, with w[r, s, c mod (c / groups), k].
 // dtype `dt` is the compute dtype of x, y, z, dy, dz and dx; accumulation is always fp32,
 // the bias and db are fp32, w and dw are fp32 or bf16.
 #pragma once
@@ -33,7 +35,10 @@ struct Shape {
   DType dt = DType::f32;               // compute dtype
   Activation act = Activation::none;
   int64_t dil_h = 1, dil_w = 1;        // kernel (rhs) dilation: tap r reads row r * dil_h
+  int64_t groups = 1;                  // feature groups: c and k split in as many; w is (r, s, c / groups, k)
 
+  int64_t cg() const { return c / groups; }  // input / output channels of one group
+  int64_t kg() const { return k / groups; }
   int64_t er() const { return (r - 1) * dil_h + 1; }  // the dilated filter's extent
   int64_t es() const { return (s - 1) * dil_w + 1; }
   int64_t p() const { return (h + pt + pb - er()) / sh + 1; }  // output rows
@@ -41,7 +46,8 @@ struct Shape {
 };
 
 // Throws std::invalid_argument unless the shape makes sense: sizes >= 1 (n >= 0), strides
-// and dilations >= 1, paddings >= 0 and a (dilated) filter that fits the padded input.
+// and dilations >= 1, paddings >= 0, a (dilated) filter that fits the padded input and
+// groups >= 1 dividing c and k.
 void validate(const Shape& s);
 
 // What the forward leaves for the backward besides x and w (as fc::Saved).

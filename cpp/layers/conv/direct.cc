@@ -80,7 +80,8 @@ std::vector<PixelBlock> split_blocks(const std::vector<PixelBlock>& seg, const C
 
 DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads)
     : MultiplyPath(d.dt, dp),
-      n(d.n), ci(d.ci), co(d.co), hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
+      n(d.n), ci(d.ci), co(d.co), groups(d.groups), ldi(d.ci * d.groups), ldo(d.co * d.groups),
+      hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
   // Blocking: reduced channels per batch element (dividing them), output channels per
   // panel (64 while the panel fits L2 comfortably), pixels per block.
   bi = force && force->red > 0 && ci % force->red == 0 ? force->red : reduction_block(ci, vnni);
@@ -129,13 +130,13 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
       for (auto [th, dh] : hc.keys[a])
         for (auto [tw, dw] : wc.keys[b])
           for (int64_t c = 0; c < ib; ++c) {
-            t.a.push_back((dh * win + dw) * ci + c * bi);
+            t.a.push_back((dh * win + dw) * ldi + c * bi);
             t.b.push_back(((c * rt + th) * st + tw) * blk);
           }
     }
 
   // The kernels of every (row class, pixel block), full and last channel block.
-  BrgemmDesc desc = MultiplyPath::desc(bi, w.in_step() * ci, bo, w.out_step() * co, d.dt);
+  BrgemmDesc desc = MultiplyPath::desc(bi, w.in_step() * ldi, bo, w.out_step() * ldo, d.dt);
   desc.bias = d.bias;
   desc.act = d.act;
   std::map<std::pair<int64_t, int64_t>, int64_t> made;
@@ -161,11 +162,13 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   // Panels of a work item: as many channel blocks as fit the panel budget together, so
   // that small weights (pointwise layers) are read once per pixel block for all of them.
   panel_bytes = Scratch::aligned(size_t(panel_elems) * mul_bytes);
-  per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(ob, kPanelBytes / int64_t(panel_bytes)));
-  per_item = ceil_div(ob, ceil_div(ob, per_item));  // groups of equal size
+  // Feature groups continue the sequence of panels: small groups share an item.
+  const int64_t panels = groups * ob;
+  per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(panels, kPanelBytes / int64_t(panel_bytes)));
+  per_item = ceil_div(panels, ceil_div(panels, per_item));  // groups of equal size
   units = n * hout * int64_t(blocks.size());
-  groups_ = WorkGroups(ceil_div(ob, per_item), units, threads);
-  copy_bytes = copy ? size_t(n * hin * win * ci) * mul_bytes : 0;
+  groups_ = WorkGroups(ceil_div(panels, per_item), units, threads);
+  copy_bytes = copy ? size_t(n * hin * win * ldi) * mul_bytes : 0;
 }
 
 }  // namespace jb::conv

@@ -91,31 +91,34 @@ struct PixelBlock {
 // channels, [Ob][Ib][R][S][bi][bo] (the forward's [Kb][Cb][R][S][bc][bk]).
 
 struct Dims {
-  int64_t n, ci, co;
+  int64_t n, ci, co;  // input and output channels of one feature group
+  int64_t groups = 1;
   Axis h, w;  // h.in, h.out: input and output rows; w likewise for columns
-  DType dt;   // dtype of input and output
-  bool bias;
-  Activation act;  // in the epilogue (gelu: none, applied after)
+  DType dt = DType::f32;  // dtype of input and output
+  bool bias = false;
+  Activation act = Activation::none;  // in the epilogue (gelu: none, applied after)
 };
 
 struct DirectPlan : MultiplyPath {
   DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads);
 
-  // Runs the pass: each item packs its panel with pack(o0, cols, c, r, s, dst) (one block
-  // per reduced block c and tap (r, s)), then for every output block calls
+  // Runs the pass: each item packs its panels with pack(group, o0, cols, c, r, s, dst) (one
+  // block per reduced block c and tap (r, s)), then for every output block calls
   // tile(out_offset, pixels, cols, multiply), where multiply(out, bias) is its BRGEMM call.
+  // The panels of all groups are one sequence, so an item of small groups (grouped and
+  // depthwise layers) covers many of them and its input pixels stay in cache across them.
   template <class Pack, class Tile>
   void run(const Executor& ex, const void* in_src, DType in_dt, Pack&& pack, Tile&& tile) const {
     const size_t lease = panel_bytes * size_t(per_item);
     const auto buf = Scratch::get<2>({copy_bytes, lease * size_t(groups_.concurrency())});
     const char* in = static_cast<const char*>(in_src);
     if (copy) {
-      const size_t px = size_t(ci) * mul_bytes;
+      const size_t px = size_t(ldi) * mul_bytes;
       parallel_for(ex, n * hin, [&](int64_t row) {
         char* dst = buf[0] + size_t(row * win) * px;
         std::memset(dst, 0, size_t(pad_l) * px);
-        reblock::pack(at(in_src, in_dt, row * win_src * ci), in_dt, win_src * ci, false, 1, win_src * ci, 1,
-                      win_src * ci, mul_dt, false, dst + size_t(pad_l) * px, isa);
+        reblock::pack(at(in_src, in_dt, row * win_src * ldi), in_dt, win_src * ldi, false, 1, win_src * ldi, 1,
+                      win_src * ldi, mul_dt, false, dst + size_t(pad_l) * px, isa);
         std::memset(dst + size_t(pad_l + win_src) * px, 0, size_t(pad_r) * px);
       });
       in = buf[0];
@@ -123,28 +126,32 @@ struct DirectPlan : MultiplyPath {
     PanelPool panels(buf[1], lease, groups_.concurrency());
     const int64_t nb = int64_t(blocks.size());
     parallel_for(ex, groups_.items(), [&](int64_t item) {
-      const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(ob, g0 + per_item);
+      // g: a panel of the sequence over groups x ob, fg its group, o0 its first channel
+      const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(groups * ob, g0 + per_item);
       const PanelPool::Lease panel(panels);
       const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(mul_bytes)});
-      for (int64_t g = g0; g < g1; ++g)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t fg = g / ob, o0 = g % ob * bo;
         for (int64_t c = 0; c < ib; ++c)
           for (int64_t r = 0; r < rt; ++r)
-            for (int64_t s = 0; s < st; ++s) pack(g * bo, std::min(bo, co - g * bo), c, r, s, pv.at(g - g0, c, r, s));
+            for (int64_t s = 0; s < st; ++s) pack(fg, o0, std::min(bo, co - o0), c, r, s, pv.at(g - g0, c, r, s));
+      }
       for (int64_t u = groups_.first(item); u < groups_.last(item); ++u) {
         const int64_t j = u % nb, row = u / nb % hout, img = u / nb / hout;
         const PixelBlock& b = blocks[j];
-        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ci * int64_t(mul_bytes);
+        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ldi * int64_t(mul_bytes);
         for (int64_t g = g0; g < g1; ++g) {
-          const int64_t o0 = g * bo, cols = std::min(bo, co - o0);
+          const int64_t fg = g / ob, o0 = g % ob * bo, cols = std::min(bo, co - o0);
           const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
-          tile(((img * hout + row) * wout + b.o) * co + o0, b.m, cols,
-               [&](void* out, const float* bias) { k.static_offsets(a, pv.at(g - g0), out, bias); });
+          const char* ag = a + fg * ci * int64_t(mul_bytes);
+          tile(((img * hout + row) * wout + b.o) * ldo + fg * co + o0, b.m, cols,
+               [&](void* out, const float* bias) { k.static_offsets(ag, pv.at(g - g0), out, bias); });
         }
       }
     });
   }
 
-  const int64_t n, ci, co, hin, hout, wout, rt, st;
+  const int64_t n, ci, co, groups, ldi, ldo, hin, hout, wout, rt, st;  // ld: channels of a pixel
   int64_t bi = 0, bo = 0, ib = 0, ob = 0, blk = 0, panel_elems = 0;
   bool copy = false;
   int64_t pad_l = 0, pad_r = 0, win = 0, win_src = 0;
@@ -168,10 +175,10 @@ inline bool pointwise(const Shape& s) {
 
 // The cache key of a pass: everything its plan depends on. `extra` is the pass's own (the
 // forward's bias, the update's dw dtype).
-using PlanKey = std::array<int64_t, 24>;
+using PlanKey = std::array<int64_t, 25>;
 inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
-  return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, s.dil_h, s.dil_w, int64_t(s.dt),
-          int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
+  return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, s.dil_h, s.dil_w, s.groups,
+          int64_t(s.dt), int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
           force ? force->rows : -1, force ? force->cols : -1, force ? force->red : -1};
 }
 

@@ -14,8 +14,9 @@ Dims forward_dims(const Shape& s, bool bias, Activation act) {
   Dims d;
   const bool pw = pointwise(s);
   d.n = pw ? 1 : s.n;
-  d.ci = s.c;
-  d.co = s.k;
+  d.ci = s.cg();
+  d.co = s.kg();
+  d.groups = s.groups;
   d.h = Axis{pw ? 1 : s.h, pw ? 1 : s.p(), s.r, s.sh, s.pt, false, 0, pw ? 1 : s.h};
   d.w = Axis{pw ? s.n * s.h * s.w : s.w, pw ? s.n * s.h * s.w : s.q(), s.s, s.sw, s.pl, false, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
@@ -29,8 +30,9 @@ Dims backward_dims(const Shape& s) {
   Dims d;
   const bool pw = pointwise(s);
   d.n = pw ? 1 : s.n;
-  d.ci = s.k;
-  d.co = s.c;
+  d.ci = s.kg();
+  d.co = s.cg();
+  d.groups = s.groups;
   d.h = Axis{pw ? 1 : s.p(), pw ? 1 : s.h, s.r, s.sh, s.pt, true, 0, pw ? 1 : s.p()};
   d.w = Axis{pw ? s.n * s.h * s.w : s.q(), pw ? s.n * s.h * s.w : s.w, s.s, s.sw, s.pl, true, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
@@ -40,7 +42,7 @@ Dims backward_dims(const Shape& s) {
   return d;
 }
 
-PlanCache<24, DirectPlan> forward_plans, backward_plans;
+PlanCache<25, DirectPlan> forward_plans, backward_plans;
 
 }  // namespace
 
@@ -51,6 +53,8 @@ void validate(const Shape& s) {
     bad("sizes must be >= 1 (H, W, C, K, R, S)");
   if (s.sh < 1 || s.sw < 1) bad("strides must be >= 1");
   if (s.dil_h < 1 || s.dil_w < 1) bad("kernel dilations must be >= 1");
+  if (s.groups < 1 || s.c % s.groups || s.k % s.groups)
+    bad("feature groups must be >= 1 and divide the input and output channels");
   if (s.pt < 0 || s.pb < 0 || s.pl < 0 || s.pr < 0) bad("paddings must be >= 0");
   if (s.h + s.pt + s.pb < s.er() || s.w + s.pl + s.pr < s.es())
     bad("the (dilated) filter is larger than the padded input");
@@ -82,9 +86,9 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   char* out = static_cast<char*>(gelu ? z : y);
   p.run(
       ex, x, s.dt,
-      [&](int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + cb * p.bi) * s.k + k0), w_dt, s.k, false, p.bi,
-                      cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
+      [&](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p.bi) * s.k + g * s.kg() + k0), w_dt, s.k,
+                      false, p.bi, cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
@@ -113,9 +117,9 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
   const size_t es = dtype_size(s.dt);
   p.run(
       ex, dz, s.dt,
-      [&](int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.c + c0) * s.k + kb * p.bi), w_dt, s.k, true, p.bi,
-                      cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
+      [&](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p.bi), w_dt, s.k,
+                      true, p.bi, cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
       },
       [&](int64_t off, int64_t, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + off * es, nullptr);

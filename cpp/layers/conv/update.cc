@@ -41,7 +41,7 @@ UpdateView update_view(const Shape& s) {
 struct UpdatePlan : MultiplyPath {
   UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
       : MultiplyPath(s.dt, dp),
-        v(update_view(s)), c(s.c), k(s.k), rt(s.r), st(s.s),
+        v(update_view(s)), c(s.cg()), k(s.kg()), groups(s.groups), rt(s.r), st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
         pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl), dil_h(s.dil_h), dil_w(s.dil_w) {
     bm = std::min(c, force && force->rows > 0 ? force->rows : 64);
@@ -52,34 +52,36 @@ struct UpdatePlan : MultiplyPath {
     hp = (v.p - 1) * sh + (rt - 1) * dil_h + 1;
     wq = ceil_div((v.q - 1) * sw + (st - 1) * dil_w + 1, sw);
     slack = round_up(ceil_div(pl, sw) + 1, 32);
-    bstride = c * wq + slack;
-    packed = s.dt != DType::f32;
+    bstride = c * groups * wq + slack;  // every group's channels
+    // dz re-blocked for bf16 (VNNI pairs), and for groups: a group's few columns of every
+    // pixel read in place would drag the other groups' through the cache again and again.
+    packed = s.dt != DType::f32 || groups > 1;
     blk_q = packed ? reblock::block_elems(v.q, bn, vnni) : 0;
-    splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb)));
+    splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb * groups)));
     direct = splits == 1 && dw_dt == DType::f32;
     chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * wq * sw + v.q * bn) * mul_bytes));
     for (int64_t img = 0; img < v.n; ++img)
       for (int64_t p = 0; p < v.p; ++p) {
         a_rows.push_back((img * hp + p * sh) * sw * bstride);
-        b_rows.push_back((img * v.p + p) * (packed ? blk_q : v.q * k));
+        b_rows.push_back((img * v.p + p) * (packed ? blk_q : v.q * k * groups));
       }
     BrgemmDesc d;
     d.k = v.q;
     d.lda = wq;
-    d.ldb = packed ? (vnni ? 2 * bn : bn) : k;
-    d.ldc = k;
+    d.ldb = packed ? (vnni ? 2 * bn : bn) : k * groups;
+    d.ldc = k * groups;
     d.ab = mul_dt;
     d.c = DType::f32;
     first.emplace(d, c, k, bm, bn, isa);
     d.accumulate = true;
     more.emplace(d, c, k, bm, bn, isa);
     xt_bytes = size_t(v.n * hp * sw * bstride) * mul_bytes;
-    dz_bytes = packed ? size_t(kb * rows * blk_q) * mul_bytes : 0;
-    part_bytes = direct ? 0 : size_t(splits * rt * st * c * k) * sizeof(float);
+    dz_bytes = packed ? size_t(groups * kb * rows * blk_q) * mul_bytes : 0;
+    part_bytes = direct ? 0 : size_t(splits * rt * st * c * k * groups) * sizeof(float);
   }
 
   const UpdateView v;
-  const int64_t c, k, rt, st, sh, sw, pt, pl, dil_h, dil_w;
+  const int64_t c, k, groups, rt, st, sh, sw, pt, pl, dil_h, dil_w;  // c, k: of one group
   int64_t bm = 0, bn = 0, cb = 0, kb = 0, rows = 0, hp = 0, wq = 0, slack = 0, bstride = 0;
   bool packed = false, direct = false;
   int64_t blk_q = 0, splits = 1, chunk = 1;
@@ -88,7 +90,7 @@ struct UpdatePlan : MultiplyPath {
   size_t xt_bytes = 0, dz_bytes = 0, part_bytes = 0;
 };
 
-PlanCache<24, UpdatePlan> update_plans;
+PlanCache<25, UpdatePlan> update_plans;
 
 }  // namespace
 
@@ -99,7 +101,7 @@ PlanCache<24, UpdatePlan> update_plans;
 void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
             void* dw, DType dw_dt, float* db, const Blocking* force) {
   validate(s);
-  const int64_t welems = s.r * s.s * s.c * s.k;
+  const int64_t welems = s.r * s.s * s.cg() * s.k;
   if (s.n == 0) {  // an empty batch: zero gradients
     std::memset(dw, 0, size_t(welems) * dtype_size(dw_dt));
     if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
@@ -116,7 +118,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
   // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
   // 64 columns (summed from dz in place, by the item owning the columns).
   const View<char, 4> xt(buf[0], {v.n, p.hp, p.sw, p.bstride * int64_t(mul_bytes)});
-  const int64_t nxt = v.n * p.hp * p.sw, ndz = p.packed ? p.kb * p.rows : 0;
+  const int64_t nxt = v.n * p.hp * p.sw, ndz = p.packed ? p.groups * p.kb * p.rows : 0;
   const int64_t pix = v.n * v.p * v.q;
   constexpr int64_t kDbCols = 64;
   const int64_t ndb = db ? ceil_div(s.k, kDbCols) : 0;
@@ -128,7 +130,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       const int64_t j_lo = std::max<int64_t>(0, ceil_div(p.pl - ph, p.sw));
       const int64_t j_hi = std::min(p.wq, ceil_div(v.w + p.pl - ph, p.sw));
       if (ih < 0 || ih >= v.h || j_hi <= j_lo) {
-        std::memset(dst, 0, size_t(p.c * p.wq) * mul_bytes);
+        std::memset(dst, 0, size_t(s.c * p.wq) * mul_bytes);
         return;
       }
       // Rows of wq columns starting at column j_lo: the zero fill of each row's end runs
@@ -139,9 +141,11 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       return;
     }
     if (i < nxt + ndz) {
-      const int64_t kb = (i - nxt) / p.rows, row = (i - nxt) % p.rows, k0 = kb * p.bn;
-      reblock::pack(at(dz, s.dt, row * v.q * s.k + k0), s.dt, s.k, false, v.q, std::min(p.bn, s.k - k0),
-                    v.q, p.bn, p.mul_dt, p.vnni, buf[1] + ((kb * p.rows + row) * p.blk_q) * mul_bytes, p.isa);
+      // K-block kb of every group in turn: columns g * kg + k0
+      const int64_t kb = (i - nxt) / p.rows, row = (i - nxt) % p.rows, k0 = kb % p.kb * p.bn;
+      reblock::pack(at(dz, s.dt, row * v.q * s.k + kb / p.kb * p.k + k0), s.dt, s.k, false, v.q,
+                    std::min(p.bn, p.k - k0), v.q, p.bn, p.mul_dt, p.vnni,
+                    buf[1] + ((kb * p.rows + row) * p.blk_q) * mul_bytes, p.isa);
       return;
     }
     const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
@@ -150,21 +154,22 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     std::memcpy(db + j0, acc, size_t(width) * sizeof(float));
   });
 
-  // The reduction: item (kb, cb, split) over its rows, chunk by chunk, every tap (r, s).
+  // The reduction: item (group, kb, cb, split) over its rows, chunk by chunk, every tap (r, s);
+  // c0 and k0 within the group, dw's rows c0 (of the group's cg) and columns g * kg + k0.
   float* part = p.direct ? static_cast<float*>(dw) : reinterpret_cast<float*>(buf[2]);
   const int64_t per_split = ceil_div(p.rows, p.splits);
-  parallel_for(ex, p.kb * p.cb * p.splits, [&](int64_t i) {
-    const int64_t sp = i % p.splits, cbi = i / p.splits % p.cb, kbi = i / p.splits / p.cb;
-    const int64_t c0 = cbi * p.bm, k0 = kbi * p.bn;
-    const int64_t m = std::min(p.bm, s.c - c0), cols = std::min(p.bn, s.k - k0);
+  parallel_for(ex, p.groups * p.kb * p.cb * p.splits, [&](int64_t i) {
+    const int64_t sp = i % p.splits, cbi = i / p.splits % p.cb, gkb = i / p.splits / p.cb;
+    const int64_t g = gkb / p.kb, c0 = cbi * p.bm, k0 = gkb % p.kb * p.bn;
+    const int64_t m = std::min(p.bm, p.c - c0), cols = std::min(p.bn, p.k - k0), kg0 = g * p.k + k0;
     const int64_t r0 = sp * per_split, r1 = std::min(p.rows, r0 + per_split);
     float* out = part + (p.direct ? 0 : sp * welems);
-    const char* b = p.packed ? buf[1] + kbi * p.rows * p.blk_q * int64_t(mul_bytes)
-                             : static_cast<const char*>(at(dz, s.dt, k0));
+    const char* b = p.packed ? buf[1] + gkb * p.rows * p.blk_q * int64_t(mul_bytes)
+                             : static_cast<const char*>(at(dz, s.dt, kg0));
     if (r0 >= r1) {  // a split without rows (more splits than rows): zero partials
       for (int64_t t = 0; t < s.r * s.s; ++t)
         for (int64_t cc = 0; cc < m; ++cc)
-          std::memset(out + (t * s.c + c0 + cc) * s.k + k0, 0, size_t(cols) * sizeof(float));
+          std::memset(out + (t * p.c + c0 + cc) * s.k + kg0, 0, size_t(cols) * sizeof(float));
       return;
     }
     for (int64_t ch = r0; ch < r1; ch += p.chunk) {
@@ -173,9 +178,10 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
       for (int64_t r = 0; r < s.r; ++r)
         for (int64_t t = 0; t < s.s; ++t) {
           const int64_t rr = r * p.dil_h, tt = t * p.dil_w;  // the dilated tap's input offsets
-          const char* a = buf[0] + ((rr * p.sw + tt % p.sw) * p.bstride + c0 * p.wq + tt / p.sw) * int64_t(mul_bytes);
+          const char* a =
+              buf[0] + ((rr * p.sw + tt % p.sw) * p.bstride + (g * p.c + c0) * p.wq + tt / p.sw) * int64_t(mul_bytes);
           kern.offsets(a, p.a_rows.data() + ch, b, p.b_rows.data() + ch, count,
-                       out + ((r * s.s + t) * s.c + c0) * s.k + k0);
+                       out + ((r * s.s + t) * p.c + c0) * s.k + kg0);
         }
     }
   });

@@ -243,8 +243,6 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     rank = len(kernel_size)
     if rank not in (1, 2):
         return Decision.stock(f"{rank}-D convolution")
-    if layer.feature_group_count != 1:
-        return Decision.stock("feature groups")
     if _adapt.custom_conv(layer):
         return Decision.stock("custom conv_general_dilated")
     strides, input_dilation, kernel_dilation = (
@@ -256,7 +254,11 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
     inputs = jnp.asarray(inputs)
     batch_dims = inputs.ndim - (rank + 1)
     features = _adapt.out_features(layer)
-    if batch_dims < 0 or jnp.shape(kernel) != kernel_size + (inputs.shape[-1], features):
+    groups = layer.feature_group_count
+    if (batch_dims < 0 or not isinstance(groups, (int, np.integer)) or groups < 1
+            or inputs.shape[-1] % groups or features % groups):
+        return Decision.stock("unexpected shapes")  # the stock call raises its error
+    if jnp.shape(kernel) != kernel_size + (inputs.shape[-1] // groups, features):
         return Decision.stock("unexpected shapes")
     batch_shape = inputs.shape[:batch_dims]
     if batch_dims != 1:
@@ -287,10 +289,11 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         if not isinstance(padding, str):
             padding = [(0, 0)] + padding
         y = conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
-                   activation=activation, dtype=dtype, rhs_dilation=(1,) + kernel_dilation)[:, 0]
+                   activation=activation, dtype=dtype, rhs_dilation=(1,) + kernel_dilation,
+                   feature_group_count=groups)[:, 0]
     else:
         y = conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=activation,
-                   dtype=dtype, rhs_dilation=kernel_dilation)
+                   dtype=dtype, rhs_dilation=kernel_dilation, feature_group_count=groups)
     if batch_dims != 1:
         y = jnp.reshape(y, batch_shape + y.shape[1:])
     return Decision(y)

@@ -37,7 +37,7 @@ class _NotPositive(ValueError, TypeError):
 
 
 def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None,
-           rhs_dilation=1):
+           rhs_dilation=1, feature_group_count=1):
     """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.
 
     Same result as ``flax.linen.Conv`` / ``lax.conv_general_dilated`` with NHWC inputs and
@@ -45,7 +45,8 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
 
     Args:
       x: ``(N, H, W, C)`` float32 or bfloat16. ``N = 0`` gives an empty result.
-      kernel: ``(R, S, C, K)`` float32 or bfloat16 (Flax's ``Conv`` kernel layout).
+      kernel: ``(R, S, C / G, K)`` float32 or bfloat16 (Flax's ``Conv`` kernel layout), G
+        the feature groups.
       bias: optional ``(K,)``.
       strides: an int or a pair of ints >= 1.
       padding: ``"SAME"`` (as XLA: ``lax.padtype_to_pads``, the extra row / column at the
@@ -58,6 +59,9 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
       rhs_dilation: the kernel dilation (flax's ``kernel_dilation``), an int or a pair of
         ints >= 1: tap ``(r, s)`` reads input pixel ``(p * sh + r * dh, q * sw + s * dw)``
         of the padded input. ``"SAME"`` pads for the dilated kernel, as lax does.
+      feature_group_count: G >= 1, dividing C and K: output channel ``k`` reduces over the
+        ``C / G`` input channels of its group ``k // (K / G)`` only (grouped; depthwise when
+        G = C), as in lax.
 
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
@@ -73,13 +77,14 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     act = check.activation(activation, _OP)
     check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
     check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
-    r, s, c, k = kernel.shape
-    n, h, w, cx = x.shape
-    if cx != c:
-        hint = (f"; grouped convolutions (feature_group_count = {cx // c}) are not supported, use "
-                f"{_STOCK}" if c and cx % c == 0 and cx > c else "")
-        raise ValueError(f"{_OP}: x {x.shape} has {cx} channels but kernel {kernel.shape} expects "
-                         f"C = {c}{hint}")
+    r, s, cg, k = kernel.shape
+    n, h, w, c = x.shape
+    groups = _groups(feature_group_count, c, k)
+    if c != cg * groups:
+        hint = (f"; for a grouped convolution pass feature_group_count={c // cg}"
+                if cg and c % cg == 0 and c > cg and groups == 1 else "")
+        raise ValueError(f"{_OP}: x {x.shape} has {c} channels but kernel {kernel.shape} in "
+                         f"{groups} feature group(s) expects C = {cg * groups}{hint}")
     if bias is not None:
         check.shape(bias, "bias", _OP, (k,), "(K,)")
     if r < 1 or s < 1:  # lax refuses an empty window too
@@ -89,7 +94,7 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     pads = resolve_padding(padding, (h, w), ((r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1), st)
     dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
-    cfg = (act, st, pads, dil)
+    cfg = (act, st, pads, dil, groups)
     out = _out_shape(x.shape, kernel.shape, cfg)
     # an empty input with padding can still have output pixels (all padding)
     if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
@@ -101,9 +106,10 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
 def _conv_xla(x, kernel, bias, activation, cfg, dtype):
     """What the kernels compute, in XLA: for sizes they do not take (0, or no output
     pixels) and for float64."""
-    _, strides, pads, dil = cfg
+    _, strides, pads, dil, groups = cfg
     acc = jnp.promote_types(dtype, jnp.float32)
     y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads, rhs_dilation=dil,
+                                 feature_group_count=groups,
                                  dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=acc)
     if bias is not None:
         y = y + bias.astype(acc)
@@ -142,6 +148,18 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
     return pads
 
 
+def _groups(value, c, k):
+    """feature_group_count: an int >= 1 dividing the input and output channels, as lax has it."""
+    check.integers(_OP, feature_group_count=value)
+    g = int(value)
+    if g < 1:
+        raise ValueError(f"{_OP}: feature_group_count must be >= 1, got {g}")
+    if c % g or k % g:
+        raise ValueError(f"{_OP}: feature_group_count={g} must divide the input channels ({c}) and the "
+                         f"output channels ({k})")
+    return g
+
+
 def _pair(value, name, below_one=ValueError):
     """A pair of ints >= 1 (strides, dilations). Like lax, a non-integer (1.5, or 2.0) is a
     TypeError, never truncated; a wrong count is a ValueError, a value < 1 `below_one`."""
@@ -164,13 +182,13 @@ def _pair(value, name, below_one=ValueError):
 
 
 def _geometry(cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg
+    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), groups = cfg
     return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb),
-                pl=np.int64(pl), pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw))
+                pl=np.int64(pl), pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw), g=np.int64(groups))
 
 
 def _out_shape(x_shape, k_shape, cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg
+    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), _ = cfg
     n, h, w, _ = x_shape
     r, s, _, k = k_shape
     return (n, (h + pt + pb - (r - 1) * dh - 1) // sh + 1, (w + pl + pr - (s - 1) * dw - 1) // sw + 1, k)
@@ -201,7 +219,7 @@ def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
 # As in ops/fc_passes.py: each pass is a custom_vjp function whose bwd is made of the
 # others and whose fwd computes its outputs by calling itself, so an outer differentiation
 # (grad of grad) sees only differentiable functions. The geometry (activation, strides,
-# pads, dilations) is static.
+# pads, dilations, groups) is static.
 
 
 def _conv(x, kernel, bias, cfg):
