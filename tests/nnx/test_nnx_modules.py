@@ -191,10 +191,10 @@ def test_conv_dtypes_batch_dims_mask_activation(dtype, batch):
     same_grads(plain, stock, x, dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(input_dilation=(1, 2), padding=1),
+@pytest.mark.parametrize("kw", [dict(input_dilation=(1, 2), padding=1, strides=2),
                                 dict(dtype=jnp.float16),
                                 dict(conv_general_dilated=lambda *a, **k: jax.lax.conv_general_dilated(*a, **k))],
-                         ids=["input_dilation", "float16", "custom_conv"])
+                         ids=["input_dilation_strided", "float16", "custom_conv"])
 def test_conv_stock_fallbacks_are_exact(kw):
     ours = jbnnx.Conv(4, 6, (3, 3), rngs=nnx.Rngs(0), **kw)
     stock = nnx.Conv(4, 6, (3, 3), rngs=nnx.Rngs(0), **kw)

@@ -249,8 +249,9 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         _adapt.per_dim(v, rank) for v in (layer.strides, layer.input_dilation, layer.kernel_dilation))
     if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in strides):
         return Decision.stock("non-integer strides")  # the stock code raises lax's TypeError
-    if any(d != 1 for d in input_dilation):
-        return Decision.stock("input dilation")
+    dilated_input = any(d != 1 for d in input_dilation)
+    if dilated_input and any(v != 1 for v in strides):
+        return Decision.stock("input dilation with strides")
     inputs = jnp.asarray(inputs)
     batch_dims = inputs.ndim - (rank + 1)
     features = _adapt.out_features(layer)
@@ -267,6 +268,9 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
         padding = canonicalize_padding(layer.padding, rank)
     except (TypeError, ValueError) as e:
         return Decision.stock(f"padding ({e})")
+    if dilated_input and (isinstance(padding, str) or any(v < 0 for pair in padding for v in pair)):
+        # lax refuses string pads there; negative ones crop the dilated input, not the input
+        return Decision.stock("input dilation with string or negative padding")
     if padding == 'CAUSAL' and rank != 1:
         return Decision.stock("causal padding of a 2-D convolution")
     inputs, padding = _pad_by_mode(inputs, padding, kernel_size, kernel_dilation)
@@ -290,10 +294,11 @@ def conv_on_kernels(layer, inputs, kernel, bias, activation=None):
             padding = [(0, 0)] + padding
         y = conv2d(inputs[:, None], kernel[None], bias, strides=(1,) + strides, padding=padding,
                    activation=activation, dtype=dtype, rhs_dilation=(1,) + kernel_dilation,
-                   feature_group_count=groups)[:, 0]
+                   lhs_dilation=(1,) + input_dilation, feature_group_count=groups)[:, 0]
     else:
         y = conv2d(inputs, kernel, bias, strides=strides, padding=padding, activation=activation,
-                   dtype=dtype, rhs_dilation=kernel_dilation, feature_group_count=groups)
+                   dtype=dtype, rhs_dilation=kernel_dilation, lhs_dilation=input_dilation,
+                   feature_group_count=groups)
     if batch_dims != 1:
         y = jnp.reshape(y, batch_shape + y.shape[1:])
     return Decision(y)

@@ -37,7 +37,7 @@ class _NotPositive(ValueError, TypeError):
 
 
 def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None,
-           rhs_dilation=1, feature_group_count=1):
+           rhs_dilation=1, lhs_dilation=1, feature_group_count=1):
     """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.
 
     Same result as ``flax.linen.Conv`` / ``lax.conv_general_dilated`` with NHWC inputs and
@@ -59,6 +59,10 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
       rhs_dilation: the kernel dilation (flax's ``kernel_dilation``), an int or a pair of
         ints >= 1: tap ``(r, s)`` reads input pixel ``(p * sh + r * dh, q * sw + s * dw)``
         of the padded input. ``"SAME"`` pads for the dilated kernel, as lax does.
+      lhs_dilation: the input dilation (flax's ``input_dilation``; a transposed convolution
+        with strides ``lhs_dilation``), an int or a pair of ints >= 1: ``lhs_dilation - 1``
+        zeros between neighbouring input pixels before padding. It takes explicit padding
+        only (as lax); with strides > 1 too it runs in XLA.
       feature_group_count: G >= 1, dividing C and K: output channel ``k`` reduces over the
         ``C / G`` input channels of its group ``k // (K / G)`` only (grouped; depthwise when
         G = C), as in lax.
@@ -91,24 +95,58 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
         raise ValueError(f"{_OP}: the kernel's window must be at least 1x1, got R={r}, S={s}")
     st = _pair(strides, "strides")
     dil = _pair(rhs_dilation, "rhs_dilation", _NotPositive)
-    pads = resolve_padding(padding, (h, w), ((r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1), st)
+    ldil = _pair(lhs_dilation, "lhs_dilation", _NotPositive)
+    if max(ldil) > 1 and isinstance(padding, str):
+        raise ValueError(f"{_OP}: padding {padding!r} with lhs_dilation {ldil}: string padding is not "
+                         "implemented for input-dilated convolutions (as in lax); give explicit pads")
+    dilated = (max(0, (h - 1) * ldil[0] + 1), max(0, (w - 1) * ldil[1] + 1))
+    pads = resolve_padding(padding, dilated, ((r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1), st)
     dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
     cfg = (act, st, pads, dil, groups)
-    out = _out_shape(x.shape, kernel.shape, cfg)
+    out = _out_shape((n,) + dilated + (c,), kernel.shape, cfg)
     # an empty input with padding can still have output pixels (all padding)
-    if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
-        return _conv_xla(x, kernel, bias, activation, cfg, dtype)
+    if (min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES
+            or (max(ldil) > 1 and max(st) > 1)):
+        return _conv_xla(x, kernel, bias, activation, cfg, dtype, ldil)
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
+    if max(ldil) > 1:
+        return _input_dilated(x, kernel, bias, activation, cfg, ldil, out)
     return _conv(x, kernel, bias, cfg)
 
 
-def _conv_xla(x, kernel, bias, activation, cfg, dtype):
+def _input_dilated(x, kernel, bias, activation, cfg, ldil, out):
+    """The input-dilated (transposed) convolution as the backward by data of the strided
+    convolution it transposes: strides ldil, the kernel flipped with its channels swapped
+    (per group), pads (R - 1) * dh - pad. Output rows beyond the kernel's reach (a pad larger
+    than that) are zeros, added around; bias and activation follow in XLA."""
+    _, _, pads, dil, groups = cfg
+    r, s, cg, k = kernel.shape
+    n, _, _, c = x.shape
+    reach = ((r - 1) * dil[0], (s - 1) * dil[1])
+    zeros = [(max(0, lo - e), max(0, hi - e)) for (lo, hi), e in zip(pads, reach, strict=True)]
+    tpads = tuple((e - lo + zl, e - hi + zh) for (lo, hi), e, (zl, zh) in zip(pads, reach, zeros, strict=True))
+    core = tuple(o - zl - zh for o, (zl, zh) in zip(out[1:3], zeros, strict=True))
+    if min(core) < 1:  # nothing but zeros: XLA
+        return _conv_xla(x, kernel, bias, activation, cfg, x.dtype, ldil)
+    # w_t[r, s, j, g * cg + i] = w[R - 1 - r, S - 1 - s, i, g * kg + j]
+    w_t = kernel[::-1, ::-1].reshape(r, s, cg, groups, k // groups).transpose(0, 1, 4, 3, 2)
+    w_t = w_t.reshape(r, s, k // groups, c)
+    y = _conv_bwd_pass(x, w_t, (n,) + core + (k,), (fc_passes.NONE, ldil, tpads, dil, groups))
+    if any(v for pair in zeros for v in pair):
+        y = jnp.pad(y, ((0, 0),) + tuple(zeros) + ((0, 0),))
+    if bias is None and activation is None:
+        return y
+    y = y.astype(jnp.float32) + (0 if bias is None else bias)
+    return _activations.apply(activation, y).astype(x.dtype)
+
+
+def _conv_xla(x, kernel, bias, activation, cfg, dtype, ldil=(1, 1)):
     """What the kernels compute, in XLA: for sizes they do not take (0, or no output
-    pixels) and for float64."""
+    pixels), for float64 and for input dilation with strides."""
     _, strides, pads, dil, groups = cfg
     acc = jnp.promote_types(dtype, jnp.float32)
-    y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads, rhs_dilation=dil,
+    y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads, lhs_dilation=ldil, rhs_dilation=dil,
                                  feature_group_count=groups,
                                  dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=acc)
     if bias is not None:
