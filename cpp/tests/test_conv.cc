@@ -186,6 +186,8 @@ const Case kGrouped[] = {
     {2, 8, 8, 96, 64, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 2},      // pointwise, wide groups
     {1, 30, 31, 32, 32, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 4},    // borders in place
     {1, 14, 14, 160, 80, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2},   // groups wider than a block
+    {2, 9, 10, 300, 300, 3, 3, 2, 1, 2, 0, 1, 3, 2, 1, 300}, // depthwise path: chunk tail, strided, dilated
+    {1, 11, 12, 5, 5, 7, 7, 1, 1, 3, 3, 3, 3, 1, 1, 5},      // depthwise 7x7, pads reach every border
 };
 
 TEST(conv_feature_groups) {
@@ -195,6 +197,15 @@ TEST(conv_feature_groups) {
   run_case(kGrouped[6], DType::f32, DType::f32, Activation::relu, true, 3, &bl);
   run_case(kGrouped[2], DType::bf16, DType::bf16, Activation::none, false, 1, &bl);
   run_case(kGrouped[1], DType::bf16, DType::f32, Activation::gelu, true, 3);
+  // the depthwise passes (groups == C == K): every activation, fp32 weights, every ISA
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::sigmoid, Activation::tanh})
+    run_case(kGrouped[8], DType::f32, DType::f32, act, act != Activation::tanh, 2);
+  run_case(kGrouped[7], DType::bf16, DType::f32, Activation::gelu, true, 3);
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512}) {
+    if (isa > jb::best_isa()) continue;
+    const jb::Dispatch dp = jb::make_dispatch(isa, "");
+    for (DType dt : {DType::f32, DType::bf16}) run_case(kGrouped[7], dt, dt, Activation::relu, true, 2, nullptr, dp);
+  }
 }
 
 TEST(conv_activations_and_no_bias) {

@@ -4,6 +4,7 @@
 
 #include "layers/common/eltwise.h"
 #include "layers/common/plan_cache.h"
+#include "layers/conv/depthwise.h"
 #include "layers/conv/direct.h"
 
 namespace jb::conv {
@@ -76,6 +77,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
              DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
   validate(s);
   if (s.n == 0) return;
+  if (depthwise(s)) return depthwise_forward(ex, dp, s, x, w, w_dt, bias, y, z);
   const bool gelu = s.act == Activation::gelu;
   const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
     return DirectPlan(forward_dims(s, bias != nullptr, gelu ? Activation::none : s.act), dp, force,
@@ -110,6 +112,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
               DType w_dt, void* dx, const Blocking* force) {
   validate(s);
   if (s.n == 0) return;
+  if (depthwise(s)) return depthwise_backward(ex, dp, s, dz, w, w_dt, dx);
   const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, force), [&] {
     return DirectPlan(backward_dims(s), dp, force, ex.num_threads);
   });

@@ -8,6 +8,7 @@
 
 #include "layers/common/kernels.h"
 #include "layers/common/plan_cache.h"
+#include "layers/conv/depthwise.h"
 #include "layers/conv/direct.h"
 
 namespace jb::conv {
@@ -107,6 +108,7 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
     if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
     return;
   }
+  if (depthwise(s)) return depthwise_update(ex, dp, s, x, dz, dw, dw_dt, db);
   const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), ex.num_threads, dp, force), [&] {
     return UpdatePlan(s, dp, dw_dt, force, ex.num_threads);
   });

@@ -1,0 +1,236 @@
+// Depthwise convolutions (feature groups == C == K): every channel reduces over its own taps
+// only, so there is no GEMM to batch-reduce (a BRGEMM per channel is 1 wide). Here the
+// channels go in the vector lanes and the taps accumulate in fp32 over a chunk of channels
+// of one pixel; the passes are memory-bound. Each inner loop is built per ISA (target
+// attributes on row functions, chosen by the dispatch), so JAX_BRGEMM_ISA still applies.
+#include "layers/conv/depthwise.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "layers/common/eltwise.h"
+#include "layers/common/operand.h"
+#include "layers/common/scratch.h"
+
+namespace jb::conv {
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // channels accumulated at once (fp32 on the stack)
+
+struct Geo {  // one pass's view of the shape; wf: the weights in fp32, [tap][c]
+  const Shape& s;
+  int64_t P, Q;
+  const float* wf;
+};
+
+// Forward, one output row (n, p): y[q][c] = bias[c] + sum_taps x[ih][iw][c] * w[tap][c].
+template <class T>
+[[gnu::always_inline]] inline void fwd_row_body(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
+  const Shape& s = g.s;
+  const int64_t n = row / g.P, p = row % g.P, C = s.c;
+  for (int64_t q = 0; q < g.Q; ++q)
+    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+      const int64_t cw = std::min(kChunk, C - c0);
+      float acc[kChunk];
+      for (int64_t j = 0; j < cw; ++j) acc[j] = bias ? bias[c0 + j] : 0.0f;
+      for (int64_t r = 0; r < s.r; ++r) {
+        const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
+        if (ih < 0 || ih >= s.h) continue;
+        for (int64_t t = 0; t < s.s; ++t) {
+          const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
+          if (iw < 0 || iw >= s.w) continue;
+          const T* xp = x + ((n * s.h + ih) * s.w + iw) * C + c0;
+          const float* wp = g.wf + (r * s.s + t) * C + c0;
+          for (int64_t j = 0; j < cw; ++j) acc[j] += to_f32(xp[j]) * wp[j];
+        }
+      }
+      T* yp = y + (row * g.Q + q) * C + c0;
+      for (int64_t j = 0; j < cw; ++j) yp[j] = from_f32<T>(acc[j]);
+    }
+}
+
+// Backward by data, one input row (n, h): dx[w][c] = sum over the taps that read (h, w) of
+// dz[p][q][c] * w[tap][c] (a gather: every dx element is written once, by its row's item).
+template <class T>
+[[gnu::always_inline]] inline void bwd_row_body(const Geo& g, const T* dz, T* dx, int64_t row) {
+  const Shape& s = g.s;
+  const int64_t n = row / s.h, h = row % s.h, C = s.c;
+  for (int64_t w = 0; w < s.w; ++w)
+    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+      const int64_t cw = std::min(kChunk, C - c0);
+      float acc[kChunk] = {};
+      for (int64_t r = 0; r < s.r; ++r) {
+        const int64_t u = h + s.pt - r * s.dil_h;
+        if (u < 0 || u % s.sh || u / s.sh >= g.P) continue;
+        for (int64_t t = 0; t < s.s; ++t) {
+          const int64_t v = w + s.pl - t * s.dil_w;
+          if (v < 0 || v % s.sw || v / s.sw >= g.Q) continue;
+          const T* zp = dz + ((n * g.P + u / s.sh) * g.Q + v / s.sw) * C + c0;
+          const float* wp = g.wf + (r * s.s + t) * C + c0;
+          for (int64_t j = 0; j < cw; ++j) acc[j] += to_f32(zp[j]) * wp[j];
+        }
+      }
+      T* xp = dx + ((n * s.h + h) * s.w + w) * C + c0;
+      for (int64_t j = 0; j < cw; ++j) xp[j] = from_f32<T>(acc[j]);
+    }
+}
+
+// Update, one output row (n, p) into fp32 partials part[tap][c] and pdb[c].
+template <class T>
+[[gnu::always_inline]] inline void upd_row_body(const Geo& g, const T* x, const T* dz, float* part, float* pdb,
+                                                int64_t row) {
+  const Shape& s = g.s;
+  const int64_t n = row / g.P, p = row % g.P, C = s.c;
+  for (int64_t q = 0; q < g.Q; ++q) {
+    const T* zp = dz + (row * g.Q + q) * C;
+    if (pdb)
+      for (int64_t c = 0; c < C; ++c) pdb[c] += to_f32(zp[c]);
+    for (int64_t r = 0; r < s.r; ++r) {
+      const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
+      if (ih < 0 || ih >= s.h) continue;
+      for (int64_t t = 0; t < s.s; ++t) {
+        const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
+        if (iw < 0 || iw >= s.w) continue;
+        const T* xp = x + ((n * s.h + ih) * s.w + iw) * C;
+        float* dp = part + (r * s.s + t) * C;
+        for (int64_t c = 0; c < C; ++c) dp[c] += to_f32(xp[c]) * to_f32(zp[c]);
+      }
+    }
+  }
+}
+
+// The row functions per ISA: the bodies inlined into functions built for each target.
+#define JB_DW_ROWS(SUFFIX, ATTR)                                                                         \
+  template <class T>                                                                                     \
+  ATTR void fwd_row_##SUFFIX(const Geo& g, const T* x, const float* b, T* y, int64_t row) {              \
+    fwd_row_body<T>(g, x, b, y, row);                                                                    \
+  }                                                                                                      \
+  template <class T>                                                                                     \
+  ATTR void bwd_row_##SUFFIX(const Geo& g, const T* dz, T* dx, int64_t row) {                            \
+    bwd_row_body<T>(g, dz, dx, row);                                                                     \
+  }                                                                                                      \
+  template <class T>                                                                                     \
+  ATTR void upd_row_##SUFFIX(const Geo& g, const T* x, const T* dz, float* part, float* pdb, int64_t row) { \
+    upd_row_body<T>(g, x, dz, part, pdb, row);                                                           \
+  }
+
+JB_DW_ROWS(generic, )
+#if JB_X86
+JB_DW_ROWS(avx2, [[gnu::target("avx2,fma,f16c")]])
+JB_DW_ROWS(avx512, [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]])
+#endif
+#undef JB_DW_ROWS
+
+// f(tag) with the row functions of the dispatch's ISA: tag 0 generic, 1 AVX2, 2 AVX-512.
+int level(const Dispatch& dp) {
+#if JB_X86
+  if (dp.isa >= Isa::avx512) return 2;
+  if (dp.isa >= Isa::avx2) return 1;
+#endif
+  (void)dp;
+  return 0;
+}
+
+std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
+  std::vector<float> wf(static_cast<size_t>(n));
+  with_type(w_dt, [&](auto ts) {
+    using T = decltype(ts);
+    for (int64_t i = 0; i < n; ++i) wf[size_t(i)] = to_f32(static_cast<const T*>(w)[i]);
+  });
+  return wf;
+}
+
+}  // namespace
+
+bool depthwise(const Shape& s) { return s.groups > 1 && s.groups == s.c && s.groups == s.k; }
+
+void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+                       DType w_dt, const float* bias, void* y, void* z) {
+  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
+  const Geo g{s, s.p(), s.q(), wf.data()};
+  const bool gelu = s.act == Activation::gelu;
+  void* out = gelu ? z : y;  // the pre-activation, then the activation over the row
+  const int lv = level(dp);
+  with_type(s.dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* xt = static_cast<const T*>(x);
+    T* ot = static_cast<T*>(out);
+    parallel_for(ex, s.n * g.P, [&](int64_t row) {
+#if JB_X86
+      if (lv == 2) fwd_row_avx512<T>(g, xt, bias, ot, row);
+      else if (lv == 1) fwd_row_avx2<T>(g, xt, bias, ot, row);
+      else
+#endif
+        fwd_row_generic<T>(g, xt, bias, ot, row);
+      if (s.act != Activation::none)
+        eltwise::activate(s.act, s.dt, ot + row * g.Q * s.c, static_cast<T*>(y) + row * g.Q * s.c, g.Q * s.c,
+                          dp.isa);
+    });
+  });
+}
+
+void depthwise_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+                        DType w_dt, void* dx) {
+  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
+  const Geo g{s, s.p(), s.q(), wf.data()};
+  const int lv = level(dp);
+  with_type(s.dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* zt = static_cast<const T*>(dz);
+    T* xt = static_cast<T*>(dx);
+    parallel_for(ex, s.n * s.h, [&](int64_t row) {
+#if JB_X86
+      if (lv == 2) return bwd_row_avx512<T>(g, zt, xt, row);
+      if (lv == 1) return bwd_row_avx2<T>(g, zt, xt, row);
+#endif
+      bwd_row_generic<T>(g, zt, xt, row);
+    });
+  });
+}
+
+void depthwise_update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                      void* dw, DType dw_dt, float* db) {
+  const Geo g{s, s.p(), s.q(), nullptr};
+  const int64_t rows = s.n * g.P, welems = s.r * s.s * s.c;
+  // Splits of the rows, each with its own fp32 partials (dw then db), summed at the end.
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * ex.num_threads));
+  const int64_t per = welems + (db ? s.c : 0);
+  float* part = reinterpret_cast<float*>(Scratch::get<1>({size_t(splits * per) * sizeof(float)})[0]);
+  const int lv = level(dp);
+  with_type(s.dt, [&](auto ts) {
+    using T = decltype(ts);
+    const T* xt = static_cast<const T*>(x);
+    const T* zt = static_cast<const T*>(dz);
+    parallel_for(ex, splits, [&](int64_t sp) {
+      float* pw = part + sp * per;
+      float* pdb = db ? pw + welems : nullptr;
+      std::memset(pw, 0, size_t(per) * sizeof(float));
+      for (int64_t row = rows * sp / splits; row < rows * (sp + 1) / splits; ++row) {
+#if JB_X86
+        if (lv == 2) {
+          upd_row_avx512<T>(g, xt, zt, pw, pdb, row);
+          continue;
+        }
+        if (lv == 1) {
+          upd_row_avx2<T>(g, xt, zt, pw, pdb, row);
+          continue;
+        }
+#endif
+        upd_row_generic<T>(g, xt, zt, pw, pdb, row);
+      }
+    });
+  });
+  parallel_for(ex, ceil_div(per, 1024), [&](int64_t i) {
+    for (int64_t e = i * 1024; e < std::min(per, (i + 1) * 1024); ++e) {
+      float acc = 0;
+      for (int64_t sp = 0; sp < splits; ++sp) acc += part[sp * per + e];
+      if (e >= welems) db[e - welems] = acc;
+      else if (dw_dt == DType::f32) static_cast<float*>(dw)[e] = acc;
+      else static_cast<uint16_t*>(dw)[e] = f32_to_bf16(acc);
+    }
+  });
+}
+
+}  // namespace jb::conv
