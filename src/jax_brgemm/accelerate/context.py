@@ -128,8 +128,7 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
     ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
     other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
-    also for input or kernel dilation, feature groups, a padding that crops the whole input
-    or 3-D;
+    also for input dilation with strides, a padding that crops the whole input or 3-D;
     an RNN also for other cells (or subclasses of these), gate / activation functions other
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and

@@ -161,8 +161,9 @@ class Conv(nn.Conv):
       {'params': {'bias': (4,), 'kernel': (3, 3, 3, 4)}}
 
     ``init`` is flax's own call (it creates the parameters), followed by the activation. A
-    call on existing parameters runs on the kernels for 1-D and 2-D convolutions without
-    dilation or feature groups, with every Flax padding form (``'SAME'``, ``'VALID'``,
+    call on existing parameters runs on the kernels for 1-D and 2-D convolutions (kernel
+    dilation, feature groups, input dilation without strides included), with every Flax
+    padding form (``'SAME'``, ``'VALID'``,
     ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for 1-D, ints and ``(low, high)`` pairs; a
     negative pad crops), a float32 or bfloat16 computation, Flax's ``promote_dtype`` (or
     one returning arrays of those dtypes) and no custom ``conv_general_dilated``. Anything

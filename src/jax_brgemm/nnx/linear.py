@@ -129,12 +129,12 @@ class Conv(stock_linear.Conv):
       >>> layer(jnp.ones((1, 8, 8, 3))).shape
       (1, 8, 8, 4)
 
-    The kernels run 1-D and 2-D convolutions without dilation or feature groups, with every
-    padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for
+    The kernels run 1-D and 2-D convolutions (kernel dilation, feature groups, input dilation
+    without strides included), with every padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for
     1-D, ints and ``(low, high)`` pairs; a negative pad crops), strides and masks, a float32
     or bfloat16 computation, ``conv_general_dilated`` left at ``lax.conv_general_dilated``
     and no ``out_sharding``; ``promote_dtype`` and ``preferred_element_type`` as for
-    ``Linear``. Anything else (3-D, dilations, feature groups, float16 ...) computes as
+    ``Linear``. Anything else (3-D, input dilation with strides, float16 ...) computes as
     ``flax.nnx.Conv`` does, followed by the activation.
 
     Args:
