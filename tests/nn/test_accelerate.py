@@ -169,8 +169,8 @@ def test_decorator_and_outside_the_context_is_stock():
 
 
 def test_conv_forms_and_fallbacks_say_why():
-    """Conv calls in every supported form run on the kernels with the stock results; input
-    dilation with strides, 3-D and a custom conv run stock, each with its reason."""
+    """Conv and ConvTranspose calls in every supported form run on the kernels with the stock
+    results; 4-D and a custom conv run stock, each with its reason."""
     x = jax.random.normal(jax.random.key(0), (2, 9, 8, 4))
     mask = (jnp.arange(3 * 3 * 4 * 6).reshape(3, 3, 4, 6) % 3 != 0).astype(jnp.float32)
     fast = [nn.Conv(6, (3, 3), strides=2, padding="VALID"),
@@ -180,13 +180,15 @@ def test_conv_forms_and_fallbacks_say_why():
             nn.Conv(5, 3, padding="CAUSAL"),  # 1-D over the rows of each image
             nn.Conv(6, (3, 3), kernel_dilation=2),
             nn.Conv(6, (3, 3), feature_group_count=2),
-            nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)), input_dilation=2)]
-    slow = [(nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)), input_dilation=2, strides=2),
-             "input dilation with strides"),
-            (nn.Conv(6, (1, 1, 1)), "3-D convolution"),
+            nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)), input_dilation=2),
+            nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)), input_dilation=2, strides=2),
+            nn.Conv(6, (3, 3), padding=((-1, 2), (1, -2)), input_dilation=(2, 3)),
+            nn.ConvTranspose(6, (3, 3), strides=2),
+            nn.ConvTranspose(6, (3, 2), strides=(1, 2), padding="CIRCULAR", transpose_kernel=True)]
+    slow = [(nn.Conv(6, (1, 1, 1, 1)), "4-D convolution", x.reshape(2, 9, 8, 1, 1, 4)),
             (nn.Conv(6, (3, 3), conv_general_dilated=jax.lax.conv_general_dilated),
-             "custom conv_general_dilated")]
-    for layer, reason in [(f, "") for f in fast] + slow:
+             "custom conv_general_dilated", x)]
+    for layer, reason, x in [(f, "", x) for f in fast] + slow:
         params = layer.init(jax.random.key(1), x)
         loss = lambda p: jnp.sum(jnp.tanh(layer.apply(p, x)))  # noqa: E731
         with jb.accelerate() as acc:

@@ -5,7 +5,7 @@ Run as a script in a subprocess (so that what it changes stays there)::
 
     python tests/nnx/flax_suite_runner.py MODE REPORT.json <pytest arguments>
 
-MODE ``substitute``: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN`` are replaced
+MODE ``substitute``: ``flax.nnx.Linear``, ``Conv``, ``ConvTranspose`` and ``RNN`` are replaced
 by ``jb.nnx``'s subclasses before the test files are collected, so every ``nnx.Linear(...)``
 in them builds a ``jb.nnx.Linear``; flax's own modules (the cells' gate layers, attention)
 import their classes directly and stay stock.
@@ -75,7 +75,7 @@ def pytest_configure(config):
     import jax_brgemm.nnx as jbnnx
 
     if _MODE == "substitute":
-        for name in ("Linear", "Conv", "RNN"):
+        for name in ("Linear", "Conv", "ConvTranspose", "RNN"):
             setattr(flax.nnx, name, getattr(jbnnx, name))
     else:
         flax.linen.Module.init_with_output = _then_apply(flax.linen.Module.init_with_output)

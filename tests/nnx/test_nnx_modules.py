@@ -191,10 +191,9 @@ def test_conv_dtypes_batch_dims_mask_activation(dtype, batch):
     same_grads(plain, stock, x, dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(input_dilation=(1, 2), padding=1, strides=2),
-                                dict(dtype=jnp.float16),
+@pytest.mark.parametrize("kw", [dict(dtype=jnp.float16),
                                 dict(conv_general_dilated=lambda *a, **k: jax.lax.conv_general_dilated(*a, **k))],
-                         ids=["input_dilation_strided", "float16", "custom_conv"])
+                         ids=["float16", "custom_conv"])
 def test_conv_stock_fallbacks_are_exact(kw):
     ours = jbnnx.Conv(4, 6, (3, 3), rngs=nnx.Rngs(0), **kw)
     stock = nnx.Conv(4, 6, (3, 3), rngs=nnx.Rngs(0), **kw)
@@ -204,11 +203,33 @@ def test_conv_stock_fallbacks_are_exact(kw):
     assert kernel_calls(ours, x) == 0
 
 
-def test_conv3d_runs_stock():
-    ours = jbnnx.Conv(2, 3, (2, 2, 2), rngs=nnx.Rngs(0), activation="tanh")
-    stock = nnx.Conv(2, 3, (2, 2, 2), rngs=nnx.Rngs(0))
-    x = normal(1, (1, 4, 4, 4, 2))
-    np.testing.assert_array_equal(ours(x), jnp.tanh(stock(x)))
+@pytest.mark.parametrize("kernel_size,kw,x_shape", [
+    ((2, 2, 2), dict(feature_group_count=2), (1, 4, 4, 4, 4)),
+    ((3, 1, 2), dict(strides=(2, 1, 1), kernel_dilation=(1, 1, 2)), (2, 5, 3, 6, 4)),
+    ((3, 3), dict(input_dilation=(1, 2), padding=1, strides=2), (2, 8, 8, 4)),
+], ids=["3d_grouped", "3d_strided_dilated", "2d_input_dilation_strided"])
+def test_conv_kinds_run_on_the_kernels(kernel_size, kw, x_shape):
+    ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), activation="tanh", **kw)
+    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
+    same_state(ours, stock)
+    x = normal(1, x_shape)
+    np.testing.assert_allclose(ours(x), jnp.tanh(stock(x)), atol=2e-5, rtol=2e-5)
+    assert kernel_calls(ours, x) > 0
+
+
+@pytest.mark.parametrize("kw", [dict(strides=2), dict(strides=(1, 3), padding="VALID", kernel_dilation=2),
+                                dict(strides=2, padding="CIRCULAR", transpose_kernel=True),
+                                dict(strides=2, padding=((2, -1), (0, 1)), use_bias=False)])
+def test_conv_transpose_matches_stock(kw):
+    ours = jbnnx.ConvTranspose(4, 6, (3, 3), rngs=nnx.Rngs(0), activation="relu", **kw)
+    stock = nnx.ConvTranspose(4, 6, (3, 3), rngs=nnx.Rngs(0), **kw)
+    same_state(ours, stock)
+    x = normal(1, (2, 5, 7, 4))
+    np.testing.assert_allclose(ours(x), jax.nn.relu(stock(x)), atol=2e-5, rtol=2e-5)
+    assert kernel_calls(ours, x) > 0
+    grads = [nnx.grad(lambda m: jnp.sum(jnp.sin(f(m(x)))))(m) for m, f in ((ours, lambda y: y), (stock, jax.nn.relu))]
+    for a, b in zip(jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 # --- LSTM / RNN -----------------------------------------------------------------------------

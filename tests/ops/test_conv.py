@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_brgemm as jb
-from jax_brgemm.nn.linear import conv_on_kernels
+from jax_brgemm.nn.conv import conv_on_kernels
 
 HI = jax.lax.Precision.HIGHEST
 REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,
@@ -200,7 +200,7 @@ def kernel_calls(apply, *args):
 
 
 @pytest.mark.parametrize("shape,features,kernel_size,kw,reason", [
-    ((1, 5, 5, 4, 2), 3, (3, 3, 3), {}, "3-D convolution"),
+    ((1, 3, 3, 3, 3, 2), 3, (2, 2, 2, 2), {}, "4-D convolution"),
 ])
 def test_stock_fallback(shape, features, kernel_size, kw, reason):
     """What the kernels do not run computes as flax.linen.Conv does, with the same params,

@@ -121,15 +121,17 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
     ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
     with a float32 softmax, its projections as DenseGeneral; stock for a custom
-    ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``), and
-    ``flax.linen.Conv`` (1-D and 2-D, every padding form, a negative pad cropping, strides,
-    masks; float32 or bfloat16) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
+    ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``),
+    ``flax.linen.Conv`` (1-D, 2-D and 3-D; dense, grouped, depthwise, kernel- and
+    input-dilated; every padding form, a negative pad cropping, strides, masks; float32 or
+    bfloat16), ``flax.linen.ConvTranspose`` (likewise, ``transpose_kernel`` and
+    ``'CIRCULAR'`` too) and ``flax.linen.RNN`` over ``OptimizedLSTMCell`` or
     ``LSTMCell`` (the whole sequence as one fused ``jb.lstm`` call on the cell's parameters).
     A call falls back to the stock module, unchanged, for a custom ``dot_general`` /
     ``dot_general_cls`` / ``conv_general_dilated`` / ``promote_dtype``, a computation dtype
-    other than float32 or bfloat16, or a subclass of the layer (e.g. ``ConvLocal``); a Conv
-    also for input dilation with strides, a padding that crops the whole input or 3-D;
-    an RNN also for other cells (or subclasses of these), gate / activation functions other
+    other than float32 or bfloat16, a ``precision`` outside ``jax_brgemm.precision``'s table,
+    or a subclass of the layer (e.g. ``ConvLocal``); a Conv also for a padding that crops
+    the whole input or more than 3 spatial dims; an RNN also for other cells (or subclasses of these), gate / activation functions other
     than sigmoid / tanh, non-default scan settings (``variable_axes``,
     ``variable_broadcast``, ``variable_carry``), inputs without a batch dim, and
     ``seq_lengths`` with ``return_carry=True`` over more than one batch dim.
@@ -141,7 +143,7 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     cell on its own ``(carry, x)`` and returns the cell's result (the sst2 example's
     ``SimpleLSTM``); a body that does anything more stays stock, listed with the reason.
 
-    NNX models are covered alike: ``flax.nnx.Linear``, ``flax.nnx.Conv`` and ``flax.nnx.RNN``
+    NNX models are covered alike: ``flax.nnx.Linear``, ``Conv``, ``ConvTranspose`` and ``RNN``
     over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
     see there), ``flax.nnx.MultiHeadAttention`` as linen's (``num_kv_heads`` and
     ``is_causal`` too), ``LinearGeneral`` (without ``batch_axis``) and ``Einsum`` as linen's

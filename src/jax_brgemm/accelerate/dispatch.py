@@ -17,6 +17,7 @@ from jax_brgemm.accelerate.context import in_stock_scan, options, record, stock_
 LINEN_RULES = {
     nn.Dense: rules.linen_dense,
     nn.Conv: rules.linen_conv,
+    nn.ConvTranspose: rules.linen_conv_transpose,
     nn.DenseGeneral: rules.linen_dense_general,
     nn.Einsum: rules.linen_einsum,
     nn.RNN: recurrent.linen_rnn,
@@ -26,6 +27,7 @@ LINEN_RULES = {
 NNX_RULES = {
     nnx_linear.Linear: rules.nnx_linear,
     nnx_linear.Conv: rules.nnx_conv,
+    nnx_linear.ConvTranspose: rules.nnx_conv_transpose,
     nnx_linear.LinearGeneral: rules.nnx_linear_general,
     nnx_linear.Einsum: rules.nnx_einsum,
     nnx_recurrent.RNN: recurrent.nnx_rnn,
@@ -129,7 +131,7 @@ def describe(module) -> str:
     sizes = [getattr(module, a, None) for a in ("in_features", "out_features", "hidden_features")]
     text = " -> ".join("x".join(map(str, v)) if isinstance(v, tuple) else str(v)
                        for v in sizes if v is not None)
-    if isinstance(module, nnx_linear.Conv):
+    if isinstance(module, (nnx_linear.Conv, nnx_linear.ConvTranspose)):
         text += f", kernel {tuple(module.kernel_size)}"
     if isinstance(module, nnx_attention.MultiHeadAttention):
         text = f"{module.num_heads} heads, {text}"

@@ -20,7 +20,8 @@ from jax_brgemm.accelerate import policy
 from jax_brgemm.accelerate.context import options
 from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.attention import dense_general_on_kernels
-from jax_brgemm.nn.linear import conv_on_kernels, dense_on_kernels
+from jax_brgemm.nn.conv import conv_on_kernels, conv_transpose_on_kernels
+from jax_brgemm.nn.linear import dense_on_kernels
 from jax_brgemm.nnx.linear import kernel_and_bias
 
 
@@ -77,11 +78,12 @@ def _linen_rule(on_kernels, **options):
 
 linen_dense = _linen_rule(dense_on_kernels, stays_stock=_policy)
 linen_conv = _linen_rule(conv_on_kernels)
+linen_conv_transpose = _linen_rule(conv_transpose_on_kernels)
 linen_dense_general = _linen_rule(dense_general_on_kernels, stays_stock=_policy)
 
 
-def _nnx_one_input(module, args, kwargs, spatial: int = 0) -> Decision:
-    call = _nnx_call(module, args, kwargs)
+def _nnx_one_input(module, args, kwargs, spatial: int = 0, names=("inputs", "out_sharding")) -> Decision:
+    call = _nnx_call(module, args, kwargs, names)
     if not call.taken:
         return call
     shape = call.value["inputs"].shape
@@ -101,6 +103,13 @@ def nnx_linear(module, args, kwargs):
 def nnx_conv(module, args, kwargs):
     call = _nnx_one_input(module, args, kwargs, spatial=len(module.kernel_size))
     return conv_on_kernels(module, call.value["inputs"], *kernel_and_bias(module)) if call.taken else call
+
+
+def nnx_conv_transpose(module, args, kwargs):
+    call = _nnx_one_input(module, args, kwargs, spatial=len(module.kernel_size), names=("inputs",))
+    if not call.taken:
+        return call
+    return conv_transpose_on_kernels(module, call.value["inputs"], *kernel_and_bias(module))
 
 
 # --- DenseGeneral / LinearGeneral and Einsum --------------------------------------------------

@@ -17,7 +17,8 @@ from __future__ import annotations
 # matches (what a stock layer followed by that function computes); the package's one table.
 from jax_brgemm._activations import ACTIVATIONS
 from jax_brgemm.nn.attention import MultiHeadDotProductAttention, dot_product_attention
-from jax_brgemm.nn.linear import Conv, Dense
+from jax_brgemm.nn.conv import Conv, ConvTranspose
+from jax_brgemm.nn.linear import Dense
 from jax_brgemm.nn.recurrent import LSTM
 
-__all__ = ["ACTIVATIONS", "Conv", "Dense", "LSTM", "MultiHeadDotProductAttention", "dot_product_attention"]
+__all__ = ["ACTIVATIONS", "Conv", "ConvTranspose", "Dense", "LSTM", "MultiHeadDotProductAttention", "dot_product_attention"]

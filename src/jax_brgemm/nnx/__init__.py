@@ -8,7 +8,7 @@ module's state from the same ``rngs``, so ``nnx.state`` trees and checkpoints in
 What the kernels cannot run computes with the stock module's own code.
 """
 
-from jax_brgemm.nnx.linear import Conv, Linear
+from jax_brgemm.nnx.linear import Conv, ConvTranspose, Linear
 from jax_brgemm.nnx.recurrent import LSTM, RNN, lstm_params
 
-__all__ = ["Conv", "LSTM", "Linear", "RNN", "lstm_params"]
+__all__ = ["Conv", "ConvTranspose", "LSTM", "Linear", "RNN", "lstm_params"]

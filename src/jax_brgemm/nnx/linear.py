@@ -1,5 +1,5 @@
-"""``jb.nnx.Linear`` and ``jb.nnx.Conv``: ``flax.nnx.Linear`` / ``flax.nnx.Conv`` on the
-BRGEMM kernels, with the stock modules' constructors, state and results."""
+"""``jb.nnx.Linear``, ``Conv`` and ``ConvTranspose``: ``flax.nnx``'s on the BRGEMM kernels,
+with the stock modules' constructors, state and results."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from jax import lax
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm.nn import _adapt
-from jax_brgemm.nn.linear import conv_on_kernels, dense_on_kernels
+from jax_brgemm.nn.conv import conv_on_kernels, conv_transpose_on_kernels
+from jax_brgemm.nn.linear import dense_on_kernels
 
 Array = tp.Any
 
@@ -129,12 +130,12 @@ class Conv(stock_linear.Conv):
       >>> layer(jnp.ones((1, 8, 8, 3))).shape
       (1, 8, 8, 4)
 
-    The kernels run 1-D and 2-D convolutions (kernel dilation, feature groups, input dilation
-    without strides included), with every padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for
+    The kernels run 1-D, 2-D and 3-D convolutions (kernel and input dilations, feature
+    groups: grouped and depthwise), with every padding form (``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` for
     1-D, ints and ``(low, high)`` pairs; a negative pad crops), strides and masks, a float32
     or bfloat16 computation, ``conv_general_dilated`` left at ``lax.conv_general_dilated``
     and no ``out_sharding``; ``promote_dtype`` and ``preferred_element_type`` as for
-    ``Linear``. Anything else (3-D, input dilation with strides, float16 ...) computes as
+    ``Linear``. Anything else (float16, a custom ``conv_general_dilated`` ...) computes as
     ``flax.nnx.Conv`` does, followed by the activation.
 
     Args:
@@ -225,3 +226,55 @@ class Conv(stock_linear.Conv):
             if y is not None:
                 return y
         return _activations.apply(self.activation, super().__call__(inputs, out_sharding))
+
+
+class ConvTranspose(stock_linear.ConvTranspose):
+    """A transposed convolution (channels last) with an optional fused activation, on
+    jax_brgemm's convolution kernels.
+
+    A drop-in for ``flax.nnx.ConvTranspose`` (a subclass of it): the same constructor, the
+    same ``nnx.Param`` state from the same ``rngs``, the same results; ``activation`` comes
+    after the stock arguments::
+
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jax_brgemm.nnx
+      >>> layer = jax_brgemm.nnx.ConvTranspose(3, 4, (3, 3), strides=2, rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((1, 8, 8, 3))).shape
+      (1, 16, 16, 4)
+
+    The kernels run what ``jb.nn.ConvTranspose`` runs there (1-D, 2-D, 3-D; strides, kernel
+    dilation, ``transpose_kernel``, masks, ``'SAME'``, ``'VALID'``, ``'CIRCULAR'`` and
+    explicit pads), with ``Conv``'s dtype rules; anything else computes as
+    ``flax.nnx.ConvTranspose`` does, followed by the activation.
+
+    Args:
+      in_features, out_features, kernel_size, strides, padding, kernel_dilation, use_bias,
+        mask, dtype, param_dtype, precision, kernel_init, bias_init, transpose_kernel,
+        promote_dtype, preferred_element_type, rngs, kernel_metadata, bias_metadata: as
+        ``flax.nnx.ConvTranspose``'s.
+      activation: ``None``, ``"relu"``, ``"gelu"``, ``"sigmoid"`` or ``"tanh"``, fused.
+    """
+
+    def __init__(self, in_features: int, out_features: int, kernel_size: int | tp.Sequence[int],
+                 strides: None | int | tp.Sequence[int] = None, *, activation: str | None = None,
+                 rngs: nnx.Rngs, **stock_arguments):
+        op = "jb.nnx.ConvTranspose"
+        _positive_int(op, in_features=in_features, out_features=out_features)
+        check.activation(activation, op)
+        super().__init__(in_features, out_features, kernel_size, strides, rngs=rngs, **stock_arguments)
+        self.activation = activation
+
+    def __call__(self, inputs: Array) -> Array:
+        """Applies the transposed convolution to ``inputs`` of shape ``(*batch_dims,
+        spatial..., in_features)``, as Flax does. Returns the result in the computation
+        dtype."""
+        inputs = jnp.asarray(inputs)
+        rank = len(self.kernel_size)
+        if inputs.ndim < rank + 1 or inputs.shape[-1] != self.in_features:
+            raise ValueError(f"jb.nnx.ConvTranspose: inputs must be (*batch, {rank} spatial dims, "
+                             f"in_features = {self.in_features}), got shape {inputs.shape}")
+        y, _ = conv_transpose_on_kernels(self, inputs, *kernel_and_bias(self), self.activation)
+        if y is not None:
+            return y
+        return _activations.apply(self.activation, super().__call__(inputs))

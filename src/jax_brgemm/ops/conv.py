@@ -26,18 +26,19 @@ from jax import lax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
+from jax_brgemm import precision as _precision
 from jax_brgemm.ops import fc_passes
 
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
 
 
-class _NotPositive(ValueError, TypeError):
+class NotPositive(ValueError, TypeError):
     """A dilation < 1: a ValueError as every bad size here, and the TypeError lax raises."""
 
 
 def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None,
-           rhs_dilation=1, lhs_dilation=1, feature_group_count=1):
+           rhs_dilation=1, lhs_dilation=1, feature_group_count=1, precision=None):
     """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.
 
     Same result as ``flax.linen.Conv`` / ``lax.conv_general_dilated`` with NHWC inputs and
@@ -62,10 +63,16 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
       lhs_dilation: the input dilation (flax's ``input_dilation``; a transposed convolution
         with strides ``lhs_dilation``), an int or a pair of ints >= 1: ``lhs_dilation - 1``
         zeros between neighbouring input pixels before padding. It takes explicit padding
-        only (as lax); with strides > 1 too it runs in XLA.
+        only (as lax). With strides 1 it is the backward by data of the strided convolution
+        it transposes; with strides > 1 too the zeros are inserted and the strided
+        convolution runs on them.
       feature_group_count: G >= 1, dividing C and K: output channel ``k`` reduces over the
         ``C / G`` input channels of its group ``k // (K / G)`` only (grouped; depthwise when
         G = C), as in lax.
+      precision: the accuracy asked of the products, as ``lax.conv_general_dilated`` takes
+        it (a ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None
+        follows ``jax.default_matmul_precision``); every one is met by exact float32
+        products (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
 
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
@@ -79,23 +86,19 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     if bias is not None:
         bias = check.array(bias, "bias", _OP, check.OP_DTYPES)
     act = check.activation(activation, _OP)
+    _precision.accuracy(precision, _OP)
     check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
     check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
     r, s, cg, k = kernel.shape
     n, h, w, c = x.shape
-    groups = _groups(feature_group_count, c, k)
-    if c != cg * groups:
-        hint = (f"; for a grouped convolution pass feature_group_count={c // cg}"
-                if cg and c % cg == 0 and c > cg and groups == 1 else "")
-        raise ValueError(f"{_OP}: x {x.shape} has {c} channels but kernel {kernel.shape} in "
-                         f"{groups} feature group(s) expects C = {cg * groups}{hint}")
+    groups = feature_groups(feature_group_count, x.shape, kernel.shape, _OP)
     if bias is not None:
         check.shape(bias, "bias", _OP, (k,), "(K,)")
     if r < 1 or s < 1:  # lax refuses an empty window too
         raise ValueError(f"{_OP}: the kernel's window must be at least 1x1, got R={r}, S={s}")
-    st = _pair(strides, "strides")
-    dil = _pair(rhs_dilation, "rhs_dilation", _NotPositive)
-    ldil = _pair(lhs_dilation, "lhs_dilation", _NotPositive)
+    st = spatial_ints(strides, "strides", 2)
+    dil = spatial_ints(rhs_dilation, "rhs_dilation", 2, NotPositive)
+    ldil = spatial_ints(lhs_dilation, "lhs_dilation", 2, NotPositive)
     if max(ldil) > 1 and isinstance(padding, str):
         raise ValueError(f"{_OP}: padding {padding!r} with lhs_dilation {ldil}: string padding is not "
                          "implemented for input-dilated convolutions (as in lax); give explicit pads")
@@ -106,11 +109,12 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     cfg = (act, st, pads, dil, groups)
     out = _out_shape((n,) + dilated + (c,), kernel.shape, cfg)
     # an empty input with padding can still have output pixels (all padding)
-    if (min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES
-            or (max(ldil) > 1 and max(st) > 1)):
+    if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
         return _conv_xla(x, kernel, bias, activation, cfg, dtype, ldil)
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
-    if max(ldil) > 1:
+    if max(ldil) > 1 and max(st) > 1:  # rare: the zeros inserted, then a strided convolution
+        x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0),) + tuple((0, 0, d - 1) for d in ldil) + ((0, 0, 0),))
+    elif max(ldil) > 1:
         return _input_dilated(x, kernel, bias, activation, cfg, ldil, out)
     return _conv(x, kernel, bias, cfg)
 
@@ -154,14 +158,14 @@ def _conv_xla(x, kernel, bias, activation, cfg, dtype, ldil=(1, 1)):
     return _activations.apply(activation, y).astype(dtype)
 
 
-def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int]):
+def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int], op=_OP):
     """Flax's padding forms as explicit ((low, high), ...) pairs, one per spatial dim:
     "SAME" / "VALID" as XLA computes them (``lax.padtype_to_pads``), an int for every side,
     or one int or (low, high) pair per dim. Negative paddings are a ValueError."""
     rank = len(spatial)
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-            raise ValueError(f"{_OP}: padding {padding!r} is not supported here (SAME, VALID, an int "
+            raise ValueError(f"{op}: padding {padding!r} is not supported here (SAME, VALID, an int "
                              f"or explicit pairs); for other modes use {_STOCK}")
         pads = lax.padtype_to_pads(tuple(spatial), tuple(kernel), tuple(strides), padding.upper())
     elif isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
@@ -175,43 +179,52 @@ def resolve_padding(padding, spatial: Sequence[int], kernel: Sequence[int], stri
                   and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in pd)):
                 pads.append((int(pd[0]), int(pd[1])))
             else:
-                raise ValueError(f"{_OP}: invalid padding {padding!r}: each entry must be an int or a "
+                raise ValueError(f"{op}: invalid padding {padding!r}: each entry must be an int or a "
                                  "(low, high) pair of ints")
     else:
-        raise ValueError(f"{_OP}: invalid padding {padding!r}: expected 'SAME', 'VALID', an int or "
+        raise ValueError(f"{op}: invalid padding {padding!r}: expected 'SAME', 'VALID', an int or "
                          f"a sequence of {rank} ints or (low, high) pairs")
     pads = tuple((int(lo), int(hi)) for lo, hi in pads)
     if any(v < 0 for pair in pads for v in pair):
-        raise ValueError(f"{_OP}: paddings must be >= 0, got {pads}")
+        raise ValueError(f"{op}: paddings must be >= 0, got {pads}")
     return pads
 
 
-def _groups(value, c, k):
-    """feature_group_count: an int >= 1 dividing the input and output channels, as lax has it."""
-    check.integers(_OP, feature_group_count=value)
+def feature_groups(value, x_shape, kernel_shape, op=_OP):
+    """feature_group_count: an int >= 1 dividing the input and output channels, with the
+    kernel's input channels one group's, as lax has it."""
+    (c, cg, k) = x_shape[-1], *kernel_shape[-2:]
+    check.integers(op, feature_group_count=value)
     g = int(value)
     if g < 1:
-        raise ValueError(f"{_OP}: feature_group_count must be >= 1, got {g}")
+        raise ValueError(f"{op}: feature_group_count must be >= 1, got {g}")
     if c % g or k % g:
-        raise ValueError(f"{_OP}: feature_group_count={g} must divide the input channels ({c}) and the "
+        raise ValueError(f"{op}: feature_group_count={g} must divide the input channels ({c}) and the "
                          f"output channels ({k})")
+    if c != cg * g:
+        hint = (f"; for a grouped convolution pass feature_group_count={c // cg}"
+                if cg and c % cg == 0 and c > cg and g == 1 else "")
+        raise ValueError(f"{op}: x {tuple(x_shape)} has {c} channels but kernel {tuple(kernel_shape)} in "
+                         f"{g} feature group(s) expects C = {cg * g}{hint}")
     return g
 
 
-def _pair(value, name, below_one=ValueError):
-    """A pair of ints >= 1 (strides, dilations). Like lax, a non-integer (1.5, or 2.0) is a
-    TypeError, never truncated; a wrong count is a ValueError, a value < 1 `below_one`."""
+def spatial_ints(value, name, rank, below_one=ValueError, op=_OP):
+    """One int >= 1 per spatial dim (strides, dilations). Like lax, a non-integer (1.5, or
+    2.0) is a TypeError, never truncated; a wrong count is a ValueError, a value < 1
+    `below_one`."""
+    what = "an int or a pair of ints" if rank == 2 else f"an int or a sequence of {rank} ints"
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = (value,) * 2
+        value = (value,) * rank
     if not isinstance(value, (Sequence, np.ndarray)) or np.ndim(value) != 1:
-        raise TypeError(f"{_OP}: {name} must be an int or a pair of ints, got {value!r}")
-    if len(value) != 2:
-        raise ValueError(f"{_OP}: {name} must be an int or a pair of ints, got {value!r}")
-    check.integers(_OP, **{f"{name}[{i}]": v for i, v in enumerate(value)})
-    pair = tuple(int(v) for v in value)
-    if min(pair) < 1:
-        raise below_one(f"{_OP}: {name} must be >= 1, got {pair}")
-    return pair
+        raise TypeError(f"{op}: {name} must be {what}, got {value!r}")
+    if len(value) != rank:
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
+    check.integers(op, **{f"{name}[{i}]": v for i, v in enumerate(value)})
+    ints = tuple(int(v) for v in value)
+    if min(ints) < 1:
+        raise below_one(f"{op}: {name} must be >= 1, got {ints}")
+    return ints
 
 
 # --- the custom calls --------------------------------------------------------------------
