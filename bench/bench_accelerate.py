@@ -11,8 +11,11 @@ nn.OptimizedLSTMCell(256); a Dense head) on 48 tokens. In flax.nnx: the NNX MNIS
 tutorial's CNN (two nnx.Conv, average pooling, two nnx.Linear), the RNN classifier as
 nnx.RNN(nnx.OptimizedLSTMCell) + nnx.Linear, and a small Vision Transformer (7x7 patches of
 the image as 16 tokens, two pre-LayerNorm encoder blocks of nnx.MultiHeadAttention with 4
-heads over 64 features and a GELU MLP of 128, mean pooling, nnx.Linear head). Trained on
-batches of 28x28 images (N=256 for the MLPs and the RNNs, 128 otherwise) or of token ids
+heads over 64 features and a GELU MLP of 128, mean pooling, nnx.Linear head). And models of
+today's convolution kinds (bench/conv_models.py): MobileNetV2- and ConvNeXt-style
+(depthwise 3x3 / 7x7), ResNeXt-style (32-group 3x3) and a small U-Net (strided
+convolutions down, ConvTranspose up, skips). Trained on batches of 28x28 images (N=256 for
+the MLPs and the RNNs, 64 for the convolution-kind models, 128 otherwise) or of token ids
 (N=64) with optax SGD + momentum (the row mlp_adamw: the MLP with optax.adamw), fp32 and
 bf16 (dtype=bfloat16 modules). One training step is one jitted function; "stock" is
 traced outside the context, "accelerate" inside it; timed round-robin in one process, the
@@ -38,13 +41,9 @@ import numpy as np
 import optax
 
 import common
+import conv_models
+from conv_models import Model
 import jax_brgemm as jb
-
-
-class Model(nn.Module):
-    """A benchmark model built of stock Flax layers, computing in `dtype`."""
-
-    dtype: object = None
 
 
 class MLP(Model):
@@ -179,7 +178,9 @@ class NnxViT(nnx.Module):  # a small Vision Transformer: 7x7 patches, 2 blocks, 
 
 MODELS = {"mlp": (MLP, 256), "mlp_adamw": (MLP, 256), "cnn": (CNN, 128), "resnet": (ResNet, 128),
           "rnn": (RNN, 256), "sst2": (SST2, 64), "nnx_cnn": (NnxCNN, 128), "nnx_rnn": (NnxRNN, 256),
-          "nnx_vit": (NnxViT, 128)}
+          "nnx_vit": (NnxViT, 128), "mobilenetv2": (conv_models.MobileNetV2, 64),
+          "convnext": (conv_models.ConvNeXt, 64), "resnext": (conv_models.ResNeXt, 64),
+          "unet": (conv_models.UNet, 64)}
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 

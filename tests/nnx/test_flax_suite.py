@@ -2,8 +2,8 @@
 jax_brgemm in the way, and a good part of them compute on the kernels:
 
 * ``substitute``: flax's NNX layer tests (``tests/nnx/nn/linear_test.py``, ``conv_test.py``,
-  ``recurrent_test.py``) with ``jax_brgemm.nnx``'s ``Linear`` / ``Conv`` / ``RNN`` in place
-  of flax's;
+  ``recurrent_test.py``) with ``jax_brgemm.nnx``'s ``Linear`` / ``Conv`` / ``ConvTranspose``
+  / ``RNN`` in place of flax's;
 * ``accelerate``: those and flax's ``linen_linear_test.py`` / ``linen_recurrent_test.py`` /
   ``linen_attention_test.py``,
   each test inside ``jax_brgemm.accelerate()``, linen's ``init_with_output`` followed by
@@ -29,16 +29,16 @@ from flax_sources import flax_source_tree
 HERE = Path(__file__).resolve().parent
 
 # (mode, flax test file) -> the fewest of its tests that must compute on the kernels.
-# conv_test's every case uses feature groups and dilations, which run stock: it checks the
-# fallback. recurrent_test's GRU and float16 cases run stock.
+# conv_test's cases (feature groups, kernel and input dilations, ConvTranspose) all do;
+# recurrent_test's GRU and float16 cases run stock.
 CASES = {
     ("substitute", "nnx/nn/linear_test.py"): 24,
-    ("substitute", "nnx/nn/conv_test.py"): 0,
+    ("substitute", "nnx/nn/conv_test.py"): 112,
     ("substitute", "nnx/nn/recurrent_test.py"): 8,
     ("accelerate", "nnx/nn/linear_test.py"): 24,
-    ("accelerate", "nnx/nn/conv_test.py"): 0,
+    ("accelerate", "nnx/nn/conv_test.py"): 112,
     ("accelerate", "nnx/nn/recurrent_test.py"): 16,
-    ("accelerate", "linen/linen_linear_test.py"): 200,
+    ("accelerate", "linen/linen_linear_test.py"): 400,
     ("accelerate", "linen/linen_recurrent_test.py"): 15,
     ("accelerate", "linen/linen_attention_test.py"): 16,
 }
