@@ -12,9 +12,13 @@ fp32 and bf16 (bf16 compute with fp32 parameters, Flax's dtype=bfloat16):
   step  fwd + bwd + upd: one jitted jax.grad of the layer w.r.t. x, W and b
 
 MLP suite: whole training steps (softmax cross-entropy, jax.grad, a generic optax step:
-SGD with momentum, and AdamW; one jitted function) of models.MLP impl="brgemm" vs
-impl="xla" with the same parameters: N=256 784-1024-1024-1024-10 and N=64 with the same
-1024-wide layers.
+SGD with momentum, and AdamW; one jitted function donating parameters and optimizer state,
+each call taking the previous one's result, as a training loop does) of models.MLP
+impl="brgemm" vs impl="xla" with the same parameters: N=256 784-1024-1024-1024-10 and N=64
+with the same 1024-wide layers. "jax_brgemm_fused" is the brgemm model's step built by
+jax_brgemm.optim.train_step with the same optax optimizer marked (jax_brgemm.optim.sgd /
+adamw: optax's own transformation and state), its step fused into the weight updates.
+--mlp-only skips the layer suite.
 
 GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
@@ -36,12 +40,13 @@ import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402
 from jax_brgemm import models  # noqa: E402
+from jax_brgemm import optim as jbo  # noqa: E402
 
 WIDTHS = (256, 512, 1024)
 BATCHES = (64, 256, 1024)
 PASSES = ("fwd", "bwd", "upd", "step")
 MLP_CASES = ((256, (1024, 1024, 1024)), (64, (1024, 1024, 1024)))
-OPTIMIZERS = {"sgd": lambda: optax.sgd(0.01, momentum=0.9), "adamw": lambda: optax.adamw(1e-3)}
+OPTIMIZERS = {"sgd": lambda: jbo.sgd(0.01, momentum=0.9), "adamw": lambda: jbo.adamw(1e-3)}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -125,15 +130,19 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd"):
         if params is None:
             params = model.init(jax.random.key(0), x)
 
-        def step(p, s, model=model):
-            def loss(p):
-                logits = model.apply(p, x).astype(jnp.float32)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        def loss(p, model=model):
+            logits = model.apply(p, x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        def step(p, s, loss=loss):
             g = jax.grad(loss)(p)
             updates, s = opt.update(g, s, p)
             return optax.apply_updates(p, updates), s
 
-        out[name] = (jax.jit(step), (params, opt.init(params)))
+        out[name] = _chained(step, params, opt)
+        if impl == "brgemm":
+            fused = jbo.train_step(loss, opt)
+            out["jax_brgemm_fused"] = _chained(lambda p, s, fused=fused: fused(p, s)[:2], params, opt)
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         layers, widths = [], (784, *features)
@@ -154,11 +163,25 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd"):
     return out
 
 
+def _chained(step, params, opt):
+    """A training loop's calls: each donates its state and the next takes the result."""
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    state = [jax.tree.map(jnp.copy, (params, opt.init(params)))]
+
+    def call():
+        state[0] = fn(*state[0])
+        return state[0]
+
+    return call, ()
+
+
 # --- running and reporting ----------------------------------------------------------------
 
 def main(argv=None):
     p = common.arg_parser(__doc__, 9, 0.1)
     p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
+    p.add_argument("--mlp-only", action="store_true", help="the MLP steps only")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     args = p.parse_args(argv)
     torch = common.torch_or_none()
 
@@ -168,8 +191,8 @@ def main(argv=None):
           f"kernel ISA {jb.isa()}; torch {'yes' if torch else 'not installed'}\nCPU: {common.cpu_name()}")
 
     layer_rows = []
-    shapes = [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
-    for dname, dtype in DTYPES.items():
+    shapes = [] if args.mlp_only else [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
+    for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
         for n, c in shapes:
             cont = layer_contenders(n, c, dtype, torch)
             for pas in PASSES:
@@ -188,7 +211,7 @@ def main(argv=None):
                     f"  | {100 * row['peak_fraction']:5.1f}% of peak, {spread(row, 'flax')} flax", flush=True)
 
     mlp_rows = []
-    for dname, dtype in DTYPES.items():
+    for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
         for (n, features), opt_name in [(case, o) for case in MLP_CASES for o in OPTIMIZERS]:
             cont = mlp_contenders(n, features, dtype, torch, opt_name)
             samples = common.interleaved({k: v[0] for k, v in cont.items()},
@@ -204,9 +227,11 @@ def main(argv=None):
             mlp_rows.append(row)
             print(f"MLP {dname:8s} N={n:<4d} {opt_name:5s} {'-'.join(map(str, widths))}: " + "  ".join(
                 f"{k} {1e3 * med[k]:.2f} ms" for k in med) + f"  | {spread(row, 'flax')} flax"
-                + (f", {spread(row, 'torch')} torch" if "torch" in med else ""), flush=True)
+                + (f", {spread(row, 'torch')} torch" if "torch" in med else "")
+                + f"; fused {spread(row, 'flax', 'fused_')} flax"
+                + (f", {spread(row, 'torch', 'fused_')} torch" if "torch" in med else ""), flush=True)
 
-    common.write_results("fc", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
+    common.write_results("fc_mlp" if args.mlp_only else "fc", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
                                 "torch": bool(torch), "layer": layer_rows, "mlp": mlp_rows})
     plots(layer_rows, mlp_rows, peak)
     print(markdown(layer_rows, mlp_rows, peak))
@@ -219,14 +244,19 @@ def ratios(row, samples):
         if other in samples:
             r = common.pair_ratios(samples, "jax_brgemm", other)
             row[f"vs_{other}"], row[f"vs_{other}_range"] = r["median"], [r["min"], r["max"]]
+            if "jax_brgemm_fused" in samples:
+                r = common.pair_ratios(samples, "jax_brgemm_fused", other)
+                row[f"fused_vs_{other}"], row[f"fused_vs_{other}_range"] = r["median"], [r["min"], r["max"]]
 
 
-def spread(row, other):
-    lo, hi = row[f"vs_{other}_range"]
-    return f"{row[f'vs_{other}']:.2f}x ({lo:.2f}-{hi:.2f})"
+def spread(row, other, prefix=""):
+    lo, hi = row[f"{prefix}vs_{other}_range"]
+    return f"{row[f'{prefix}vs_{other}']:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def plots(layer_rows, mlp_rows, peak):
+    if not layer_rows:
+        return _plot_mlp(mlp_rows)
     steps = [r for r in layer_rows if r["pass"] == "step"]
     names = list(steps[0]["gflops"])
     short = {"float32": "f32", "bfloat16": "bf16"}
@@ -239,6 +269,11 @@ def plots(layer_rows, mlp_rows, peak):
                      {n: [r["gflops"][n] for r in passes] for n in names},
                      "GFLOP/s (median)", "FC layer passes, N=256",
                      hline=peak["float32"], hline_label="fp32 peak (probe)")
+    _plot_mlp(mlp_rows)
+
+
+def _plot_mlp(mlp_rows):
+    short = {"float32": "f32", "bfloat16": "bf16"}
     mnames = list(mlp_rows[0]["seconds"])
     common.plot_bars("fc_mlp", [f"{short[r['dtype']]} N{r['n']} {r['optimizer']}" for r in mlp_rows],
                      {n: [1e3 * r["seconds"][n]["median"] for r in mlp_rows] for n in mnames},
@@ -247,8 +282,8 @@ def plots(layer_rows, mlp_rows, peak):
 
 
 def markdown(layer_rows, mlp_rows, peak):
-    names = list(layer_rows[0]["gflops"])
-    out = common.peak_table_head(peak, ["dtype", "N", "C=K", "pass"], names, "flax")
+    names = list(layer_rows[0]["gflops"]) if layer_rows else []
+    out = common.peak_table_head(peak, ["dtype", "N", "C=K", "pass"], names, "flax") if layer_rows else []
     for r in layer_rows:
         cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
         out.append(f"| {r['dtype']} | {r['n']} | {r['c']} | {r['pass']} | " + " | ".join(cells) +
@@ -262,7 +297,8 @@ def markdown(layer_rows, mlp_rows, peak):
         cells = [f"{1e3 * s[n]['median']:.2f} ({1e3 * s[n]['min']:.2f}-{1e3 * s[n]['max']:.2f})" for n in mnames]
         out.append(f"| {r['dtype']} {'-'.join(map(str, r['widths']))} {r['optimizer']} | {r['n']} | " +
                    " | ".join(cells) + f" | {spread(r, 'flax')} |" +
-                   (f" {spread(r, 'torch')} |" if "vs_torch" in r else ""))
+                   (f" {spread(r, 'torch')} |" if "vs_torch" in r else "") +
+                   (f" fused {spread(r, 'flax', 'fused_')} flax |" if "fused_vs_flax" in r else ""))
     return "\n".join(out)
 
 

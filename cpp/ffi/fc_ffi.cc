@@ -11,8 +11,13 @@
 //   jb_fc_upd_sgd   x (N, C), dz (N, K), w (C, K), mw (C, K), b (K) or (0), mb like b,
 //                   lr (), after (any; not read) -> w, mw, b, mb, updated in place
 //                   (aliased to the inputs)
-//                   attrs momentum, weight_decay, nesterov: the weight update with
-//                   SGD's step fused (fc::update_sgd); fp32 parameters, no leading dims
+//                   attrs momentum, weight_decay, bias_weight_decay, nesterov: the weight
+//                   update with SGD's step fused (fc::update_sgd); fp32 parameters, no
+//                   leading dims
+//   jb_fc_upd_adamw x (N, C), dz (N, K), w, mu, nu (C, K), b, bmu, bnu (K) or (0),
+//                   scalars (3,) = (lr, 1 - b1^t, 1 - b2^t), after -> w, mu, nu, b, bmu, bnu
+//                   in place; attrs b1, b2, c1, c2, eps, eps_root, weight_decay,
+//                   bias_weight_decay: AdamW's step fused (fc::update_adamw)
 //
 // The leading dims (..) come from vmap (vmap_method="expand_dims"): an operand's leading
 // dims broadcast numpy-style to the output's, so unbatched weights arrive with size-1
@@ -148,34 +153,75 @@ ffi::Error fc_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Resu
   });
 }
 
-ffi::Error fc_upd_sgd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b, F32 mb,
-                      F32 lr, ffi::AnyBuffer /*after*/, F32Out w_out, F32Out mw_out, F32Out b_out, F32Out mb_out,
-                      float momentum, float weight_decay, bool nesterov) {
-  const char* op = "jb_fc_upd_sgd";
+// The fused updates' shapes: x (N, C), dz (N, K), w (C, K) and its state like it, the bias
+// and its state (K) or all empty.
+ffi::Error check_fused(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& dz, const F32& w,
+                       std::initializer_list<const F32*> w_state, const F32& b,
+                       std::initializer_list<const F32*> b_state) {
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  (void)dt;
   const auto xd = x.dimensions(), zd = dz.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || zd.size() != 2 || wd.size() != 2)
-    return invalid("jb_fc_upd_sgd: x, dz and w must be matrices");
+    return invalid(std::string(op) + ": x, dz and w must be matrices");
   const int64_t n = xd[0], c = xd[1], k = zd[1];
   if (zd[0] != n || wd[0] != c || wd[1] != k)
-    return invalid("jb_fc_upd_sgd: x " + dims_str(xd) + ", dz " + dims_str(zd) + " and w " +
-                   dims_str(wd) + " do not match (N, C), (N, K), (C, K)");
-  if (int64_t(mw.element_count()) != c * k) return invalid("jb_fc_upd_sgd: mw must have w's shape");
+    return invalid(std::string(op) + ": x " + dims_str(xd) + ", dz " + dims_str(zd) + " and w " + dims_str(wd) +
+                   " do not match (N, C), (N, K), (C, K)");
+  for (const F32* m : w_state)
+    if (int64_t(m->element_count()) != c * k) return invalid(std::string(op) + ": w's state must have w's shape");
   const bool has_b = b.element_count() != 0;
-  if ((has_b && int64_t(b.element_count()) != k) || mb.element_count() != b.element_count())
-    return invalid("jb_fc_upd_sgd: b and mb must both have K elements or both be empty");
+  if (has_b && int64_t(b.element_count()) != k) return invalid(std::string(op) + ": b must have K elements or none");
+  for (const F32* m : b_state)
+    if (m->element_count() != b.element_count()) return invalid(std::string(op) + ": b's state must have b's shape");
+  return ffi::Error::Success();
+}
+
+// Aliased: the outputs are the inputs' buffers. Copied first if XLA gave others.
+void alias_inputs(std::initializer_list<const F32*> ins, std::initializer_list<F32Out*> outs) {
+  auto o = outs.begin();
+  for (const F32* in : ins) {
+    F32Out& out = **o++;
+    if (out->untyped_data() != in->untyped_data() && in->size_bytes())
+      std::memcpy(out->untyped_data(), in->untyped_data(), in->size_bytes());
+  }
+}
+
+ffi::Error fc_upd_sgd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b, F32 mb,
+                      F32 lr, ffi::AnyBuffer /*after*/, F32Out w_out, F32Out mw_out, F32Out b_out, F32Out mb_out,
+                      float momentum, float weight_decay, float bias_weight_decay, bool nesterov) {
+  const char* op = "jb_fc_upd_sgd";
+  JB_CHECK(check_fused(op, x, dz, w, {&mw}, b, {&mb}));
   if (lr.element_count() != 1) return invalid("jb_fc_upd_sgd: lr must be a scalar");
-  // Aliased: the outputs are the inputs' buffers. Copied first if XLA gave others.
-  const F32* ins[] = {&w, &mw, &b, &mb};
-  F32Out* outs[] = {&w_out, &mw_out, &b_out, &mb_out};
-  for (int i = 0; i < 4; ++i)
-    if ((*outs[i])->untyped_data() != ins[i]->untyped_data() && ins[i]->size_bytes())
-      std::memcpy((*outs[i])->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
-  const fc::Sgd o{*lr.typed_data(), momentum, weight_decay, nesterov};
+  alias_inputs({&w, &mw, &b, &mb}, {&w_out, &mw_out, &b_out, &mb_out});
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  const int64_t n = x.dimensions()[0], c = x.dimensions()[1], k = dz.dimensions()[1];
+  const bool has_b = b.element_count() != 0;
+  const fc::Sgd o{*lr.typed_data(), momentum, weight_decay, nesterov, bias_weight_decay};
   return guarded(op, [&] {
     launch(fc::update_sgd_job(launch.threads(), dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(), o,
                               w_out->typed_data(), mw_out->typed_data(), has_b ? b_out->typed_data() : nullptr,
                               has_b ? mb_out->typed_data() : nullptr));
+  });
+}
+
+ffi::Error fc_upd_adamw(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mu, F32 nu, F32 b, F32 bmu,
+                        F32 bnu, F32 scalars, ffi::AnyBuffer /*after*/, F32Out w_out, F32Out mu_out, F32Out nu_out,
+                        F32Out b_out, F32Out bmu_out, F32Out bnu_out, float b1, float b2, float c1, float c2,
+                        float eps, float eps_root, float weight_decay, float bias_weight_decay) {
+  const char* op = "jb_fc_upd_adamw";
+  JB_CHECK(check_fused(op, x, dz, w, {&mu, &nu}, b, {&bmu, &bnu}));
+  if (scalars.element_count() != 3) return invalid("jb_fc_upd_adamw: scalars must be (lr, 1 - b1^t, 1 - b2^t)");
+  alias_inputs({&w, &mu, &nu, &b, &bmu, &bnu}, {&w_out, &mu_out, &nu_out, &b_out, &bmu_out, &bnu_out});
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  const int64_t n = x.dimensions()[0], c = x.dimensions()[1], k = dz.dimensions()[1];
+  const bool has_b = b.element_count() != 0;
+  const float* sc = scalars.typed_data();
+  const fc::AdamW o{sc[0], b1, b2, c1, c2, eps, eps_root, weight_decay, sc[1], sc[2], bias_weight_decay};
+  return guarded(op, [&] {
+    launch(fc::update_adamw_job(launch.threads(), dispatch(), {n, c, k, dt}, x.untyped_data(), dz.untyped_data(),
+                                o, w_out->typed_data(), mu_out->typed_data(), nu_out->typed_data(),
+                                has_b ? b_out->typed_data() : nullptr, has_b ? bmu_out->typed_data() : nullptr,
+                                has_b ? bnu_out->typed_data() : nullptr));
   });
 }
 
@@ -206,10 +252,22 @@ ffi::Future fc_upd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 
 ffi::Future fc_upd_sgd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b,
                              F32 mb, F32 lr, ffi::AnyBuffer after, F32Out w_out, F32Out mw_out, F32Out b_out,
-                             F32Out mb_out, float momentum, float weight_decay, bool nesterov) {
+                             F32Out mb_out, float momentum, float weight_decay, float bias_weight_decay,
+                             bool nesterov) {
   Launch launch(pool);
   return launch.finish(fc_upd_sgd(launch, x, dz, w, mw, b, mb, lr, after, w_out, mw_out, b_out, mb_out, momentum,
-                                  weight_decay, nesterov));
+                                  weight_decay, bias_weight_decay, nesterov));
+}
+
+ffi::Future fc_upd_adamw_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mu, F32 nu,
+                               F32 b, F32 bmu, F32 bnu, F32 scalars, ffi::AnyBuffer after, F32Out w_out,
+                               F32Out mu_out, F32Out nu_out, F32Out b_out, F32Out bmu_out, F32Out bnu_out, float b1,
+                               float b2, float c1, float c2, float eps, float eps_root, float weight_decay,
+                               float bias_weight_decay) {
+  Launch launch(pool);
+  return launch.finish(fc_upd_adamw(launch, x, dz, w, mu, nu, b, bmu, bnu, scalars, after, w_out, mu_out, nu_out,
+                                    b_out, bmu_out, bnu_out, b1, b2, c1, c2, eps, eps_root, weight_decay,
+                                    bias_weight_decay));
 }
 
 }  // namespace
@@ -219,6 +277,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad_async, ffi_util::bind(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd_async, ffi_util::bind(fc_bwd_async));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd_async, ffi_util::bind(fc_upd_async));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd_async,
-                              ffi_util::bind(fc_upd_sgd_async, "momentum", "weight_decay", "nesterov"));
+                              ffi_util::bind(fc_upd_sgd_async, "momentum", "weight_decay", "bias_weight_decay",
+                                             "nesterov"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_adamw, fc_upd_adamw_async,
+                              ffi_util::bind(fc_upd_adamw_async, "b1", "b2", "c1", "c2", "eps", "eps_root",
+                                             "weight_decay", "bias_weight_decay"));
 
 }  // namespace jb

@@ -275,7 +275,7 @@ void sgd_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::Sgd& o, bool 
     }
   };
   step("w", dw, w0, m0, w, m, o.weight_decay);
-  if (bias) step("b", db, b0, mb0, b, mb, 0.0);
+  if (bias) step("b", db, b0, mb0, b, mb, o.bias_weight_decay);
   else CHECK(b == b0 && mb == mb0) << "bias touched without one";
 }
 
@@ -287,6 +287,7 @@ TEST(fc_update_sgd) {
     sgd_case(23, 24, 19, dt, {0.05f, 0.9f, 0.0f, true}, true, 2);
     sgd_case(1, 1, 1, dt, {0.1f, 0.8f, 1e-3f, false}, true, 1);
     sgd_case(37, 130, 141, dt, {0.01f, 0.95f, 5e-4f, true}, false, 2);
+    sgd_case(17, 30, 33, dt, {0.01f, 0.9f, 5e-4f, false, 5e-4f}, true, 2);  // the bias decays too
     sgd_case(0, 5, 7, dt, {0.1f, 0.9f, 1e-3f, true}, true, 2);
   }
   CHECK(fc::update_transposes(fc::Shape{2200, 500, 500, DType::f32}, 2, jb::dispatch()));
@@ -294,6 +295,69 @@ TEST(fc_update_sgd) {
   for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2})  // the element-wise step's other paths
     if (isa <= jb::best_isa())
       sgd_case(29, 40, 37, DType::f32, {0.05f, 0.9f, 1e-3f, true}, true, 2, jb::make_dispatch(isa, ""));
+}
+
+// update_adamw against update() followed by optax's AdamW step in double precision.
+void adamw_case(int64_t n, int64_t c, int64_t k, DType dt, const fc::AdamW& o, bool bias, int64_t threads,
+                const jb::Dispatch& dp = jb::dispatch()) {
+  std::mt19937 rng(unsigned(n * 5 + c * 11 + k));
+  TestPool pool;
+  const jb::Executor ex = pool.executor(threads);
+  const fc::Shape s{n, c, k, dt, Activation::none};
+  Tensor x(dt, n * c), dz(dt, n * k);
+  x.fill(rng);
+  dz.fill(rng);
+  std::vector<float> w(c * k), mu(c * k), nu(c * k), b(k), bmu(k), bnu(k), dw(c * k), db(k);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto* v : {&w, &mu, &b, &bmu})
+    for (float& e : *v) e = u(rng);
+  for (auto* v : {&nu, &bnu})
+    for (float& e : *v) e = std::fabs(u(rng));
+  const std::vector<float> w0 = w, mu0 = mu, nu0 = nu, b0 = b, bmu0 = bmu, bnu0 = bnu;
+  fc::update(ex, dp, s, x.data(), dz.data(), dw.data(), DType::f32, db.data());
+  fc::update_adamw(ex, dp, s, x.data(), dz.data(), o, w.data(), mu.data(), nu.data(), bias ? b.data() : nullptr,
+                   bias ? bmu.data() : nullptr, bias ? bnu.data() : nullptr);
+  int bad = 0;
+  auto expect = [&](const char* what, size_t i, double got, double want) {
+    if (!(std::fabs(got - want) <= 1e-5 * (1 + std::fabs(want))) && bad++ < 3)
+      CHECK(false) << what << "[" << i << "] = " << got << ", want " << want << " (n=" << n << " c=" << c
+                   << " k=" << k << ")";
+  };
+  auto step = [&](const char* what, const std::vector<float>& g, const std::vector<float>& p0,
+                  const std::vector<float>& m0, const std::vector<float>& v0, const std::vector<float>& p,
+                  const std::vector<float>& m, const std::vector<float>& v, double wd) {
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double mi = (1 - double(o.b1)) * g[i] + o.b1 * double(m0[i]);
+      const double vi = (1 - double(o.b2)) * double(g[i]) * g[i] + o.b2 * double(v0[i]);
+      const double ui = mi / o.bc1 / (std::sqrt(vi / o.bc2 + o.eps_root) + o.eps) + wd * p0[i];
+      expect(what, i, m[i], mi);
+      expect(what, i, v[i], vi);
+      expect(what, i, p[i], p0[i] - o.lr * ui);
+    }
+  };
+  step("w", dw, w0, mu0, nu0, w, mu, nu, o.weight_decay);
+  if (bias) step("b", db, b0, bmu0, bnu0, b, bmu, bnu, o.bias_weight_decay);
+  else CHECK(b == b0 && bmu == bmu0 && bnu == bnu0) << "bias touched without one";
+}
+
+TEST(fc_update_adamw) {
+  // AdamW fused into the weight update: weight decay on the kernel and not or also on the
+  // bias, edge blocks, one thread and two, a long batch, and every ISA's element-wise loop.
+  auto rule = [](float lr, float wd, float bwd, int t) {
+    const float b1 = 0.9f, b2 = 0.999f;
+    return fc::AdamW{lr, b1, b2, 1 - b1, 1 - b2, 1e-8f, 0.0f, wd,
+                     float(1 - std::pow(double(b1), t)), float(1 - std::pow(double(b2), t)), bwd};
+  };
+  for (DType dt : {DType::f32, DType::bf16}) {
+    adamw_case(23, 24, 19, dt, rule(1e-3f, 1e-2f, 0.0f, 1), true, 2);
+    adamw_case(1, 1, 1, dt, rule(1e-2f, 0.0f, 0.0f, 7), true, 1);
+    adamw_case(37, 130, 141, dt, rule(1e-3f, 1e-4f, 1e-4f, 3), false, 2);
+    adamw_case(0, 5, 7, dt, rule(1e-3f, 1e-4f, 1e-4f, 2), true, 2);
+  }
+  adamw_case(2200, 500, 500, DType::f32, rule(1e-3f, 1e-4f, 1e-4f, 5), true, 2);
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2})
+    if (isa <= jb::best_isa())
+      adamw_case(29, 40, 37, DType::f32, rule(1e-3f, 1e-2f, 1e-2f, 2), true, 2, jb::make_dispatch(isa, ""));
 }
 
 TEST(fc_blocking_parallelizes_small_batches) {

@@ -89,21 +89,41 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
                DType dw_dt, float* db, const Blocking* force = nullptr);
 
 // SGD with momentum (optax's add_decayed_weights + sgd, per element, in fp32):
-//   g' = g + weight_decay * w      (the kernel only; the bias takes no decay)
+//   g' = g + weight_decay * w      (bias_weight_decay for the bias)
 //   m' = g' + momentum * m
 //   w' = w - lr * (nesterov ? g' + momentum * m' : m')
 struct Sgd {
   float lr = 0, momentum = 0, weight_decay = 0;
   bool nesterov = false;
+  float bias_weight_decay = 0;
+};
+
+// AdamW (optax's adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate), per
+// element in fp32, in optax's order of operations; t counts steps from 1:
+//   mu' = c1 * g + b1 * mu,  nu' = c2 * (g * g) + b2 * nu      (c1 = 1 - b1, c2 = 1 - b2)
+//   u = (mu' / bc1) / (sqrt(nu' / bc2 + eps_root) + eps) + weight_decay * w
+//   w' = w + (-lr) * u                                         (bc1 = 1 - b1^t, bc2 = 1 - b2^t)
+struct AdamW {
+  float lr = 0, b1 = 0, b2 = 0, c1 = 0, c2 = 0, eps = 0, eps_root = 0, weight_decay = 0;
+  float bc1 = 1, bc2 = 1;
+  float bias_weight_decay = 0;
 };
 
 // The weight update with the optimizer step fused: dw = x^T @ dz and db = sum of dz are
 // computed as update() does, but never stored; each block of dw is applied to w and its
-// momentum mw (and db to b, mb) while it is in cache. All four are fp32, updated in place.
-// b and mb may be null (no bias).
+// state (and db to b and its state) while it is in cache. All fp32, updated in place.
+// The bias and its state may be null (no bias).
 void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
                 const Sgd& o, float* w, float* mw, float* b, float* mb);
 Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, const Sgd& o,
                    float* w, float* mw, float* b, float* mb);
+void update_adamw(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                  const AdamW& o, float* w, float* mu, float* nu, float* b, float* bmu, float* bnu);
+Job update_adamw_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                     const AdamW& o, float* w, float* mu, float* nu, float* b, float* bmu, float* bnu);
+
+// One row piece of each rule over n elements (g the gradient of w), vectorized for isa.
+void sgd_step(const Sgd& o, const float* g, float* w, float* m, int64_t n, Isa isa);
+void adamw_step(const AdamW& o, const float* g, float* w, float* mu, float* nu, int64_t n, Isa isa);
 
 }  // namespace jb::fc

@@ -8,7 +8,6 @@
 #include <memory>
 #include <vector>
 
-#include "layers/common/eltwise.h"
 #include "layers/common/plan_cache.h"
 #include "layers/common/view.h"
 #include "layers/fc/panel.h"
@@ -208,11 +207,6 @@ void add_update_blocks(Job& job, const Shape& s, const UpdatePlan* p, const void
   job.add(p->cblk * p->kblk, [=](int64_t i) { item(i, xt.at(i / p->kblk * p->nblk), dzb.at(i % p->kblk)); });
 }
 
-// One row piece of the SGD step (see fc.h), g the gradient of w.
-void sgd_row(const Sgd& o, const float* g, float* w, float* m, int64_t cols, Isa isa) {
-  eltwise::sgd(g, w, m, cols, o.lr, o.momentum, o.weight_decay, o.nesterov, isa);
-}
-
 }  // namespace
 
 bool update_transposes(const Shape& s, int64_t threads, const Dispatch& dp) {
@@ -258,18 +252,22 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
 
 // The fused step: an item's block of dw goes to a leased tile (L1/L2) and is applied from
 // there, so dw never reaches memory; a long batch computes the whole dw first (long_update).
-Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, const Sgd& o,
-                   float* w, float* mw, float* b, float* mb) {
+// apply(g, off, n) applies n gradients at g to the parameters (and their state) from element
+// off of w; bias(g) the K gradients of the bias; fetch(off, n) starts the parameters and
+// state of such a piece on their way into cache.
+namespace {
+
+template <class Apply, class Bias, class Fetch>
+Job fused_update_job(const char* name, int64_t threads, const Dispatch& dp, const Shape& s, const void* x,
+                     const void* dz, bool has_bias, Apply apply, Bias bias, Fetch fetch) {
   Job job;
-  job.name = "fc_upd_sgd";
+  job.name = name;
   if (s.c <= 0 || s.k <= 0) return job;
-  const Sgd ob{o.lr, o.momentum, 0.0f, o.nesterov};  // the bias takes no weight decay
-  const Isa isa = dp.isa;
   if (s.n <= 0) {  // an empty batch: zero gradients (never in a training step)
     job.add(1, [=](int64_t) {
       const std::vector<float> none(size_t(s.k), 0.0f);  // one row of them
-      for (int64_t c = 0; c < s.c; ++c) sgd_row(o, none.data(), w + c * s.k, mw + c * s.k, s.k, isa);
-      if (b) sgd_row(ob, none.data(), b, mb, s.k, isa);
+      for (int64_t c = 0; c < s.c; ++c) apply(none.data(), c * s.k, s.k);
+      if (has_bias) bias(none.data());
     });
     return job;
   }
@@ -278,50 +276,85 @@ Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const vo
   const UpdatePlan* p = plan.get();
   job.keep.push_back(plan);
   if (p->long_batch) {  // the whole gradient first, into scratch of its own
-    const auto g = job_scratch<2>(job, {size_t(s.c * s.k) * sizeof(float), b ? size_t(s.k) * sizeof(float) : 0});
+    const auto g = job_scratch<2>(job, {size_t(s.c * s.k) * sizeof(float), has_bias ? size_t(s.k) * sizeof(float) : 0});
     float* gw = reinterpret_cast<float*>(g[0]);
-    float* gb = b ? reinterpret_cast<float*>(g[1]) : nullptr;
+    float* gb = has_bias ? reinterpret_cast<float*>(g[1]) : nullptr;
     Job grad = update_job(threads, dp, s, x, dz, gw, DType::f32, gb);
     grad.flops = 0;
     job.then(std::move(grad));
-    job.add(s.c, [=](int64_t c) { sgd_row(o, gw + c * s.k, w + c * s.k, mw + c * s.k, s.k, isa); });
-    if (b) job.add(1, [=](int64_t) { sgd_row(ob, gb, b, mb, s.k, isa); });
+    job.add(s.c, [=](int64_t c) { apply(gw + c * s.k, c * s.k, s.k); });
+    if (has_bias) job.add(1, [=](int64_t) { bias(gb); });
     return job;
   }
   const Blocking bl = p->b;
   const size_t tile_bytes = Scratch::aligned(size_t(bl.rows * bl.cols) * sizeof(float));
   const auto buf = job_scratch<4>(job, {size_t(p->cblk * p->nblk * p->blk_a) * p->mul_bytes,
                                         size_t(p->kblk * p->nblk * p->nsub * p->blk_sub) * p->mul_bytes,
-                                        tile_bytes * size_t(threads), b ? size_t(s.k) * sizeof(float) : 0});
-  float* const db = b ? reinterpret_cast<float*>(buf[3]) : nullptr;
+                                        tile_bytes * size_t(threads), has_bias ? size_t(s.k) * sizeof(float) : 0});
+  float* const db = has_bias ? reinterpret_cast<float*>(buf[3]) : nullptr;
   auto pool = std::make_shared<PanelPool>(buf[2], tile_bytes, threads);
   PanelPool* tiles = pool.get();
   job.keep.push_back(std::move(pool));
   add_update_blocks(job, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
     const int64_t c0 = i / p->kblk * bl.rows, k0 = i % p->kblk * bl.cols;
     const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
-    // The block's parameters and momenta start on their way from memory now and are in
+    // The block's parameters and state start on their way from memory now and are in
     // cache when the BRGEMM is done.
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < cols; j += 16) {
-        __builtin_prefetch(w + (c0 + r) * s.k + k0 + j, 1, 2);
-        __builtin_prefetch(mw + (c0 + r) * s.k + k0 + j, 1, 2);
-      }
+    for (int64_t r = 0; r < rows; ++r) fetch((c0 + r) * s.k + k0, cols);
     const PanelPool::Lease tile(*tiles);
     float* t = reinterpret_cast<float*>(tile.data);
     p->run(p->tile, rows, cols, a, bb, reinterpret_cast<char*>(t), sizeof(float));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t off = (c0 + r) * s.k + k0;
-      sgd_row(o, t + r * bl.cols, w + off, mw + off, cols, isa);
-    }
+    for (int64_t r = 0; r < rows; ++r) apply(t + r * bl.cols, (c0 + r) * s.k + k0, cols);
   });
-  if (b) job.add(1, [=](int64_t) { sgd_row(ob, db, b, mb, s.k, isa); });
+  if (has_bias) job.add(1, [=](int64_t) { bias(db); });
   return job;
+}
+
+void prefetch_row(const float* a, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(a + j, 1, 2);
+}
+
+}  // namespace
+
+Job update_sgd_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, const Sgd& o,
+                   float* w, float* mw, float* b, float* mb) {
+  Sgd ob = o;
+  ob.weight_decay = o.bias_weight_decay;
+  const Isa isa = dp.isa;
+  return fused_update_job(
+      "fc_upd_sgd", threads, dp, s, x, dz, b != nullptr,
+      [=](const float* g, int64_t off, int64_t n) { sgd_step(o, g, w + off, mw + off, n, isa); },
+      [=](const float* g) { sgd_step(ob, g, b, mb, s.k, isa); },
+      [=](int64_t off, int64_t n) {
+        prefetch_row(w + off, n);
+        prefetch_row(mw + off, n);
+      });
 }
 
 void update_sgd(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
                 const Sgd& o, float* w, float* mw, float* b, float* mb) {
   run(ex, update_sgd_job(ex.num_threads, dp, s, x, dz, o, w, mw, b, mb));
+}
+
+Job update_adamw_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                     const AdamW& o, float* w, float* mu, float* nu, float* b, float* bmu, float* bnu) {
+  AdamW ob = o;
+  ob.weight_decay = o.bias_weight_decay;
+  const Isa isa = dp.isa;
+  return fused_update_job(
+      "fc_upd_adamw", threads, dp, s, x, dz, b != nullptr,
+      [=](const float* g, int64_t off, int64_t n) { adamw_step(o, g, w + off, mu + off, nu + off, n, isa); },
+      [=](const float* g) { adamw_step(ob, g, b, bmu, bnu, s.k, isa); },
+      [=](int64_t off, int64_t n) {
+        prefetch_row(w + off, n);
+        prefetch_row(mu + off, n);
+        prefetch_row(nu + off, n);
+      });
+}
+
+void update_adamw(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                  const AdamW& o, float* w, float* mu, float* nu, float* b, float* bmu, float* bnu) {
+  run(ex, update_adamw_job(ex.num_threads, dp, s, x, dz, o, w, mu, nu, b, bmu, bnu));
 }
 
 }  // namespace jb::fc

@@ -8,22 +8,26 @@ where nobody needs ``dx`` (the first layer of a network) and with it a third of 
 backward's work.
 
 Two pieces of that backward are public here for a caller that applies its optimizer
-itself: ``act_grad`` (``dz`` from the layer's output) and ``sgd_update`` (the weight update
-fused with an SGD-with-momentum step, the gradients never formed).
+itself: ``act_grad`` (``dz`` from the layer's output), ``sgd_update`` and ``adamw_update``
+(the weight update fused with an optimizer step, the gradients never formed;
+``jax_brgemm.optim`` builds training steps of them).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import fc_passes
 
-__all__ = ["act_grad", "dense", "sgd_update"]
+__all__ = ["act_grad", "adamw_update", "dense", "sgd_update"]
 
 
 def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
@@ -75,9 +79,30 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     if x.size == 0 or kernel.size == 0 or dtype not in check.KERNEL_DTYPES:
         return _dense_xla(x, kernel, bias, activation, dtype)
     x2 = x.astype(dtype).reshape((-1, c))
+    kernel_arg, bias_arg = kernel, bias
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
     y, _ = fc_passes.forward(x2, kernel, bias, act)
+    if _observers:
+        y = _observers[-1](x2, kernel_arg, bias_arg, act, y)
     return y.reshape(lead + (k,))
+
+
+# Functions (x, kernel, bias, act, y) -> y called on every kernel-path dense call traced
+# inside ``observe``, innermost last; jax_brgemm.optim uses them to find the layers whose
+# optimizer step it can fuse (and to add its zero taps to their outputs).
+_observers = []
+
+
+@contextlib.contextmanager
+def observe(fn):
+    """Within the context, every dense call on the kernels passes its 2-D input, its kernel
+    and bias (the objects given to ``dense``), its activation code and its 2-D output to
+    ``fn``, and returns what ``fn`` returns in place of that output (same shape and dtype)."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.pop()
 
 
 def _dense_xla(x, kernel, bias, activation, dtype):
@@ -100,7 +125,7 @@ def act_grad(dy, y, activation):
 
 
 def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, nesterov,
-               weight_decay, after=None):
+               weight_decay, bias_weight_decay=0.0, after=None):
     """One step of optax's ``chain(add_decayed_weights(weight_decay, <kernels>),
     sgd(lr, momentum, nesterov))`` for a dense layer whose gradients are ``x.T @ dz`` and
     ``sum(dz, 0)``, without forming them: the weight update computes each block of the
@@ -111,24 +136,13 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
     ``TraceState.trace`` leaves) float32; ``lr`` the step's learning rate (a scalar).
     Returns the new ``(kernel, kernel_trace, bias, bias_trace)`` (bias ones None without a
     bias); the four buffers are updated in place when the caller donates them. Not
-    differentiable. Weight decay applies to the kernel only.
+    differentiable. ``weight_decay`` applies to the kernel, ``bias_weight_decay`` to the bias.
 
     ``after``: an array the update waits for and does not read. The kernel is rewritten in
     place, so XLA copies it first unless every other reader of it is known to come before;
     pass the result of the layer's backward pass (``dz @ kernel.T``, or what depends on it).
     """
-    if x.ndim != 2 or dz.ndim != 2 or kernel.shape != (x.shape[1], dz.shape[1]):
-        raise ValueError(f"sgd_update: x {x.shape}, dz {dz.shape} and kernel {kernel.shape} "
-                         "must be (N, C), (N, K) and (C, K)")
-    if x.dtype != dz.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"sgd_update: x and dz must share float32 or bfloat16, got {x.dtype}, {dz.dtype}")
-    if (bias is None) != (bias_trace is None):
-        raise ValueError("sgd_update: give the bias and its trace together, or neither")
-    f32 = [a for a in (kernel, kernel_trace, bias, bias_trace) if a is not None]
-    if any(a.dtype != jnp.float32 for a in f32) or kernel_trace.shape != kernel.shape or (
-            bias is not None and (bias.shape != (kernel.shape[1],) or bias_trace.shape != bias.shape)):
-        raise ValueError("sgd_update: kernel, bias and their traces must be float32, the traces "
-                         "of their parameters' shapes, the bias (K,)")
+    _check_fused("sgd_update", x, dz, kernel, (kernel_trace,), bias, (bias_trace,))
     empty = jnp.zeros((0,), jnp.float32)
     b, mb = (empty, empty) if bias is None else (bias, bias_trace)
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (kernel, kernel_trace, b, mb))
@@ -136,5 +150,56 @@ def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, n
         "jb_fc_upd_sgd", outs, input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3})(
         x, dz, kernel, kernel_trace, b, mb, jnp.asarray(lr, jnp.float32),
         empty if after is None else after, momentum=np.float32(momentum),
-        weight_decay=np.float32(weight_decay), nesterov=bool(nesterov))
+        weight_decay=np.float32(weight_decay), bias_weight_decay=np.float32(bias_weight_decay),
+        nesterov=bool(nesterov))
     return kernel, kernel_trace, (None if bias is None else b), (None if bias is None else mb)
+
+
+def adamw_update(x, dz, kernel, mu, nu, bias, bias_mu, bias_nu, lr, count, *, b1, b2, eps,
+                 eps_root=0.0, weight_decay, bias_weight_decay=0.0, after=None):
+    """One step of optax's ``adamw`` (``scale_by_adam``, ``add_decayed_weights``,
+    ``scale_by_learning_rate``) for a dense layer whose gradients are ``x.T @ dz`` and
+    ``sum(dz, 0)``, without forming them (as ``sgd_update``).
+
+    ``mu``, ``nu`` (and ``bias_mu``, ``bias_nu``) are optax's ``ScaleByAdamState`` leaves of
+    the kernel (and bias), float32; ``count`` that state's step count *before* this step
+    (an integer scalar); ``lr`` the step's learning rate. ``weight_decay`` applies to the
+    kernel, ``bias_weight_decay`` to the bias (optax's ``mask``). Returns the new
+    ``(kernel, mu, nu, bias, bias_mu, bias_nu)`` (bias ones None without a bias), in place
+    when the caller donates them; ``after`` as in ``sgd_update``.
+    """
+    _check_fused("adamw_update", x, dz, kernel, (mu, nu), bias, (bias_mu, bias_nu))
+    count_inc = optax.safe_increment(jnp.asarray(count))
+    # optax's bias corrections, computed as optax computes them (1 - decay**count, fp32)
+    bc1, bc2 = 1 - b1 ** count_inc, 1 - b2 ** count_inc
+    scalars = jnp.stack([jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
+                         bc2.astype(jnp.float32)])
+    empty = jnp.zeros((0,), jnp.float32)
+    b, bm, bv = (empty,) * 3 if bias is None else (bias, bias_mu, bias_nu)
+    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (kernel, mu, nu, b, bm, bv))
+    f32 = np.float32
+    kernel, mu, nu, b, bm, bv = jax.ffi.ffi_call(
+        "jb_fc_upd_adamw", outs, input_output_aliases={2: 0, 3: 1, 4: 2, 5: 3, 6: 4, 7: 5})(
+        x, dz, kernel, mu, nu, b, bm, bv, scalars, empty if after is None else after,
+        b1=f32(b1), b2=f32(b2), c1=f32(1 - b1), c2=f32(1 - b2), eps=f32(eps),
+        eps_root=f32(eps_root), weight_decay=f32(weight_decay),
+        bias_weight_decay=f32(bias_weight_decay))
+    if bias is None:
+        return kernel, mu, nu, None, None, None
+    return kernel, mu, nu, b, bm, bv
+
+
+def _check_fused(op, x, dz, kernel, kernel_state, bias, bias_state):
+    if x.ndim != 2 or dz.ndim != 2 or kernel.shape != (x.shape[1], dz.shape[1]):
+        raise ValueError(f"{op}: x {x.shape}, dz {dz.shape} and kernel {kernel.shape} "
+                         "must be (N, C), (N, K) and (C, K)")
+    if x.dtype != dz.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{op}: x and dz must share float32 or bfloat16, got {x.dtype}, {dz.dtype}")
+    if any((bias is None) != (m is None) for m in bias_state):
+        raise ValueError(f"{op}: give the bias and its optimizer state together, or neither")
+    arrays = [kernel, *kernel_state] + ([] if bias is None else [bias, *bias_state])
+    if any(a.dtype != jnp.float32 for a in arrays) or any(m.shape != kernel.shape for m in kernel_state) or (
+            bias is not None and (bias.shape != (kernel.shape[1],)
+                                  or any(m.shape != bias.shape for m in bias_state))):
+        raise ValueError(f"{op}: kernel, bias and their optimizer state must be float32, the "
+                         "state of its parameter's shape, the bias (K,)")

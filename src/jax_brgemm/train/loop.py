@@ -264,7 +264,7 @@ def _interrupted(mll, ckpt, save, where: str):
 
 
 def train_step_for(cfg: RunConfig, state, example, steps_per_epoch: int, processes: int = 1):
-    """The run's train step: with impl="brgemm" and SGD the optimizer step rides on the
+    """The run's train step: with impl="brgemm" and SGD, Adam or AdamW the optimizer step rides on the
     weight updates where the model allows it (fused.py), else ``step.train_step``."""
     plan = (fused.plan(cfg.bench, state, example, cfg.hparams, steps_per_epoch, processes=processes)
             if cfg.impl == "brgemm" else None)
