@@ -7,26 +7,36 @@ a ``lax.DotAlgorithmPreset``, or the strings JAX accepts) and, given None, follo
 ``DEFAULT``, ``'bfloat16_3x'`` and ``'tensorfloat32'`` are ``HIGH``, ``'float32'`` is
 ``HIGHEST``), and each request is one of four accuracies:
 
-==================================================  ===========  =========================
-requested                                           accuracy     computed here
-==================================================  ===========  =========================
+==================================================  ===========  ==================================
+requested                                           accuracy     computed (``JAX_BRGEMM_EMULATE=1``)
+==================================================  ===========  ==================================
 None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32
-HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  exact float32
-BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32
-BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32
-==================================================  ===========  =========================
+HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  exact float32 (3 bf16 products)
+BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (6 bf16 products)
+BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32 (1 bf16 product)
+==================================================  ===========  ==================================
 
-A precision is a floor on accuracy, never an order to lose some: every request is met by
-exact float32 products, which is what the kernels compute today for every one of them (as
-stock XLA on CPU does); bfloat16 inputs are exact in one product whatever the precision.
+A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
+for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
+precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm`` and ``jb.dense``
+compute the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32
+(``ops/emulation.py``). That can only pay with AMX, whose bfloat16 products run 6-14x the
+float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs at half the float32 rate per product,
+AVX2 has no bfloat16 products); it stays opt-in until measured there.
+
 A request outside the table (float16 or float8 algorithms, unequal per-operand pairs) is a
 ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax import lax
+
+#: Compute the bf16_* accuracies from bfloat16 products (ops/emulation.py).
+EMULATE = os.environ.get("JAX_BRGEMM_EMULATE", "0") == "1"
 
 _P, _A = lax.Precision, lax.DotAlgorithmPreset
 
@@ -83,7 +93,6 @@ HARNESS = {"float32": None, "bf16_3x": "BF16_BF16_F32_X3", "bf16_6x": "BF16_BF16
 
 
 def computed(requested: str) -> str:
-    """What the kernels compute on this CPU for a requested accuracy: exact float32 for all
-    of them (the multi-product bf16 emulation has no kernel yet)."""
-    del requested
-    return "float32"
+    """What the kernels compute for a requested accuracy: the requested one from bfloat16
+    products with ``JAX_BRGEMM_EMULATE=1``, exact float32 otherwise."""
+    return requested if EMULATE and requested != "float32" else "float32"

@@ -10,7 +10,7 @@ import numpy as np
 
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import partitioning
+from jax_brgemm.ops import emulation, partitioning
 
 _F32, _BF16, _F64 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)
 
@@ -26,8 +26,9 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
         inputs, bfloat16. Defaults to ``c.dtype`` when ``c`` is given.
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
-        ``jax.default_matmul_precision``); every one is met by exact float32 products
-        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
+        ``jax.default_matmul_precision``), met as ``jax_brgemm.precision`` says: exact float32
+        products, or bfloat16 ones with ``JAX_BRGEMM_EMULATE=1`` (``ops/emulation.py``). An
+        algorithm outside its table is a ValueError.
 
     Leading dims broadcast numpy-style. Returns ``(..., M, N)``. Any size of 0 (a leading
     dim, B, M, K or N) gives what ``jnp.einsum`` gives, computed in XLA; so does float64
@@ -41,7 +42,7 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     a = check.array(a, "a", op, check.OP_DTYPES)
     b = check.array(b, "b", op, check.OP_DTYPES)
     check.same_dtype(op, a=a, b=b)
-    _precision.accuracy(precision, op)
+    computed = _precision.computed(_precision.accuracy(precision, op))
     check.rank(a, "a", op, "(..., B, M, K)", at_least=3)
     check.rank(b, "b", op, "(..., B, K, N)", at_least=3)
     (nb, m, k), (nb2, k2, n) = a.shape[-3:], b.shape[-3:]
@@ -60,6 +61,9 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     lead = check.broadcast(op, **leads)
     if 0 in (nb, m, k, n) or 0 in lead or a.dtype == _F64:
         return _brgemm_xla(a, b, c, out)
+    if computed != "float32" and a.dtype == _F32:  # bfloat16 products (precision.py)
+        y = emulation.brgemm(a, b, computed)
+        return y if c is None else y + c
     if c is None:
         return _brgemm(a, b, out)
     return _brgemm_acc(a, b, c, c.shape)
@@ -104,7 +108,7 @@ def _brgemm_xla(a, b, c, out_dtype):
     return y.astype(out_dtype)
 
 
-def _unbroadcast(x, shape):
+def unbroadcast(x, shape):
     """Sums x over the dims that broadcasting added or expanded, back to `shape`."""
     extra = x.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(
@@ -126,6 +130,11 @@ def _ffi(*operands, out_dtype):
 @partitioning.cached
 def _target(kinds, out_dtype):
     return partitioning.rows(partial(_ffi, out_dtype=out_dtype), kinds, (partitioning.ROWS,))
+
+
+def call_kernel(a, b, out_dtype):
+    """The kernel's ``sum_i a_i @ b_i`` (not differentiable: the op's VJPs call it)."""
+    return _call(a, b, None, out_dtype)
 
 
 def _call(a, b, c, out_dtype):
@@ -150,7 +159,7 @@ def _grads(a, b, g):
     # the i's becoming a leading dim.
     da = _brgemm(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], np.dtype(a.dtype))
     db = _brgemm(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, np.dtype(b.dtype))
-    return _unbroadcast(da, a.shape), _unbroadcast(db, b.shape)
+    return unbroadcast(da, a.shape), unbroadcast(db, b.shape)
 
 
 # Both fwd rules compute their output by calling the custom_vjp function itself, so an outer
@@ -185,7 +194,7 @@ def _brgemm_acc_fwd(a, b, c, c_shape):
 def _brgemm_acc_bwd(c_shape, res, g):
     a, b = res
     da, db = _grads(a, b, g)
-    return da, db, _unbroadcast(g, c_shape)
+    return da, db, unbroadcast(g, c_shape)
 
 
 _brgemm_acc.defvjp(_brgemm_acc_fwd, _brgemm_acc_bwd)

@@ -25,7 +25,7 @@ import optax
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import fc_passes
+from jax_brgemm.ops import emulation, fc_passes
 
 __all__ = ["act_grad", "adamw_update", "dense", "sgd_update"]
 
@@ -64,7 +64,7 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     if bias is not None:
         bias = check.array(bias, "bias", op, check.OP_DTYPES)
     act = check.activation(activation, op)
-    _precision.accuracy(precision, op)
+    computed = _precision.computed(_precision.accuracy(precision, op))
     check.rank(x, "x", op, "(..., C)", at_least=1)
     check.rank(kernel, "kernel", op, "(C, K)", exactly=2)
     c, k = kernel.shape
@@ -78,6 +78,10 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     lead = x.shape[:-1]
     if x.size == 0 or kernel.size == 0 or dtype not in check.KERNEL_DTYPES:
         return _dense_xla(x, kernel, bias, activation, dtype)
+    if computed != "float32" and dtype == jnp.float32:  # bfloat16 products (precision.py)
+        y = emulation.brgemm(x.astype(dtype).reshape((1, -1, c)), kernel.astype(dtype)[None], computed)
+        y = y if bias is None else y + bias.astype(dtype)
+        return _activations.apply(activation, y).reshape(lead + (k,))
     x2 = x.astype(dtype).reshape((-1, c))
     kernel_arg, bias_arg = kernel, bias
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)

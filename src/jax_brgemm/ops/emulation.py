@@ -1,0 +1,81 @@
+"""float32 matrix products from bfloat16 ones: the multi-product emulation of
+``jax_brgemm.precision`` as one batch-reduce.
+
+Each float32 operand is split into bfloat16 parts (``hi = bf16(x)``, ``mid = bf16(x - hi)``,
+...). A product of bfloat16 parts is exact in float32, so ``a @ b`` is the sum of the part
+products, of which the large ones are kept (Henry, Tang, Heinecke, ARITH 2019): three for
+``bf16_3x`` (hi.hi + hi.mid + mid.hi), six for ``bf16_6x`` (a third part, lo, adds
+mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-reduce: the
+parts are stacked along the BRGEMM's batch axis, so a single bfloat16 call accumulates every
+product of a tile into the same float32 accumulators. Its gradients are emulated products
+at the same accuracy.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: accuracy -> the (part of a, part of b) products summed.
+TERMS = {
+    "bf16": ((0, 0),),
+    "bf16_3x": ((0, 1), (1, 0), (0, 0)),
+    "bf16_6x": ((1, 1), (0, 2), (2, 0), (0, 1), (1, 0), (0, 0)),
+}
+
+
+def split(x, parts: int):
+    """``x`` (float32) as ``parts`` bfloat16 arrays whose float32 sum approximates it, largest
+    first: each the bfloat16 rounding of what the previous ones leave."""
+    out = []
+    rest = x.astype(jnp.float32)
+    for _ in range(parts):
+        out.append(rest.astype(jnp.bfloat16))
+        rest = rest - out[-1].astype(jnp.float32)
+    return out
+
+
+def brgemm(a, b, accuracy: str):
+    """``sum_i a[..., i, :, :] @ b[..., i, :, :]`` in float32 (``jb.brgemm``'s layouts,
+    float32 operands) from the bfloat16 products ``TERMS[accuracy]``, smallest first."""
+    return _emulated(a, b, accuracy)
+
+
+def _call(a, b, accuracy):
+    from jax_brgemm.ops.brgemm import call_kernel  # (the op module imports this one)
+
+    terms = TERMS[accuracy]
+    parts = 1 + max(max(t) for t in terms)
+    pa, pb = split(a, parts), split(b, parts)
+    lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3])
+    stack = lambda ps, idx, shape: jnp.concatenate(  # noqa: E731
+        [jnp.broadcast_to(ps[i], lead + shape) for i in idx], axis=-3)
+    a_terms = stack(pa, [i for i, _ in terms], a.shape[-3:])
+    b_terms = stack(pb, [j for _, j in terms], b.shape[-3:])
+    return call_kernel(a_terms, b_terms, np.dtype(jnp.float32))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _emulated(a, b, accuracy):
+    return _call(a, b, accuracy)
+
+
+def _emulated_fwd(a, b, accuracy):
+    return _emulated(a, b, accuracy), (a, b)
+
+
+def _emulated_bwd(accuracy, res, g):
+    # as jb.brgemm's: da_i = g @ b_i^T, db_i = a_i^T @ g, each an emulated product
+    from jax_brgemm.ops.brgemm import unbroadcast
+
+    a, b = res
+    g_shared = g.astype(jnp.float32)[..., None, None, :, :]
+    da = _emulated(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], accuracy)
+    db = _emulated(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, accuracy)
+    return unbroadcast(da, a.shape), unbroadcast(db, b.shape)
+
+
+_emulated.defvjp(_emulated_fwd, _emulated_bwd)
