@@ -7,6 +7,10 @@ the conv weight gradient over N * H * W. The error is max |out - ref| / max |ref
 
     python bench/accuracy.py            # the full sizes (about 2 GB of memory)
     python bench/accuracy.py --scale 0.1
+
+Then each precision= (float32, and the bf16 emulation of ops/emulation.py forced: six, three
+and one bfloat16 product) on unit-normal reductions of 10^3 to 10^6 products and a dense
+layer's, beside stock XLA's fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_brgemm as jb
+from jax_brgemm import precision
 from common import arg_parser, write_results
 
 
@@ -71,6 +76,30 @@ def conv_grad_case(rng, n, hw, c=16, k=16):
     return {"products": n * hw * hw}, {"jax_brgemm": ours, "xla": stock}, ref
 
 
+PRECISIONS = {"float32": None, "bf16_6x": "BF16_BF16_F32_X6", "bf16_3x": "BF16_BF16_F32_X3",
+              "bf16": "BF16_BF16_F32"}
+
+
+def precision_rows(rng, scale):
+    """Each precision's error (the bf16 emulation forced, ops/emulation.py) beside stock
+    XLA's fp32, on unit-normal reductions of 10^3 to 10^6 products and a dense layer."""
+    precision.EMULATE = True
+    shapes = [(f"brgemm K={k:,}", (1, 8, k), (1, k, 8)) for k in (10 ** 3, 10 ** 4, 10 ** 5, int(10 ** 6 * scale))]
+    shapes.append(("dense 256x1024 @ 1024x1024", (1, 256, 1024), (1, 1024, 1024)))
+    rows = []
+    print("\n| reduction | " + " | ".join(PRECISIONS) + " | XLA fp32 |\n|---|---|---|---|---|---|")
+    for name, a_shape, b_shape in shapes:
+        a = rng.standard_normal(a_shape, dtype=np.float32)
+        b = rng.standard_normal(b_shape, dtype=np.float32)
+        ref = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
+        errs = {p: rel_error(jax.jit(lambda a, b, v=v: jb.brgemm(a, b, precision=v))(a, b), ref)
+                for p, v in PRECISIONS.items()}
+        errs["xla"] = rel_error(jax.jit(lambda a, b: jnp.einsum("bmk,bkn->mn", a, b))(a, b), ref)
+        rows.append({"case": name, "error": errs})
+        print(f"| {name} | " + " | ".join(f"{errs[p]:.1e}" for p in (*PRECISIONS, "xla")) + " |")
+    return rows
+
+
 def main():
     p = arg_parser(__doc__, repeats=1)
     p.add_argument("--scale", type=float, default=1.0, help="shrink every reduction by this factor")
@@ -89,7 +118,8 @@ def main():
         ratio = errs["jax_brgemm"] / errs["xla"] if errs["xla"] else float("inf")
         rows.append({"case": name, **info, "error": errs, "ratio": ratio})
         print(f"| {name} | {info['products']:,} | {errs['jax_brgemm']:.2e} | {errs['xla']:.2e} | {ratio:.2f}x |")
-    print("wrote", write_results("accuracy", {"scale": s, "rows": rows}))
+    by_precision = precision_rows(rng, s)
+    print("wrote", write_results("accuracy", {"scale": s, "rows": rows, "precision_rows": by_precision}))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ for every request) meet each one, and bfloat16 inputs are exact in one product w
 precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm`` and ``jb.dense``
 compute the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32
 (``ops/emulation.py``). That can only pay with AMX, whose bfloat16 products run 6-14x the
-float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs at half the float32 rate per product,
-AVX2 has no bfloat16 products); it stays opt-in until measured there.
+float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
+1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
+there.
 
 A request outside the table (float16 or float8 algorithms, unequal per-operand pairs) is a
 ``ValueError`` naming the argument.
