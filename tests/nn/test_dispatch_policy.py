@@ -34,7 +34,10 @@ def _calls(model, params, x, **kw):
 
 def test_the_table_covers_every_isa_and_names_float32_dense():
     assert set(policy.TABLE) == {"amx", "avx512", "avx2", "generic"}
-    assert all(entries[F32_DENSE][0] == 512 for entries in policy.TABLE.values())
+    # re-measured with asynchronous calls on AVX-512 (Zen 4): the kernels win from 64 rows;
+    # the other ISAs keep the line measured with synchronous calls
+    assert {isa: entries[F32_DENSE][0] for isa, entries in policy.TABLE.items()} == {
+        "amx": 512, "avx512": 64, "avx2": 512, "generic": 512}
     assert not any(kind != "dense" for entries in policy.TABLE.values() for kind, _ in entries)
 
 
@@ -58,7 +61,9 @@ def test_policy_false_bfloat16_and_many_rows_run_dense_on_the_kernels():
         calls, _ = _calls(model, params, x, **kw)
         assert calls["Dense"].accelerated and calls["Conv"].accelerated
     dense = nn.Dense(3)
-    for shape, on_kernels in (((511, 5), False), ((2, 256, 5), True), ((1024, 5), True)):
+    line = policy.TABLE[jb.isa()][F32_DENSE][0]  # this CPU's line
+    for shape, on_kernels in (((line - 1, 5), False), ((2, line // 2, 5), True), ((line, 5), True),
+                              ((1024, 5), True)):
         x = jnp.ones(shape, jnp.float32)  # rows: the leading dims' product
         calls, _ = _calls(dense, dense.init(jax.random.key(0), x), x)
         assert calls["Dense"].accelerated == on_kernels, shape
