@@ -1,5 +1,5 @@
 // XLA FFI handlers of jb.dot_product_attention: decode and validate, then call
-// cpp/layers/attention.
+// cpp/layers/attention; asynchronous where the work is large enough to split.
 //
 //   jb_attention_fwd  q (.., T, N, H), k (.., S, K, H), v like k, bias (.., n, t, s) f32
 //                     or empty, mask (.., n, t, s) pred or empty
@@ -14,6 +14,7 @@
 // mask dims n, t, s are each N, T, S or 1 (broadcast). q, k, v, o, dout and the gradients
 // share one dtype, float32 or bfloat16.
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,7 @@ struct Decoded {
   attention::Shape s;
   Items items;
   std::vector<int64_t> q_offs, k_offs, v_offs, bias_offs, mask_offs;
+  std::vector<int64_t> o_offs, g_offs, s_offs;  // the backward's saved operands
   attention::Inputs in;
 };
 
@@ -107,10 +109,11 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error attention_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+ffi::Error attention_fwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                          ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale, bool causal) {
   const char* op = "jb_attention_fwd";
-  Decoded d;
+  auto decoded = std::make_shared<Decoded>();  // its offset arrays live as long as the job
+  Decoded& d = *decoded;
   JB_CHECK(decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o->element_type()}}));
   JB_CHECK(expect_dims(op, "stats", stats->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, 2})));
@@ -119,16 +122,19 @@ ffi::Error attention_fwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
     return ffi::Error::Success();
   }
   return guarded(op, [&] {
-    attention::forward(executor(pool), dispatch(), d.s, d.in, o->untyped_data(), stats->typed_data());
+    Job job = attention::forward_job(launch.threads(), dispatch(), d.s, d.in, o->untyped_data(), stats->typed_data());
+    job.keep.push_back(decoded);
+    launch(std::move(job));
   });
 }
 
-ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                          ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal) {
   const char* op = "jb_attention_bwd";
-  Decoded d;
+  auto decoded = std::make_shared<Decoded>();
+  Decoded& d = *decoded;
   JB_CHECK(decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o.element_type()}, {"dout", dout.element_type()},
                                                {"dq", dq->element_type()}, {"dk", dk->element_type()},
@@ -141,21 +147,41 @@ ffi::Error attention_bwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   const bool want_dbias = dbias->element_count() != 0;
   if (want_dbias) JB_CHECK(expect_dims(op, "dbias", dbias->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, d.s.s})));
   if (dq->element_count() == 0 && dk->element_count() == 0) return ffi::Error::Success();
-  const std::vector<int64_t> o_offs = offsets(d.items, lo), g_offs = offsets(d.items, lg),
-                             s_offs = offsets(d.items, ls);
+  d.o_offs = offsets(d.items, lo), d.g_offs = offsets(d.items, lg), d.s_offs = offsets(d.items, ls);
   attention::Saved saved;
   saved.o = o.untyped_data(), saved.dout = dout.untyped_data();
   saved.stats = stats.typed_data();
-  saved.o_offs = o_offs.data(), saved.dout_offs = g_offs.data(), saved.stats_offs = s_offs.data();
+  saved.o_offs = d.o_offs.data(), saved.dout_offs = d.g_offs.data(), saved.stats_offs = d.s_offs.data();
   return guarded(op, [&] {
-    attention::backward(executor(pool), dispatch(), d.s, d.in, saved, dq->untyped_data(), dk->untyped_data(),
-                        dv->untyped_data(), want_dbias ? dbias->typed_data() : nullptr);
+    Job job = attention::backward_job(launch.threads(), dispatch(), d.s, d.in, saved, dq->untyped_data(),
+                                      dk->untyped_data(), dv->untyped_data(),
+                                      want_dbias ? dbias->typed_data() : nullptr);
+    job.keep.push_back(decoded);
+    launch(std::move(job));
   });
+}
+
+// Asynchronous where the work is large enough to split (ffi_common.h's Launch).
+ffi::Future attention_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                                ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale,
+                                bool causal) {
+  Launch launch(pool);
+  return launch.finish(attention_fwd(launch, q, k, v, bias, mask, o, stats, scale, causal));
+}
+
+ffi::Future attention_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                                ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
+                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal) {
+  Launch launch(pool);
+  return launch.finish(attention_bwd(launch, q, k, v, bias, mask, o, stats, dout, dq, dk, dv, dbias, scale, causal));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd, ffi_util::bind(attention_fwd, "scale", "causal"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd, ffi_util::bind(attention_bwd, "scale", "causal"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd_async,
+                              ffi_util::bind(attention_fwd_async, "scale", "causal"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd_async,
+                              ffi_util::bind(attention_bwd_async, "scale", "causal"));
 
 }  // namespace jb

@@ -3,7 +3,7 @@
 // a: (..., B, M, K), b: (..., B, K, N), c: (..., M, N), out: (..., M, N). The leading dims
 // broadcast numpy-style, so vmap's unbatched operands and the backward pass's shared
 // operands are read in place, never materialized. Decodes and validates, then calls
-// cpp/layers/batch_reduce.
+// cpp/layers/batch_reduce; asynchronous where the work is large enough to split.
 #include <vector>
 
 #include "ffi/ffi_common.h"
@@ -15,8 +15,8 @@ namespace {
 namespace ffi = xla::ffi;
 using namespace ffi_util;
 
-ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                       const ffi::AnyBuffer* c, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error brgemm_impl(Launch& launch, ffi::AnyBuffer a, ffi::AnyBuffer b, const ffi::AnyBuffer* c,
+                       ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "brgemm";
   JB_TRY(ab, kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
   JB_TRY(cdt, kernel_dtype(op, {{"the output", out->element_type()}}));
@@ -59,28 +59,27 @@ ffi::Error brgemm_impl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   s.accumulate = c != nullptr;
   s.b_matrices = int64_t(b.element_count()) / std::max<int64_t>(1, k * n);
   return guarded(op, [&] {
-    batch_reduce::run(executor(pool), dispatch(), s, a.untyped_data(), b.untyped_data(),
-                      c ? c->untyped_data() : nullptr, out->untyped_data(),
-                      {offs.data(), offs.data() + items.count, offs.data() + 2 * items.count});
+    launch(batch_reduce::run_job(launch.threads(), dispatch(), s, a.untyped_data(), b.untyped_data(),
+                                 c ? c->untyped_data() : nullptr, out->untyped_data(),
+                                 {offs.data(), offs.data() + items.count, offs.data() + 2 * items.count}));
   });
+}
+
+// Asynchronous where the work is large enough to split (ffi_common.h's Launch).
+ffi::Future brgemm_async(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
+  Launch launch(pool);
+  return launch.finish(brgemm_impl(launch, a, b, nullptr, out));
+}
+
+ffi::Future brgemm_acc_async(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  Launch launch(pool);
+  return launch.finish(brgemm_impl(launch, a, b, &c, out));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jb_brgemm, [](ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                  ffi::Result<ffi::AnyBuffer> out) { return brgemm_impl(pool, a, b, nullptr, out); },
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jb_brgemm_acc,
-    [](ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-       ffi::Result<ffi::AnyBuffer> out) { return brgemm_impl(pool, a, b, &c, out); },
-    ffi::Ffi::Bind()
-        .Ctx<ffi::ThreadPool>()
-        .Arg<ffi::AnyBuffer>()
-        .Arg<ffi::AnyBuffer>()
-        .Arg<ffi::AnyBuffer>()
-        .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm, brgemm_async, ffi_util::bind(brgemm_async));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm_acc, brgemm_acc_async, ffi_util::bind(brgemm_acc_async));
 
 }  // namespace jb

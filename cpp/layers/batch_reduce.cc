@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <vector>
 
 #include "layers/common/blocking.h"
 #include "layers/common/kernels.h"
 #include "layers/common/plan_cache.h"
 #include "layers/common/scratch.h"
+#include "parallel/job.h"
 
 namespace jb::batch_reduce {
 
@@ -57,24 +60,37 @@ PlanCache<11, Plan> plans;
 
 }  // namespace
 
-void run(const Executor& ex, const Dispatch& dp, const Shape& s, const void* a, const void* b,
-         const void* c, void* out, const ItemOffsets& offs) {
-  if (s.items <= 0 || s.m <= 0 || s.n <= 0) return;
+Job run_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* a, const void* b, const void* c,
+            void* out, const ItemOffsets& offs) {
+  Job job;
+  job.name = "brgemm";
+  if (s.items <= 0 || s.m <= 0 || s.n <= 0) return job;
   const auto plan = plans.get({s.items, s.batch, s.m, s.k, s.n, int64_t(s.ab), int64_t(s.out),
-                               s.accumulate, s.b_matrices, ex.num_threads, int64_t(dp.isa)},
-                              [&] { return Plan(dp, s, ex.num_threads); });
-  const Plan& p = *plan;
+                               s.accumulate, s.b_matrices, threads, int64_t(dp.isa)},
+                              [&] { return Plan(dp, s, threads); });
+  job.keep.push_back(plan);
+  job.flops = 2.0 * double(s.items) * double(s.batch) * double(s.m) * double(s.k) * double(s.n);
+  const Plan* p = plan.get();
   const size_t es = dtype_size(s.ab), cs = dtype_size(s.out);
   const int64_t matrix = std::max<int64_t>(1, s.k * s.n);  // k = 0: only c (or zeros)
+  // The item offsets, copied: the job may outlive the caller's arrays.
+  auto copy = std::make_shared<std::vector<int64_t>>(offs.a, offs.a + s.items);
+  copy->insert(copy->end(), offs.b, offs.b + s.items);
+  copy->insert(copy->end(), offs.c, offs.c + s.items);
+  const int64_t* oa = copy->data();
+  const int64_t* ob = oa + s.items;
+  const int64_t* oc = ob + s.items;
+  job.keep.push_back(std::move(copy));
 
-  // bf16: every distinct B matrix packed once into VNNI-2 pairs, in the caller's scratch.
+  // bf16: every distinct B matrix packed once into VNNI-2 pairs, in scratch.
   const char* bp = static_cast<const char*>(b);
   if (s.ab == DType::bf16) {
-    char* packed = Scratch::get<1>({size_t(s.b_matrices * p.packed_matrix) * es})[0];
+    char* packed = job_scratch<1>(job, {size_t(s.b_matrices * p->packed_matrix) * es})[0];
     const auto* src = static_cast<const uint16_t*>(b);
-    parallel_for(ex, s.b_matrices, [&](int64_t i) {
-      pack_vnni2(src + i * matrix, s.k, s.n, s.n,
-                 reinterpret_cast<uint16_t*>(packed) + i * p.packed_matrix, dp.isa);
+    const Isa isa = dp.isa;
+    const int64_t k = s.k, n = s.n;
+    job.add(s.b_matrices, [=](int64_t i) {
+      pack_vnni2(src + i * matrix, k, n, n, reinterpret_cast<uint16_t*>(packed) + i * p->packed_matrix, isa);
     });
     bp = packed;
   }
@@ -83,20 +99,26 @@ void run(const Executor& ex, const Dispatch& dp, const Shape& s, const void* a, 
   char* op = static_cast<char*>(out);
   const int64_t b_cols = s.ab == DType::bf16 ? 2 : 1;  // a VNNI pair row holds 2 per column
 
-  parallel_for(ex, s.items * p.mblocks * p.nblocks, [&](int64_t w) {
-    const int64_t jb = w % p.nblocks, ib = w / p.nblocks % p.mblocks, l = w / p.nblocks / p.mblocks;
-    const int64_t i0 = ib * p.bm, j0 = jb * p.bn;
-    const int64_t rows = std::min(p.bm, s.m - i0), cols = std::min(p.bn, s.n - j0);
+  job.add(s.items * p->mblocks * p->nblocks, [=](int64_t w) {
+    const int64_t jb = w % p->nblocks, ib = w / p->nblocks % p->mblocks, l = w / p->nblocks / p->mblocks;
+    const int64_t i0 = ib * p->bm, j0 = jb * p->bn;
+    const int64_t rows = std::min(p->bm, s.m - i0), cols = std::min(p->bn, s.n - j0);
     char* o = op + (l * s.m * s.n + i0 * s.n + j0) * cs;
     if (cp) {  // out = c, then accumulate: c may be broadcast, so copy the block
-      const char* cb = cp + (offs.c[l] + i0 * s.n + j0) * cs;
+      const char* cb = cp + (oc[l] + i0 * s.n + j0) * cs;
       if (cb != o)
         for (int64_t i = 0; i < rows; ++i) std::memcpy(o + i * s.n * cs, cb + i * s.n * cs, size_t(cols) * cs);
     }
-    const char* a0 = ap + (offs.a[l] + i0 * s.k) * es;
-    const char* b0 = bp + (offs.b[l] / matrix * p.packed_matrix + j0 * b_cols) * es;
-    (*p.kernels)(rows, cols).strided(a0, s.m * s.k, b0, p.packed_matrix, s.batch, o);
+    const char* a0 = ap + (oa[l] + i0 * s.k) * es;
+    const char* b0 = bp + (ob[l] / matrix * p->packed_matrix + j0 * b_cols) * es;
+    (*p->kernels)(rows, cols).strided(a0, s.m * s.k, b0, p->packed_matrix, s.batch, o);
   });
+  return job;
+}
+
+void run(const Executor& ex, const Dispatch& dp, const Shape& s, const void* a, const void* b,
+         const void* c, void* out, const ItemOffsets& offs) {
+  jb::run(ex, run_job(ex.num_threads, dp, s, a, b, c, out, offs));
 }
 
 }  // namespace jb::batch_reduce

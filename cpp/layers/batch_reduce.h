@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "brgemm/brgemm.h"
+#include "parallel/job.h"
 #include "parallel/parallel_for.h"
 
 namespace jb::batch_reduce {
@@ -30,7 +31,11 @@ struct ItemOffsets {
   const int64_t* c;
 };
 
-// The plan (blocking, kernels) is cached by shape, thread count and dispatch.
+// The plan (blocking, kernels) is cached by shape, thread count and dispatch. run_job is
+// the same work as a Job (parallel/job.h) for `threads` workers, for asynchronous calls;
+// same blocks, same bits. The offsets are copied into it.
+Job run_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* a, const void* b, const void* c,
+            void* out, const ItemOffsets& offs);
 void run(const Executor& ex, const Dispatch& dp, const Shape& s, const void* a, const void* b,
          const void* c, void* out, const ItemOffsets& offs);
 

@@ -1,6 +1,7 @@
 // Jobs run asynchronously (parallel/job.h), as the FFI handlers run them: phases in order,
 // every item once, workers that start late or not at all, many calls in flight at once on
-// a small pool, the fc passes' results bitwise equal to the synchronous path's.
+// a small pool, the fc passes', jb.brgemm's and attention's results bitwise equal to the
+// synchronous path's.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "fixtures.h"
+#include "layers/attention/attention.h"
+#include "layers/batch_reduce.h"
 #include "layers/fc/fc.h"
 #include "parallel/job.h"
 
@@ -197,6 +200,93 @@ TEST(fc_async_many_overlapping_calls_bitwise_equal_to_sync) {
       jobs.push_back(std::move(first));
       for (; rest < js.size(); ++rest) jobs.push_back(std::move(js[rest]));
     }
+    std::shuffle(jobs.begin(), jobs.end(), rng);
+    Latch latch;
+    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
+                                  latch.arrive());
+    latch.wait(int(jobs.size()));
+    for (size_t i = 0; i < cases.size(); ++i)
+      CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
+  }
+}
+
+// jb.brgemm's op and both attention passes, as jobs: the results of many in flight at once
+// on a small pool equal those of the same jobs run one by one, bit for bit.
+struct OtherCase {
+  DType dt;
+  int64_t items = 3, batch = 8, m = 40, k = 64, n = 72;
+  attention::Shape as;
+  Tensor a, b, c, out, q, kk, v, o, stats, dout, dq, dk, dv;
+  std::vector<int64_t> offs, q_offs, kv_offs, st_offs;
+  OtherCase(DType dt, bool causal, std::mt19937& rng)
+      : dt(dt),
+        as{2, 64, 80, 4, 2, 32, dt, 0.17f, causal},
+        a(dt, items * batch * m * k), b(dt, items * batch * k * n), c(DType::f32, items * m * n),
+        out(DType::f32, items * m * n), q(dt, 2 * 64 * 4 * 32), kk(dt, 2 * 80 * 2 * 32), v(dt, 2 * 80 * 2 * 32),
+        o(dt, 2 * 64 * 4 * 32), stats(DType::f32, 2 * 4 * 64 * 2), dout(dt, 2 * 64 * 4 * 32),
+        dq(dt, 2 * 64 * 4 * 32), dk(dt, 2 * 80 * 2 * 32), dv(dt, 2 * 80 * 2 * 32) {
+    for (Tensor* t : {&a, &b, &c, &q, &kk, &v, &dout}) t->fill(rng);
+    for (int64_t l = 0; l < items; ++l) offs.push_back(l * batch * m * k);
+    for (int64_t l = 0; l < items; ++l) offs.push_back(l * batch * k * n);
+    for (int64_t l = 0; l < items; ++l) offs.push_back(l * m * n);
+    q_offs = {0, 64 * 4 * 32}, kv_offs = {0, 80 * 2 * 32}, st_offs = {0, 4 * 64 * 2};
+  }
+  attention::Inputs inputs() {
+    attention::Inputs in;
+    in.q = q.data(), in.k = kk.data(), in.v = v.data();
+    in.q_offs = q_offs.data(), in.k_offs = kv_offs.data(), in.v_offs = kv_offs.data();
+    return in;
+  }
+  // The op and the forward; then (reading the forward's o and stats) the backward.
+  std::vector<Job> jobs(int64_t threads) {
+    const Dispatch dp = dispatch();
+    batch_reduce::Shape s{items, batch, m, k, n, dt, DType::f32, true, items * batch};
+    std::vector<Job> out_jobs;
+    out_jobs.push_back(batch_reduce::run_job(threads, dp, s, a.data(), b.data(), c.data(), out.data(),
+                                             {offs.data(), offs.data() + items, offs.data() + 2 * items}));
+    Job attn = attention::forward_job(threads, dp, as, inputs(), o.data(), stats.f.data());
+    attention::Saved saved;
+    saved.o = o.data(), saved.dout = dout.data(), saved.stats = stats.f.data();
+    saved.o_offs = q_offs.data(), saved.dout_offs = q_offs.data(), saved.stats_offs = st_offs.data();
+    attn.then(attention::backward_job(threads, dp, as, inputs(), saved, dq.data(), dk.data(), dv.data(), nullptr));
+    out_jobs.push_back(std::move(attn));
+    return out_jobs;
+  }
+  std::vector<std::vector<uint16_t>> bits() const {
+    std::vector<std::vector<uint16_t>> res;
+    for (const Tensor* t : {&out, &o, &stats, &dq, &dk, &dv}) {
+      const char* p = t->dt == DType::f32 ? reinterpret_cast<const char*>(t->f.data())
+                                          : reinterpret_cast<const char*>(t->h.data());
+      const size_t bytes = t->f.size() * dtype_size(t->dt);
+      res.emplace_back(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p + bytes));
+    }
+    return res;
+  }
+};
+
+TEST(brgemm_and_attention_async_bitwise_equal_to_sync) {
+  const int64_t threads = 2;
+  const std::pair<DType, bool> specs[] = {{DType::f32, false}, {DType::f32, true}, {DType::bf16, false}};
+  jbtest::TestPool sync_pool;
+  const Executor ex = sync_pool.executor(threads);
+  std::vector<std::vector<std::vector<uint16_t>>> want;
+  for (const auto& [dt, causal] : specs) {
+    std::mt19937 r(uint32_t(int(dt) * 2 + causal));
+    OtherCase cs(dt, causal, r);
+    for (Job& j : cs.jobs(threads)) run(ex, std::move(j));
+    want.push_back(cs.bits());
+  }
+  QueuePool pool(2);
+  std::mt19937 rng(7);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::unique_ptr<OtherCase>> cases;
+    std::vector<Job> jobs;
+    for (const auto& [dt, causal] : specs)
+      for (int copy = 0; copy < 3; ++copy) {
+        std::mt19937 r(uint32_t(int(dt) * 2 + causal));
+        cases.push_back(std::make_unique<OtherCase>(dt, causal, r));
+        for (Job& j : cases.back()->jobs(threads)) jobs.push_back(std::move(j));
+      }
     std::shuffle(jobs.begin(), jobs.end(), rng);
     Latch latch;
     for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),

@@ -1,5 +1,6 @@
-"""The FC handlers return before their work is done where it is large enough to split
-(asynchronous FFI calls): the results are the synchronous path's, bit for bit, every time."""
+"""The handlers (FC passes, the fused optimizer updates, jb.brgemm, attention) return before
+their work is done where it is large enough to split (asynchronous FFI calls): the results
+are the synchronous path's, bit for bit, every time."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 
 import jax_brgemm as jb
 from jax_brgemm import _jax_brgemm as native
-from jax_brgemm.ops.dense import sgd_update
+from jax_brgemm.ops.dense import adamw_update, sgd_update
 
 
 @pytest.fixture
@@ -56,3 +57,60 @@ def test_fused_sgd_update_bitwise_equal_sync_and_async(async_mode):
         results.append([np.asarray(a) for a in state])
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fused_adamw_update_bitwise_equal_sync_and_async(async_mode):
+    rng = np.random.default_rng(1)
+    x, dz = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((256, 300), (256, 200)))
+    w, b = jnp.asarray(rng.standard_normal((300, 200)), jnp.float32), jnp.asarray(rng.standard_normal(200), jnp.float32)
+    f = jax.jit(lambda count, *s: adamw_update(x, dz, *s, 1e-3, count, b1=0.9, b2=0.999, eps=1e-8,
+                                               weight_decay=1e-4, bias_weight_decay=1e-4))
+    results = []
+    for mode in (False, True):
+        async_mode(mode)
+        state = (w, jnp.zeros_like(w), jnp.zeros_like(w), b, jnp.zeros_like(b), jnp.zeros_like(b))
+        for count in range(4):
+            state = f(jnp.int32(count), *state)
+        results.append([np.asarray(a) for a in state])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def _twice(f, *args):
+    """f's results with synchronous calls, then asynchronous ones several times over."""
+    native.set_async(False)
+    want = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.block_until_ready(f(*args)))]
+    native.set_async(True)
+    for _ in range(3):
+        got = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.block_until_ready(f(*args)))]
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_brgemm_bitwise_equal_sync_and_async(async_mode, dtype):
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.standard_normal((4, 16, 96, 64)), dtype)
+    b = jnp.asarray(rng.standard_normal((4, 16, 64, 80)), dtype)
+    c = jnp.asarray(rng.standard_normal((4, 96, 80)), jnp.float32)
+
+    def loss(a, b, c):  # the op, its accumulating form, and both gradients (more brgemm calls)
+        return jnp.sum(jb.brgemm(a, b) ** 2) + jnp.sum(jb.brgemm(a, b, c) * 0.5)
+
+    _twice(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), a, b, c)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_bitwise_equal_sync_and_async(async_mode, dtype, causal):
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 128, 4, 64)), dtype)
+    k = jnp.asarray(rng.standard_normal((2, 160, 2, 64)), dtype)
+    v = jnp.asarray(rng.standard_normal((2, 160, 2, 64)), dtype)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 128, 160)), jnp.float32) if not causal else None
+
+    def loss(q, k, v):
+        o = jb.dot_product_attention(q, k, v, bias=bias, is_causal=causal)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    _twice(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), q, k, v)

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "brgemm/brgemm.h"
+#include "parallel/job.h"
 #include "parallel/parallel_for.h"
 
 namespace jb::attention {
@@ -82,12 +83,20 @@ struct Blocks {
 // fully masked row has uniform weights over every key, as in jax.
 inline constexpr float kMasked = -0.7f * 3.40282347e38f;
 
+// Each pass is also a Job (parallel/job.h) for `threads` workers, which the FFI handlers
+// run asynchronously: same blocks, same bits. Its operands (and the offset arrays Inputs
+// and Saved point to) must outlive the job.
+
 // o (items, T, N, H) in dt and stats (items, N, T, 2) fp32, both dense.
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inputs& in, void* o, float* stats,
+                const Blocks* force = nullptr);
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in, void* o,
              float* stats, const Blocks* force = nullptr);
 
 // dq (items, T, N, H), dk and dv (items, S, K, H) in dt, dense; dbias (items, N, T, S) fp32
 // when not null: dS before the scale, i.e. the gradient of a bias of that full shape.
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inputs& in, const Saved& saved,
+                 void* dq, void* dk, void* dv, float* dbias, const Blocks* force = nullptr);
 void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in,
               const Saved& saved, void* dq, void* dk, void* dv, float* dbias,
               const Blocks* force = nullptr);

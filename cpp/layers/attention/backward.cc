@@ -4,6 +4,7 @@
 // item's scratch, or in per-item parts summed afterwards when panels are split).
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "layers/attention/attention.h"
@@ -11,6 +12,8 @@
 #include "layers/attention/rows.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
+#include "layers/common/work.h"
+#include "parallel/job.h"
 
 namespace jb::attention {
 
@@ -30,46 +33,58 @@ void write_transposed(float* parts, int64_t count, int64_t part_stride, int64_t 
 
 }  // namespace
 
-void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in,
-              const Saved& saved, void* dq, void* dk, void* dv, float* dbias, const Blocks* force) {
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inputs& in, const Saved& saved,
+                 void* dq, void* dk, void* dv, float* dbias, const Blocks* force) {
   check_shape(s);
-  if (s.items == 0) return;
+  Job job;
+  job.name = "attention_bwd";
+  if (s.items == 0) return job;
   const int64_t es = int64_t(dtype_size(s.dt));
   const int64_t q_ld = s.heads * s.h, kv_ld = s.kv_heads * s.h;
   if (s.t == 0 || s.heads == 0) {  // no queries: the keys and values get no gradient
-    std::memset(dk, 0, size_t(s.items * s.s * kv_ld * es));
-    std::memset(dv, 0, size_t(s.items * s.s * kv_ld * es));
-    return;
+    job.add(1, [=](int64_t) {
+      std::memset(dk, 0, size_t(s.items * s.s * kv_ld * es));
+      std::memset(dv, 0, size_t(s.items * s.s * kv_ld * es));
+    });
+    return job;
   }
-  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, ex.num_threads, force, true);
-  const Plan& p = *plan;
+  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, true);
+  job.keep.push_back(plan);
+  job.flops = 8.0 * double(s.items) * double(s.heads) * double(s.t) * double(s.s) * double(s.h);
+  const Plan* pp = plan.get();
+  const Plan& p = *pp;
   const int64_t ks = int64_t(p.ks);
   const int64_t b_cols = p.vnni ? 2 : 1;
   const int64_t panels = s.items * s.kv_heads, per_panel = p.groups.items() / panels;
   const auto bytes = [](const void* base, int64_t elems, int64_t size) {
     return static_cast<const char*>(base) + elems * size;
   };
-  const auto buf = Scratch::get<2>({p.lease.total * size_t(p.groups.concurrency()),
-                                    p.split ? p.part_bytes * size_t(p.groups.items()) : 0});
-  PanelPool leases(buf[0], p.lease.total, p.groups.concurrency());
+  const auto buf = job_scratch<2>(job, {p.lease.total * size_t(p.groups.concurrency()),
+                                        p.split ? p.part_bytes * size_t(p.groups.items()) : 0});
+  auto pool = std::make_shared<PanelPool>(buf[0], p.lease.total, p.groups.concurrency());
+  PanelPool* leases = pool.get();
+  job.keep.push_back(std::move(pool));
   const size_t half = p.part_bytes / 2;
 
   // dK^T and dV^T of item `it`: its parts, or its lease's.
-  auto accumulators = [&](int64_t it, char* w) {
+  auto accumulators = [pp, buf, half](int64_t it, char* w) {
+    const Plan& p = *pp;
     char* base = p.split ? buf[1] + size_t(it) * p.part_bytes : nullptr;
     return std::make_pair(reinterpret_cast<float*>(base ? base : w + p.dkt),
                           reinterpret_cast<float*>(base ? base + half : w + p.dvt));
   };
-  auto write_kv = [&](int64_t panel, float* dkt, float* dvt, int64_t count, char* tmp) {
+  auto write_kv = [pp, s, kv_ld, es, dk, dv](int64_t panel, float* dkt, float* dvt, int64_t count, char* tmp) {
+    const Plan& p = *pp;
     const int64_t item = panel / s.kv_heads, kvh = panel % s.kv_heads;
     const int64_t off = (item * s.s * kv_ld + kvh * s.h) * es, stride = int64_t(p.part_bytes / sizeof(float));
     write_transposed(dkt, count, stride, s.h, s.s, p.sp, s.dt, p.isa, tmp, kv_ld, static_cast<char*>(dk) + off);
     write_transposed(dvt, count, stride, s.h, s.s, p.sp, s.dt, p.isa, tmp, kv_ld, static_cast<char*>(dv) + off);
   };
 
-  parallel_for(ex, p.groups.items(), [&](int64_t it) {
+  job.add(p.groups.items(), [=](int64_t it) {
+    const Plan& p = *pp;
     const Block first = p.block(it, p.groups.first(it), s.kv_heads);
-    const PanelPool::Lease lease(leases);
+    const PanelPool::Lease lease(*leases);
     char* w = lease.data;
     char *kt = w + p.kt, *vt = w + p.vv, *kb = w + p.kb;
     char *qt = w + p.qt, *dot = w + p.dot, *q_t = w + p.q_t, *do_t = w + p.do_t;
@@ -156,11 +171,17 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inpu
   });
 
   if (p.split)  // each panel's parts, summed in item order
-    parallel_for(ex, panels, [&](int64_t panel) {
-      const PanelPool::Lease lease(leases);
+    job.add(panels, [=](int64_t panel) {
+      const PanelPool::Lease lease(*leases);
       auto* part = reinterpret_cast<float*>(buf[1] + size_t(panel * per_panel) * p.part_bytes);
-      write_kv(panel, part, part + half / sizeof(float), per_panel, lease.data + p.kv_out);
+      write_kv(panel, part, part + half / sizeof(float), per_panel, lease.data + pp->kv_out);
     });
+  return job;
+}
+
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in,
+              const Saved& saved, void* dq, void* dk, void* dv, float* dbias, const Blocks* force) {
+  run(ex, backward_job(ex.num_threads, dp, s, in, saved, dq, dk, dv, dbias, force));
 }
 
 }  // namespace jb::attention

@@ -4,33 +4,44 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
 #include "layers/attention/rows.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
+#include "layers/common/work.h"
+#include "parallel/job.h"
 
 namespace jb::attention {
 
-void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in, void* o,
-             float* stats, const Blocks* force) {
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inputs& in, void* o, float* stats,
+                const Blocks* force) {
   check_shape(s);
-  if (s.items == 0 || s.t == 0 || s.heads == 0) return;
-  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, ex.num_threads, force, false);
-  const Plan& p = *plan;
+  Job job;
+  job.name = "attention_fwd";
+  if (s.items == 0 || s.t == 0 || s.heads == 0) return job;
+  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, false);
+  job.keep.push_back(plan);
+  job.flops = 4.0 * double(s.items) * double(s.heads) * double(s.t) * double(s.s) * double(s.h);
+  const Plan* pp = plan.get();
+  const Plan& p = *pp;
   const int64_t es = int64_t(dtype_size(s.dt)), ks = int64_t(p.ks);
   const int64_t q_ld = s.heads * s.h, kv_ld = s.kv_heads * s.h;
   const int64_t b_cols = p.vnni ? 2 : 1;  // elements per column of a VNNI-packed row
   const auto* qb_ = static_cast<const char*>(in.q);
   const auto* kb_ = static_cast<const char*>(in.k);
   const auto* vb_ = static_cast<const char*>(in.v);
-  char* buf = Scratch::get<1>({p.lease.total * size_t(p.groups.concurrency())})[0];
-  PanelPool leases(buf, p.lease.total, p.groups.concurrency());
+  char* buf = job_scratch<1>(job, {p.lease.total * size_t(p.groups.concurrency())})[0];
+  auto pool = std::make_shared<PanelPool>(buf, p.lease.total, p.groups.concurrency());
+  PanelPool* leases = pool.get();
+  job.keep.push_back(std::move(pool));
 
-  parallel_for(ex, p.groups.items(), [&](int64_t it) {
+  job.add(p.groups.items(), [=](int64_t it) {
+    const Plan& p = *pp;
     const Block first = p.block(it, p.groups.first(it), s.kv_heads);
-    const PanelPool::Lease lease(leases);
+    const PanelPool::Lease lease(*leases);
     char* w = lease.data;
     char *kt = w + p.kt, *vv = w + p.vv, *qt = w + p.qt;
     auto* st = reinterpret_cast<float*>(w + p.st);
@@ -72,6 +83,12 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Input
       store_rows(acc, s.h, l, b.rows, s.h, static_cast<char*>(o) + o_off * es, q_ld, s.dt, p.isa);
     }
   });
+  return job;
+}
+
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in, void* o,
+             float* stats, const Blocks* force) {
+  run(ex, forward_job(ex.num_threads, dp, s, in, o, stats, force));
 }
 
 }  // namespace jb::attention
