@@ -6,7 +6,9 @@ planes ``o * sd + t * dd`` are laid side by side (per feature group), and the ke
 depth taps become its input channels. What is left is a 2-D convolution of
 ``N * D_out`` images with ``T * C`` channels, run by ``jb.conv2d`` with its custom VJP; the
 gradients of the fold (slices and a transpose) are XLA's. The fold copies the input ``T``
-times, once per depth tap (none for ``T = 1``).
+times, once per depth tap (none for ``T = 1``). A depthwise layer (one input channel per
+group) is not folded, which would make groups of ``T`` channels: it is ``T`` depthwise 2-D
+passes, one per depth tap, summed in float32.
 """
 
 from __future__ import annotations
@@ -62,27 +64,37 @@ def conv3d(x, kernel, bias=None, *, strides=(1, 1, 1), padding="SAME", activatio
     depth = (dilated[0] + sum(pads[0]) - window[0]) // st[0] + 1
     if depth < 1 or n == 0 or cg == 0:  # no output, or nothing to reduce: XLA
         return _conv3d_xla(x, kernel, bias, activation, dtype, (st, pads, dil, ldil, groups))
-    folded = _fold_depth(x, t, depth, (st[0], pads[0], dil[0], ldil[0]), groups)
-    # kernel (T, R, S, Cg, K) -> (R, S, T * Cg, K): depth tap t of channel c is channel t * Cg + c
-    kernel2d = jnp.transpose(kernel, (1, 2, 0, 3, 4)).reshape(r, s, t * cg, k)
-    y = conv2d(folded, kernel2d, bias, strides=st[1:], padding=pads[1:], activation=activation,
-               dtype=dtype, rhs_dilation=dil[1:], lhs_dilation=ldil[1:],
-               feature_group_count=groups, precision=precision)
+    planes = _depth_planes(x, t, depth, (st[0], pads[0], dil[0], ldil[0]))
+    conv = dict(strides=st[1:], padding=pads[1:], dtype=dtype, rhs_dilation=dil[1:], lhs_dilation=ldil[1:],
+                feature_group_count=groups, precision=precision)
+    if cg == 1 and t > 1:  # depthwise: T depthwise passes summed (folded, groups of T channels)
+        out = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
+        y = sum(conv2d(plane, kernel[i], bias if i == 0 else None, **conv).astype(jnp.float32)
+                for i, plane in enumerate(planes))
+        y = _activations.apply(activation, y).astype(out)
+    else:  # kernel (T, R, S, Cg, K) -> (R, S, T * Cg, K): tap t of channel c is channel t * Cg + c
+        kernel2d = jnp.transpose(kernel, (1, 2, 0, 3, 4)).reshape(r, s, t * cg, k)
+        y = conv2d(_fold(planes, groups), kernel2d, bias, activation=activation, **conv)
     return y.reshape((n, depth) + y.shape[1:])
 
 
-def _fold_depth(x, taps, depth, geometry, groups):
-    """``(N * depth, H, W, G * T * Cg)``: per output depth, the ``taps`` input planes it reads
-    side by side, each group's channels kept together (tap-major within the group)."""
+def _depth_planes(x, taps, depth, geometry):
+    """Per depth tap, the ``(N * depth, H, W, C)`` input planes its outputs read."""
     stride, (lo, hi), dilation, input_dilation = geometry
     n, _, h, w, c = x.shape
     x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (lo, hi, input_dilation - 1)) + ((0, 0, 0),) * 3)
-    planes = [lax.slice_in_dim(x, i * dilation, i * dilation + (depth - 1) * stride + 1, stride, axis=1)
-              for i in range(taps)]
-    if taps == 1:
-        return planes[0].reshape(n * depth, h, w, c)
-    x = jnp.stack(planes, axis=-2).reshape(n, depth, h, w, taps, groups, c // groups)
-    return jnp.swapaxes(x, 4, 5).reshape(n * depth, h, w, taps * c)
+    return [lax.slice_in_dim(x, i * dilation, i * dilation + (depth - 1) * stride + 1, stride, axis=1)
+            .reshape(n * depth, h, w, c) for i in range(taps)]
+
+
+def _fold(planes, groups):
+    """``(N * depth, H, W, G * T * Cg)``: the planes side by side, each group's channels kept
+    together (tap-major within the group)."""
+    if len(planes) == 1:
+        return planes[0]
+    m, h, w, c = planes[0].shape
+    x = jnp.stack(planes, axis=-2).reshape(m, h, w, len(planes), groups, c // groups)
+    return jnp.swapaxes(x, 3, 4).reshape(m, h, w, len(planes) * c)
 
 
 def _conv3d_xla(x, kernel, bias, activation, dtype, geometry):
