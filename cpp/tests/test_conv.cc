@@ -188,6 +188,14 @@ const Case kGrouped[] = {
     {1, 14, 14, 160, 80, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2},   // groups wider than a block
     {2, 9, 10, 300, 300, 3, 3, 2, 1, 2, 0, 1, 3, 2, 1, 300}, // depthwise path: chunk tail, strided, dilated
     {1, 11, 12, 5, 5, 7, 7, 1, 1, 3, 3, 3, 3, 1, 1, 5},      // depthwise 7x7, pads reach every border
+    // narrow groups (narrow.cc, pixels in the lanes): ResNeXt's 8 channels, strided (the
+    // backward by data stays direct), dilated with a pad beyond the filter's reach (negative
+    // pads in the backward's view), odd widths (bf16 stays direct), one row per band
+    {2, 12, 20, 64, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 8},
+    {1, 11, 40, 16, 24, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1, 4},
+    {1, 9, 17, 12, 12, 3, 3, 1, 1, 3, 0, 6, 1, 2, 2, 3},
+    {1, 8, 16, 9, 15, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 3},
+    {3, 2, 9, 16, 16, 1, 3, 1, 1, 0, 0, 1, 1, 1, 1, 2},
 };
 
 TEST(conv_feature_groups) {
@@ -201,10 +209,17 @@ TEST(conv_feature_groups) {
   for (Activation act : {Activation::relu, Activation::gelu, Activation::sigmoid, Activation::tanh})
     run_case(kGrouped[8], DType::f32, DType::f32, act, act != Activation::tanh, 2);
   run_case(kGrouped[7], DType::bf16, DType::f32, Activation::gelu, true, 3);
+  // the narrow groups: activations in the epilogue, fp32 weights, both bf16 multiply paths
+  run_case(kGrouped[9], DType::f32, DType::f32, Activation::gelu, true, 3);
+  run_case(kGrouped[9], DType::bf16, DType::f32, Activation::relu, false, 2);
+  for (const char* mode : {"dot", "fp32"})
+    run_case(kGrouped[11], DType::bf16, DType::bf16, Activation::sigmoid, true, 2, nullptr,
+             jb::make_dispatch(jb::best_isa(), mode));
   for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512}) {
     if (isa > jb::best_isa()) continue;
     const jb::Dispatch dp = jb::make_dispatch(isa, "");
-    for (DType dt : {DType::f32, DType::bf16}) run_case(kGrouped[7], dt, dt, Activation::relu, true, 2, nullptr, dp);
+    for (DType dt : {DType::f32, DType::bf16})
+      for (int i : {7, 9}) run_case(kGrouped[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
   }
 }
 

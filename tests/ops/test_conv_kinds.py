@@ -102,6 +102,33 @@ def test_kernel_dilation_grad_of_grad(strides, padding, dil):
         close(a, e, 2e-4)
 
 
+def check_modules(kw, kernel_size, x, call, bias_grad=True):
+    """jb.nn.Conv, stock flax Conv under accelerate() and jb.nnx.Conv, 6 features, keywords
+    kw: `call` in the lowered program, flax's results and gradients (the bias gradient only
+    when bias_grad)."""
+    ref = fnn.Conv(6, kernel_size, precision=HI, **kw)
+    params = ref.init(jax.random.key(1), x)
+    tol = 3e-2 if kw["dtype"] == jnp.bfloat16 else 2e-4
+
+    def accelerated(p, x):
+        with jb.accelerate():
+            return ref.apply(p, x)
+
+    for apply in (jb.nn.Conv(6, kernel_size, **kw).apply, accelerated):
+        assert call in jax.jit(apply).lower(params, x).as_text()
+        close(jax.jit(apply)(params, x), ref.apply(params, x), tol)
+        loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
+        got = jax.grad(loss(apply), argnums=(0, 1))(params, x)
+        want = jax.grad(loss(ref.apply), argnums=(0, 1))(params, x)
+        if not bias_grad:
+            got, want = ((g[0]["params"]["kernel"], g[1]) for g in (got, want))
+        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+            close(a, e, tol)
+    ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
+    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
+    close(ours(x), stock(x), tol)
+
+
 @pytest.mark.parametrize("kernel_size,dil,padding", [((3, 3), 2, "SAME"), ((3, 2), (3, 1), "VALID"),
                                                      (3, 2, "CAUSAL"), ((5,), 3, "SAME"),
                                                      ((3, 3), 2, "CIRCULAR")])
@@ -111,26 +138,7 @@ def test_linen_and_nnx_conv_kernel_dilation(kernel_size, dil, padding, dtype):
     the kernels with flax's results and gradients (1-D through the 2-D path)."""
     rank = 1 if isinstance(kernel_size, int) else len(kernel_size)
     x = jax.random.normal(jax.random.key(0), (2, 13, 4) if rank == 1 else (2, 12, 11, 4))
-    kw = dict(kernel_dilation=dil, padding=padding, dtype=dtype)
-    ref = fnn.Conv(6, kernel_size, precision=HI, **kw)
-    params = ref.init(jax.random.key(1), x)
-    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
-
-    def accelerated(p, x):
-        with jb.accelerate():
-            return ref.apply(p, x)
-
-    for apply in (jb.nn.Conv(6, kernel_size, **kw).apply, accelerated):
-        assert "jb_conv_fwd" in jax.jit(apply).lower(params, x).as_text()
-        close(jax.jit(apply)(params, x), ref.apply(params, x), tol)
-        loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
-        got = jax.grad(loss(apply), argnums=(0, 1))(params, x)
-        want = jax.grad(loss(ref.apply), argnums=(0, 1))(params, x)
-        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-            close(a, e, tol)
-    ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
-    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
-    close(ours(x), stock(x), tol)
+    check_modules(dict(kernel_dilation=dil, padding=padding, dtype=dtype), kernel_size, x, "jb_conv_fwd")
 
 
 def test_bad_dilation():
@@ -160,6 +168,8 @@ GROUPED = [
     ((1, 1, 1, 4), (1, 1, 1, 4), 4, 1, "SAME", 1),              # one pixel, depthwise
     ((3, 5, 1, 3), (3, 1, 1, 3), 3, 1, ((1, 1), (0, 0)), 3),    # one column, dilated depthwise
     ((1, 16, 16, 64), (3, 3, 8, 64), 8, 2, "SAME", 1),          # ResNeXt-like, strided
+    ((2, 10, 12, 64), (3, 3, 8, 64), 8, 1, "SAME", 1),          # ResNeXt-like: pixels in the lanes
+    ((1, 9, 17, 9), (3, 3, 3, 15), 3, 1, ((3, 0), (6, 1)), 2),  # narrow, odd, pads beyond the reach
 ]
 
 
@@ -298,27 +308,8 @@ def test_linen_and_nnx_conv_input_dilation(kernel_size, ldil, padding, groups, d
     rank = 1 if isinstance(kernel_size, int) else len(kernel_size)
     x = jax.random.normal(jax.random.key(0), (2, 9, 4) if rank == 1 else (2, 7, 6, 4))
     kw = dict(input_dilation=ldil, padding=padding, feature_group_count=groups, dtype=dtype)
-    ref = fnn.Conv(6, kernel_size, precision=HI, **kw)
-    params = ref.init(jax.random.key(1), x)
-    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
-
-    def accelerated(p, x):
-        with jb.accelerate():
-            return ref.apply(p, x)
-
-    for apply in (jb.nn.Conv(6, kernel_size, **kw).apply, accelerated):
-        assert "jb_conv_bwd" in jax.jit(apply).lower(params, x).as_text()
-        close(jax.jit(apply)(params, x), ref.apply(params, x), tol)
-        loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
-        got = jax.grad(loss(apply), argnums=(0, 1))(params, x)
-        want = jax.grad(loss(ref.apply), argnums=(0, 1))(params, x)
-        if dtype == jnp.bfloat16:  # stock sums the bias gradient in bf16 (stuck at 256 here)
-            got, want = ((g[0]["params"]["kernel"], g[1]) for g in (got, want))
-        for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-            close(a, e, tol)
-    ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
-    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
-    close(ours(x), stock(x), tol)
+    # stock sums the bf16 bias gradient in bf16 (stuck at 256 here): not compared
+    check_modules(kw, kernel_size, x, "jb_conv_bwd", bias_grad=dtype != jnp.bfloat16)
 
 
 def test_bad_input_dilation():

@@ -123,7 +123,7 @@ JB_DW_ROWS(avx512, [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]])
 #endif
 #undef JB_DW_ROWS
 
-// f(tag) with the row functions of the dispatch's ISA: tag 0 generic, 1 AVX2, 2 AVX-512.
+// The ISA level of the row functions for the dispatch: 0 generic, 1 AVX2, 2 AVX-512.
 int level(const Dispatch& dp) {
 #if JB_X86
   if (dp.isa >= Isa::avx512) return 2;
@@ -132,6 +132,13 @@ int level(const Dispatch& dp) {
   (void)dp;
   return 0;
 }
+
+// The row function of a pass (NAME##_<isa><T>) for level lv.
+#if JB_X86
+#define JB_DW_PICK(NAME, T) (lv == 2 ? &NAME##_avx512<T> : lv == 1 ? &NAME##_avx2<T> : &NAME##_generic<T>)
+#else
+#define JB_DW_PICK(NAME, T) ((void)lv, &NAME##_generic<T>)
+#endif
 
 std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
   std::vector<float> wf(static_cast<size_t>(n));
@@ -155,15 +162,10 @@ void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, c
   const int lv = level(dp);
   with_type(s.dt, [&](auto ts) {
     using T = decltype(ts);
-    const T* xt = static_cast<const T*>(x);
+    const auto fn = JB_DW_PICK(fwd_row, T);
     T* ot = static_cast<T*>(out);
     parallel_for(ex, s.n * g.P, [&](int64_t row) {
-#if JB_X86
-      if (lv == 2) fwd_row_avx512<T>(g, xt, bias, ot, row);
-      else if (lv == 1) fwd_row_avx2<T>(g, xt, bias, ot, row);
-      else
-#endif
-        fwd_row_generic<T>(g, xt, bias, ot, row);
+      fn(g, static_cast<const T*>(x), bias, ot, row);
       if (s.act != Activation::none)
         eltwise::activate(s.act, s.dt, ot + row * g.Q * s.c, static_cast<T*>(y) + row * g.Q * s.c, g.Q * s.c,
                           dp.isa);
@@ -178,15 +180,8 @@ void depthwise_backward(const Executor& ex, const Dispatch& dp, const Shape& s, 
   const int lv = level(dp);
   with_type(s.dt, [&](auto ts) {
     using T = decltype(ts);
-    const T* zt = static_cast<const T*>(dz);
-    T* xt = static_cast<T*>(dx);
-    parallel_for(ex, s.n * s.h, [&](int64_t row) {
-#if JB_X86
-      if (lv == 2) return bwd_row_avx512<T>(g, zt, xt, row);
-      if (lv == 1) return bwd_row_avx2<T>(g, zt, xt, row);
-#endif
-      bwd_row_generic<T>(g, zt, xt, row);
-    });
+    const auto fn = JB_DW_PICK(bwd_row, T);
+    parallel_for(ex, s.n * s.h, [&](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
   });
 }
 
@@ -203,23 +198,12 @@ void depthwise_update(const Executor& ex, const Dispatch& dp, const Shape& s, co
     using T = decltype(ts);
     const T* xt = static_cast<const T*>(x);
     const T* zt = static_cast<const T*>(dz);
+    const auto fn = JB_DW_PICK(upd_row, T);
     parallel_for(ex, splits, [&](int64_t sp) {
       float* pw = part + sp * per;
       float* pdb = db ? pw + welems : nullptr;
       std::memset(pw, 0, size_t(per) * sizeof(float));
-      for (int64_t row = rows * sp / splits; row < rows * (sp + 1) / splits; ++row) {
-#if JB_X86
-        if (lv == 2) {
-          upd_row_avx512<T>(g, xt, zt, pw, pdb, row);
-          continue;
-        }
-        if (lv == 1) {
-          upd_row_avx2<T>(g, xt, zt, pw, pdb, row);
-          continue;
-        }
-#endif
-        upd_row_generic<T>(g, xt, zt, pw, pdb, row);
-      }
+      for (int64_t row = rows * sp / splits; row < rows * (sp + 1) / splits; ++row) fn(g, xt, zt, pw, pdb, row);
     });
   });
   parallel_for(ex, ceil_div(per, 1024), [&](int64_t i) {

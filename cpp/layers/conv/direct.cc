@@ -78,8 +78,14 @@ std::vector<PixelBlock> split_blocks(const std::vector<PixelBlock>& seg, const C
 
 }  // namespace
 
+Isa MultiplyNarrow::tile_isa(int64_t cols) const {
+  // fp32 blocks at most 8 columns wide (ResNeXt's groups): AVX-512 would fill half of each
+  // zmm FMA; 8-lane ymm FMAs issue two per cycle on Zen 4 and fill theirs.
+  return isa == Isa::avx512 && mul_dt == DType::f32 && cols <= 8 ? Isa::avx2 : isa;
+}
+
 DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads)
-    : MultiplyPath(d.dt, dp),
+    : MultiplyNarrow(d.dt, dp),
       n(d.n), ci(d.ci), co(d.co), groups(d.groups), ldi(d.ci * d.groups), ldo(d.co * d.groups),
       hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
   // Blocking: reduced channels per batch element (dividing them), output channels per
@@ -153,7 +159,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
         desc.static_batch = int64_t(tables[tid].a.size());
         for (int64_t cols : {bo, tail ? tail : bo}) {
           desc.n = cols;
-          kernels.emplace_back(desc, isa);
+          kernels.emplace_back(desc, tile_isa(cols));
         }
       }
       kid[row * blocks.size() + j] = it->second;

@@ -99,7 +99,13 @@ struct Dims {
   Activation act = Activation::none;  // in the epilogue (gelu: none, applied after)
 };
 
-struct DirectPlan : MultiplyPath {
+// The multiply path, with the ISA of the register tiles for a block `cols` wide.
+struct MultiplyNarrow : MultiplyPath {
+  using MultiplyPath::MultiplyPath;
+  Isa tile_isa(int64_t cols) const;
+};
+
+struct DirectPlan : MultiplyNarrow {
   DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads);
 
   // Runs the pass: each item packs its panels with pack(group, o0, cols, c, r, s, dst) (one

@@ -6,6 +6,7 @@
 #include "layers/common/plan_cache.h"
 #include "layers/conv/depthwise.h"
 #include "layers/conv/direct.h"
+#include "layers/conv/narrow.h"
 
 namespace jb::conv {
 
@@ -78,6 +79,7 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
   validate(s);
   if (s.n == 0) return;
   if (depthwise(s)) return depthwise_forward(ex, dp, s, x, w, w_dt, bias, y, z);
+  if (!force && narrow_forward_fits(s, dp)) return narrow_forward(ex, dp, s, x, w, w_dt, bias, y, z);
   const bool gelu = s.act == Activation::gelu;
   const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
     return DirectPlan(forward_dims(s, bias != nullptr, gelu ? Activation::none : s.act), dp, force,
@@ -113,6 +115,7 @@ void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void
   validate(s);
   if (s.n == 0) return;
   if (depthwise(s)) return depthwise_backward(ex, dp, s, dz, w, w_dt, dx);
+  if (!force && narrow_backward_fits(s, dp)) return narrow_backward(ex, dp, s, dz, w, w_dt, dx);
   const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, force), [&] {
     return DirectPlan(backward_dims(s), dp, force, ex.num_threads);
   });

@@ -39,9 +39,9 @@ UpdateView update_view(const Shape& s) {
   return {1, px / l, l, px / l, l};
 }
 
-struct UpdatePlan : MultiplyPath {
+struct UpdatePlan : MultiplyNarrow {
   UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
-      : MultiplyPath(s.dt, dp),
+      : MultiplyNarrow(s.dt, dp),
         v(update_view(s)), c(s.cg()), k(s.kg()), groups(s.groups), rt(s.r), st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
         pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl), dil_h(s.dil_h), dil_w(s.dil_w) {
@@ -73,9 +73,9 @@ struct UpdatePlan : MultiplyPath {
     d.ldc = k * groups;
     d.ab = mul_dt;
     d.c = DType::f32;
-    first.emplace(d, c, k, bm, bn, isa);
+    first.emplace(d, c, k, bm, bn, tile_isa(bn));
     d.accumulate = true;
-    more.emplace(d, c, k, bm, bn, isa);
+    more.emplace(d, c, k, bm, bn, tile_isa(bn));
     xt_bytes = size_t(v.n * hp * sw * bstride) * mul_bytes;
     dz_bytes = packed ? size_t(groups * kb * rows * blk_q) * mul_bytes : 0;
     part_bytes = direct ? 0 : size_t(splits * rt * st * c * k * groups) * sizeof(float);

@@ -1,0 +1,322 @@
+// Narrow feature groups with the pixels in the vector lanes (narrow.h). A work item is a band
+// of output rows of one image. It keeps the padded input rows its current output row reads
+// in a ring (L2), each transposed to [group][s][channel (pair)][output column] (zeros in the
+// padding, bf16 pairs kept as 32-bit words: the VNNI layout; one copy per filter column s,
+// so that the reduction runs over (s, channel) with one stride, K = S x C / G per batch
+// element rather than C / G). For every output row and group one BRGEMM call (A: the group's
+// packed weights [r][out][(s, in)]; B: the ring's rows; batch: the filter rows, padding rows
+// being zeros) writes an fp32 tile [channel][pixel], and the row goes back transposed, with
+// bias and activation.
+#include "layers/conv/narrow.h"
+
+#include <optional>
+#include <vector>
+
+#if JB_X86
+#include <immintrin.h>
+#endif
+
+#include "layers/common/eltwise.h"
+#include "layers/common/operand.h"
+#include "layers/common/plan_cache.h"
+#include "layers/common/scratch.h"
+#include "layers/common/target.h"
+#include "layers/common/work.h"
+#include "layers/conv/depthwise.h"
+#include "layers/conv/direct.h"
+
+namespace jb::conv {
+
+namespace {
+
+constexpr int64_t kNarrow = 8;             // groups at most this wide (output channels) go here
+constexpr int64_t kMaxRows = 64;           // filter rows (the batch's offset table is on the stack)
+
+// The convolution the engine runs: the forward, or the backward by data as a forward of dz.
+struct Geo {
+  int64_t n, hin, win, cin, ci;  // input; ci, co: channels of one group
+  int64_t hout, wout, cout, co;
+  int64_t groups, r, s, sh, sw, dh, dw, pt, pl;  // pads of either sign
+};
+
+struct NarrowPlan : MultiplyPath {
+  NarrowPlan(const Geo& g0, DType dt, const Dispatch& dp, int64_t threads) : MultiplyPath(dt, dp), g(g0) {
+    epw = vnni ? 2 : 1;
+    words = g.cin / epw;
+    wq = ceil_div((g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1, g.sw);
+    row_words = words * wq;
+    ldw = round_up(g.wout, 16) + 4;  // + 4: rows not a multiple of 64 bytes apart
+    slot_words = g.groups * g.s * (g.ci / epw) * ldw;
+    er = (g.r - 1) * g.dh + 1;
+    ldq = round_up(g.wout, 16);
+    // Bands of rows: as long as possible (the ring's rows are transposed once), as many as
+    // keep every thread busy.
+    bands = std::min(g.hout, ceil_div(4 * threads, g.n));
+    band = ceil_div(g.hout, bands);
+    bands = ceil_div(g.hout, band);
+    items = g.n * bands;
+    lease_bytes = Scratch::aligned(size_t(g.sw * row_words + er * slot_words + 64) * 4) +
+                  Scratch::aligned(size_t(g.cout * ldq) * sizeof(float));
+    w_bytes = size_t(g.groups * g.r * g.s * g.co * g.ci) * mul_bytes;
+    for (int64_t r = 0; r < g.r; ++r) offs_a.push_back(r * g.co * g.s * g.ci);
+    // A: the group's [r][out][(s, in)]; B: its ring rows [(s, in)][pixel]: K = S x in.
+    BrgemmDesc d = desc(g.s * g.ci, g.s * g.ci, g.wout, ldq);
+    d.m = g.co;
+    d.n = g.wout;
+    d.ldb = ldw * epw;
+    kern.emplace(d, isa);
+  }
+
+  Geo g;
+  int64_t epw = 1, words = 0, wq = 0, row_words = 0, ldw = 0, slot_words = 0, er = 1, ldq = 0;
+  int64_t band = 1, bands = 1, items = 0;
+  size_t lease_bytes = 0, w_bytes = 0;
+  std::vector<int64_t> offs_a;
+  std::optional<Brgemm> kern;
+};
+
+PlanCache<25, NarrowPlan> forward_plans, backward_plans;
+
+// Transposes of 32-bit words, 8 x 8 at a time where the CPU has AVX2 (the rest scalar):
+// words(src, ss, rows, cols, dst, ld): dst[c * ld + j] = src[j * ss + c] for j < rows, c < cols;
+// the output tile (fp32 [channel][pixel], ldq) into an NHWC row of T with the bias added.
+template <class D, class S>
+JB_INLINE D word_of(S v) {
+  if constexpr (sizeof(S) == 2) return bf16_to_f32(v);  // fp32 multiplies of bf16 data
+  else return v;
+}
+
+template <class S, class D>
+void words_scalar(const S* src, int64_t ss, int64_t j0, int64_t rows, int64_t c0, int64_t cols, D* dst, int64_t ld) {
+  for (int64_t c = c0; c < cols; ++c)
+    for (int64_t j = j0; j < rows; ++j) dst[c * ld + j] = word_of<D>(src[j * ss + c]);
+}
+
+template <class T>
+void out_scalar(const float* yt, int64_t ldq, int64_t q0, int64_t q1, int64_t c0, int64_t c1,
+                const float* bias, T* orow, int64_t cout) {
+  for (int64_t q = q0; q < q1; ++q)
+    for (int64_t c = c0; c < c1; ++c)
+      orow[q * cout + c] = from_f32<T>(yt[c * ldq + q] + (bias ? bias[c] : 0.0f));
+}
+
+#if JB_X86
+JB_TARGET_AVX2 JB_INLINE void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+JB_TARGET_AVX2 void words_avx2(const uint32_t* src, int64_t ss, int64_t rows, int64_t cols, uint32_t* dst,
+                               int64_t ld) {
+  const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+  for (int64_t j = 0; j < r8; j += 8)
+    for (int64_t c = 0; c < c8; c += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + (j + i) * ss + c));
+      transpose8(v);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c + i) * ld + j), v[i]);
+    }
+  words_scalar(src, ss, r8, rows, 0, c8, dst, ld);
+  words_scalar(src, ss, 0, rows, c8, cols, dst, ld);
+}
+
+template <class T>
+JB_TARGET_AVX2 void out_avx2(const float* yt, int64_t ldq, int64_t wout, int64_t cout, const float* bias,
+                             T* orow) {
+  const int64_t q8 = wout / 8 * 8, c8 = cout / 8 * 8;
+  for (int64_t c = 0; c < c8; c += 8) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
+    for (int64_t q = 0; q < q8; q += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(yt + (c + i) * ldq + q);
+      transpose8(v);
+      for (int i = 0; i < 8; ++i) {
+        const __m256 o = _mm256_add_ps(v[i], b);
+        if constexpr (sizeof(T) == 4) {
+          _mm256_storeu_ps(reinterpret_cast<float*>(orow + (q + i) * cout + c), o);
+        } else {  // round to nearest even as f32_to_bf16 (NaN: quiet)
+          const __m256i u = _mm256_castps_si256(o);
+          const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+          __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+          const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                                 _mm256_set1_epi32(0x7f800000));
+          h = _mm256_blendv_epi8(h, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+          const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + (q + i) * cout + c), packed);
+        }
+      }
+    }
+  }
+  out_scalar(yt, ldq, q8, wout, 0, c8, bias, orow, cout);
+  out_scalar(yt, ldq, 0, wout, c8, cout, bias, orow, cout);
+}
+#endif
+
+// One padded input row into the transposed row: words x wq per phase, zeros outside.
+template <class S, class D>
+void transpose_row(const S* src, D* dst, const NarrowPlan& p) {
+  const Geo& g = p.g;
+  for (int64_t ph = 0; ph < g.sw; ++ph, dst += p.row_words) {
+    const int64_t j_lo = std::min(p.wq, std::max<int64_t>(0, ceil_div(g.pl - ph, g.sw)));
+    const int64_t j_hi = std::max(j_lo, std::min(p.wq, ceil_div(g.win + g.pl - ph, g.sw)));
+    for (int64_t c = 0; c < p.words; ++c) {
+      std::fill(dst + c * p.wq, dst + c * p.wq + j_lo, D(0));
+      std::fill(dst + c * p.wq + j_hi, dst + (c + 1) * p.wq, D(0));
+    }
+    if (j_hi == j_lo) continue;
+    const S* s0 = src + (j_lo * g.sw + ph - g.pl) * p.words;
+#if JB_X86
+    if constexpr (sizeof(S) == 4) {
+      if (p.isa >= Isa::avx2) {
+        words_avx2(reinterpret_cast<const uint32_t*>(s0), g.sw * p.words, j_hi - j_lo, p.words,
+                   reinterpret_cast<uint32_t*>(dst + j_lo), p.wq);
+        continue;
+      }
+    }
+#endif
+    words_scalar(s0, g.sw * p.words, 0, j_hi - j_lo, 0, p.words, dst + j_lo, p.wq);
+  }
+}
+
+// Runs the engine: x (n, hin, win, cin) in dtype dt; pack(wt) writes the packed weights; y
+// (and z for gelu) (n, hout, wout, cout).
+template <class Pack>
+void run(const Executor& ex, const NarrowPlan& p, DType dt, Activation act, const void* x, Pack&& pack,
+         const float* bias, void* y, void* z) {
+  const Geo& g = p.g;
+  const int64_t conc = std::max<int64_t>(1, std::min(ex.num_threads, p.items));
+  const auto buf = Scratch::get<2>({p.w_bytes, p.lease_bytes * size_t(conc)});
+  const char* wt = buf[0];
+  pack(buf[0]);
+  PanelPool pool(buf[1], p.lease_bytes, conc);
+  const bool gelu = act == Activation::gelu;
+  void* out = gelu ? z : y;
+  const size_t mb = p.mul_bytes;
+  const int64_t ciw = g.ci / p.epw, taps_w = g.s * ciw;
+  parallel_for(ex, p.items, [&](int64_t item) {
+    const PanelPool::Lease l(pool);
+    uint32_t* tmp = reinterpret_cast<uint32_t*>(l.data);  // one padded row, transposed
+    uint32_t* ring = tmp + g.sw * p.row_words;            // er rows, [group][s][in][pixel]
+    float* yt = reinterpret_cast<float*>(l.data + Scratch::aligned(size_t(g.sw * p.row_words + p.er * p.slot_words + 64) * 4));
+    const int64_t img = item / p.bands, p0 = item % p.bands * p.band, p1 = std::min(g.hout, p0 + p.band);
+    with_type(dt, [&](auto ts) {
+      using T = decltype(ts);
+      // Padded input row hr into its ring slot: each tap's columns copied out of the
+      // transposed row, so that K runs over (s, in) with one stride.
+      auto load = [&](int64_t hr) {
+        uint32_t* slot = ring + hr % p.er * p.slot_words;
+        const int64_t ih = hr - g.pt;
+        if (ih < 0 || ih >= g.hin) {
+          std::memset(slot, 0, size_t(p.slot_words) * 4);
+          return;
+        }
+        const T* src = static_cast<const T*>(x) + (img * g.hin + ih) * g.win * g.cin;
+        if (p.vnni) transpose_row(reinterpret_cast<const uint32_t*>(src), tmp, p);
+        else transpose_row(src, reinterpret_cast<float*>(tmp), p);
+        for (int64_t f = 0; f < g.groups; ++f)
+          for (int64_t t = 0; t < g.s; ++t) {
+            const uint32_t* from = tmp + t * g.dw % g.sw * p.row_words + f * ciw * p.wq + t * g.dw / g.sw;
+            uint32_t* to = slot + (f * taps_w + t * ciw) * p.ldw;
+            for (int64_t i = 0; i < ciw; ++i) std::memcpy(to + i * p.ldw, from + i * p.wq, size_t(g.wout) * 4);
+          }
+      };
+      int64_t next = p0 * g.sh;  // the next padded row to load
+      int64_t offs_b[kMaxRows];
+      for (int64_t o = p0; o < p1; ++o) {
+        for (int64_t hr = std::max(next, o * g.sh); hr < o * g.sh + p.er; ++hr) load(hr);
+        next = o * g.sh + p.er;
+        for (int64_t r = 0; r < g.r; ++r) offs_b[r] = (o * g.sh + r * g.dh) % p.er * p.slot_words * p.epw;
+        for (int64_t f = 0; f < g.groups; ++f)
+          p.kern->offsets(wt + size_t(f * g.r * g.s * g.co * g.ci) * mb, p.offs_a.data(),
+                          ring + f * taps_w * p.ldw, offs_b, g.r, yt + f * g.co * p.ldq);
+        // The tile back into the NHWC row: bias, then the activation on the row.
+        T* orow = static_cast<T*>(out) + (img * g.hout + o) * g.wout * g.cout;
+#if JB_X86
+        if (p.isa >= Isa::avx2) out_avx2<T>(yt, p.ldq, g.wout, g.cout, bias, orow);
+        else
+#endif
+          out_scalar<T>(yt, p.ldq, 0, g.wout, 0, g.cout, bias, orow, g.cout);
+        if (act != Activation::none)
+          eltwise::activate(act, dt, orow, static_cast<T*>(y) + (img * g.hout + o) * g.wout * g.cout,
+                            g.wout * g.cout, p.isa);
+      }
+    });
+  });
+}
+
+// The group's weights as A operands, [group][r][out][(s, in)] in the multiply dtype; flip: the
+// backward's (taps reversed, in and out swapped).
+void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p, bool flip, char* dst) {
+  const Geo& g = p.g;
+  with_type(w_dt, [&](auto ws) {
+    using W = decltype(ws);
+    const W* src = static_cast<const W*>(w);
+    int64_t e = 0;
+    for (int64_t f = 0; f < g.groups; ++f)
+      for (int64_t r = 0; r < g.r; ++r)
+        for (int64_t m = 0; m < g.co; ++m)
+          for (int64_t t = 0; t < g.s; ++t)
+            for (int64_t i = 0; i < g.ci; ++i, ++e) {
+              // HWIO: w[r][t][c in the group][k]
+              const int64_t idx = flip ? (((g.r - 1 - r) * s.s + g.s - 1 - t) * s.cg() + m) * s.k + f * s.kg() + i
+                                       : ((r * s.s + t) * s.cg() + i) * s.k + f * s.kg() + m;
+              const float v = to_f32(src[idx]);
+              if (p.vnni) reinterpret_cast<uint16_t*>(dst)[e] = f32_to_bf16(v);
+              else reinterpret_cast<float*>(dst)[e] = v;
+            }
+  });
+}
+
+bool lanes_fill(int64_t pixels, int64_t in_channels, const Shape& s, const Dispatch& dp) {
+  // bf16 pairs of input channels must not straddle two groups
+  return pixels >= 8 && s.r <= kMaxRows && (multiply_dtype(s.dt, dp) == DType::f32 || in_channels % 2 == 0);
+}
+
+}  // namespace
+
+bool narrow_forward_fits(const Shape& s, const Dispatch& dp) {
+  return s.groups > 1 && !depthwise(s) && s.kg() <= kNarrow && lanes_fill(s.q(), s.cg(), s, dp);
+}
+
+bool narrow_backward_fits(const Shape& s, const Dispatch& dp) {
+  return s.groups > 1 && !depthwise(s) && s.cg() <= kNarrow && s.sh == 1 && s.sw == 1 &&
+         lanes_fill(s.w, s.kg(), s, dp);
+}
+
+void narrow_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+                    DType w_dt, const float* bias, void* y, void* z) {
+  const auto plan = forward_plans.get(key_of(s, 0, ex.num_threads, dp, nullptr), [&] {
+    const Geo g{s.n, s.h, s.w, s.c, s.cg(), s.p(), s.q(), s.k, s.kg(),
+                s.groups, s.r, s.s, s.sh, s.sw, s.dil_h, s.dil_w, s.pt, s.pl};
+    return NarrowPlan(g, s.dt, dp, ex.num_threads);
+  });
+  run(ex, *plan, s.dt, s.act, x, [&](char* wt) { pack_weights(s, w, w_dt, *plan, false, wt); }, bias, y, z);
+}
+
+void narrow_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+                     DType w_dt, void* dx) {
+  // dx[h][w] = sum over taps of dz[h + pt - r dh][w + pl - t dw] w[r][t]: a forward of dz
+  // with the taps reversed, pads (R - 1) dh - pt and (S - 1) dw - pl.
+  const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, nullptr), [&] {
+    const Geo g{s.n, s.p(), s.q(), s.k, s.kg(), s.h, s.w, s.c, s.cg(),
+                s.groups, s.r, s.s, 1, 1, s.dil_h, s.dil_w, (s.r - 1) * s.dil_h - s.pt, (s.s - 1) * s.dil_w - s.pl};
+    return NarrowPlan(g, s.dt, dp, ex.num_threads);
+  });
+  run(ex, *plan, s.dt, Activation::none, dz, [&](char* wt) { pack_weights(s, w, w_dt, *plan, true, wt); },
+      nullptr, dx, nullptr);
+}
+
+}  // namespace jb::conv
