@@ -101,7 +101,8 @@ struct Sgd {
 // AdamW (optax's adamw: scale_by_adam, add_decayed_weights, scale_by_learning_rate), per
 // element in fp32, in optax's order of operations; t counts steps from 1:
 //   mu' = c1 * g + b1 * mu,  nu' = c2 * (g * g) + b2 * nu      (c1 = 1 - b1, c2 = 1 - b2)
-//   u = (mu' / bc1) / (sqrt(nu' / bc2 + eps_root) + eps) + weight_decay * w
+//   u = (mu' * (1 / bc1)) / (sqrt(nu' * (1 / bc2) + eps_root) + eps) + weight_decay * w
+//   (optax divides by bc1 and bc2; XLA computes that as a product with the reciprocal)
 //   w' = w + (-lr) * u                                         (bc1 = 1 - b1^t, bc2 = 1 - b2^t)
 struct AdamW {
   float lr = 0, b1 = 0, b2 = 0, c1 = 0, c2 = 0, eps = 0, eps_root = 0, weight_decay = 0;
