@@ -265,9 +265,11 @@ def _interrupted(mll, ckpt, save, where: str):
 
 def train_step_for(cfg: RunConfig, state, example, steps_per_epoch: int, processes: int = 1):
     """The run's train step: with impl="brgemm" and SGD, Adam or AdamW the optimizer step rides on the
-    weight updates where the model allows it (fused.py), else ``step.train_step``."""
+    weight updates where the model allows it (fused.py; exact float32 products only), else
+    ``step.train_step``."""
+    exact = jb_precision.computed(cfg.precision) == "float32"
     plan = (fused.plan(cfg.bench, state, example, cfg.hparams, steps_per_epoch, processes=processes)
-            if cfg.impl == "brgemm" else None)
+            if cfg.impl == "brgemm" and exact else None)
     if plan:
         return functools.partial(fused.train_step, bench=cfg.bench, plan=plan)
     return functools.partial(step.train_step, bench=cfg.bench)
