@@ -39,9 +39,17 @@ UpdateView update_view(const Shape& s) {
   return {1, px / l, l, px / l, l};
 }
 
+// Groups of at most 8 output channels on AVX-512 multiply bf16 in fp32 (exact products):
+// 8-lane ymm FMA tiles fill their lanes where vdpbf16ps tiles would fill half.
+Dispatch update_dispatch(const Shape& s, const Dispatch& dp) {
+  Dispatch d = dp;
+  if (s.groups > 1 && s.kg() <= 8 && dp.isa == Isa::avx512) d.bf16_multiply = DType::f32;
+  return d;
+}
+
 struct UpdatePlan : MultiplyNarrow {
   UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
-      : MultiplyNarrow(s.dt, dp),
+      : MultiplyNarrow(s.dt, update_dispatch(s, dp)),
         v(update_view(s)), c(s.cg()), k(s.kg()), groups(s.groups), rt(s.r), st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
         pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl), dil_h(s.dil_h), dil_w(s.dil_w) {
