@@ -4,14 +4,19 @@ vs stock XLA (lax.conv_general_dilated, what flax.linen.Conv / ConvTranspose run
 (channels-last, when torch is importable), round-robin in one process.
 
     python bench/bench_conv_kinds.py [--scale 4] [--repeats 3] [--dtypes float32,bfloat16]
-                                     [--layers dw3,dw7,resnext,dilated,transposed]
+                                     [--layers dw3,dw7,resnext,dilated,transposed] [--passes]
+                                     [--only jax_brgemm,torch]
 
 --scale divides each layer's mini-batch (stock XLA takes seconds per step on some of them).
 GFLOP/s count 2 N P Q K (C / G) R S per pass (per input pixel for the transposed layer), x3 for
 a step; "% probe" is the fraction of the fp32 peak measured in the same run (bf16: of the bf16
 peak). Depthwise layers are memory-bound: for them the step's bytes (x and dy read twice, y
-and dx written, in the compute dtype) over its time is also given as a fraction of one core's
-copy bandwidth (bench/bandwidth.py's measurement). Medians over `repeats` alternating rounds.
+and dx written, in the compute dtype: 3 (|x| + |dy|)) over its time is also given as a
+fraction of one core's copy bandwidth (bench/bandwidth.py's measurement, bytes read).
+Medians over `repeats` alternating rounds.
+--passes also times our three passes alone (the forward, the input gradient alone, the
+kernel gradient alone: XLA drops the passes a lone gradient does not need; a transposed
+layer's forward is the backward by data of the strided convolution it transposes, and so on).
 Writes bench/results/<cpu-kind>/conv_kinds.json.
 """
 
@@ -76,6 +81,10 @@ def contenders(name, n, dtype, torch):
         return jax.lax.conv_general_dilated(x, w.astype(dtype), (1, 1), dimension_numbers=DN, **kw)
 
     out = {"jax_brgemm": (step(ours), (x, w, dy)), "xla": (step(xla), (x, w, dy))}
+    out["passes"] = {  # ours, one pass at a time
+        "fwd": (jax.jit(ours), (x, w)),
+        "dx": (jax.jit(lambda x, w, dy: jax.vjp(lambda x: ours(x, w), x)[1](dy)[0]), (x, w, dy)),
+        "dw": (jax.jit(lambda x, w, dy: jax.vjp(lambda w: ours(x, w), w)[1](dy)[0]), (x, w, dy))}
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         cl = torch.channels_last
@@ -117,6 +126,8 @@ def main(argv=None):
     p.add_argument("--scale", type=int, default=4, help="divide every mini-batch by this (default 4)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--layers", default=",".join(LAYERS))
+    p.add_argument("--passes", action="store_true", help="also time our forward, dx and dw passes alone")
+    p.add_argument("--only", default="", help="time only these contenders (comma-separated; for quick checks)")
     args = p.parse_args(argv)
     torch = common.torch_or_none()
     peak = common.measure_peak()
@@ -131,6 +142,9 @@ def main(argv=None):
             full_n, h, c, k, r, g, dil, up, label = LAYERS[name]
             n = max(1, full_n // args.scale)
             cont, o = contenders(name, n, dtype, torch)
+            passes = cont.pop("passes")
+            if args.only:
+                cont = {v: f for v, f in cont.items() if v in args.only.split(",")}
             samples = common.interleaved({v: f for v, (f, _) in cont.items()},
                                          {v: a for v, (_, a) in cont.items()},
                                          repeats=args.repeats, min_time=args.min_time)
@@ -141,20 +155,38 @@ def main(argv=None):
                    "seconds": {v: common.stats(s) for v, s in samples.items()},
                    "gflops": {v: flops / t / 1e9 for v, t in med.items()}}
             row["probe_fraction"] = row["gflops"]["jax_brgemm"] / peak[dname]
-            row["vs_xla"] = med["xla"] / med["jax_brgemm"]
+            if "xla" in med:
+                row["vs_xla"] = med["xla"] / med["jax_brgemm"]
             if "torch" in med:
                 row["vs_torch"] = med["torch"] / med["jax_brgemm"]
             if g == c:  # depthwise: bytes moved by the step over the copy bandwidth
                 es = jnp.dtype(dtype).itemsize
-                row["bytes"] = float(es * (2 * n * h * h * c * 2 + 2 * n * o * o * k * 2))
+                row["bytes"] = float(es * 3 * (n * h * h * c + n * o * o * k))  # 3 passes, each |x| + |dy|
                 row["bandwidth_fraction"] = row["bytes"] / med["jax_brgemm"] / 1e9 / bw
+            if args.passes:
+                ps = common.interleaved({v: f for v, (f, _) in passes.items()},
+                                        {v: a for v, (_, a) in passes.items()},
+                                        repeats=args.repeats, min_time=args.min_time)
+                row["pass_seconds"] = {v: common.stats(t) for v, t in ps.items()}
+                row["pass_gflops"] = {v: flops / 3 / statistics.median(t) / 1e9 for v, t in ps.items()}
+                if g == c:  # each pass reads two tensors and writes one (x, dy, y / dx)
+                    one = float(jnp.dtype(dtype).itemsize * (n * h * h * c + n * o * o * k))
+                    row["pass_bandwidth_fraction"] = {v: one / statistics.median(t) / 1e9 / bw
+                                                      for v, t in ps.items()}
             rows.append(row)
             print(f"{dname:8s} {label:32s} N={n:2d} " +
                   "  ".join(f"{v} {gf:7.1f}" for v, gf in row["gflops"].items()) +
-                  f"  | {100 * row['probe_fraction']:5.1f}% probe, {row['vs_xla']:.2f}x xla" +
+                  f"  | {100 * row['probe_fraction']:5.1f}% probe" +
+                  (f", {row['vs_xla']:.2f}x xla" if "vs_xla" in row else "") +
                   (f", {row['vs_torch']:.2f}x torch" if "vs_torch" in row else "") +
                   (f", {100 * row['bandwidth_fraction']:.0f}% of bandwidth" if "bandwidth_fraction" in row else ""),
                   flush=True)
+            if "pass_gflops" in row:
+                print("         passes: " + "  ".join(
+                    f"{v} {gf:6.1f} GFLOP/s (best {flops / 3 / row['pass_seconds'][v]['min'] / 1e9:5.1f}, "
+                    f"{100 * gf / peak[dname]:4.1f}% probe" +
+                    (f", {100 * row['pass_bandwidth_fraction'][v]:.0f}% bw" if "pass_bandwidth_fraction" in row else "")
+                    + ")" for v, gf in row["pass_gflops"].items()), flush=True)
     path = common.write_results("conv_kinds", {"peak_gflops": peak, "bandwidth_gbs": bw, "scale": args.scale,
                                                "repeats": args.repeats, "torch": torch.__version__ if torch else None,
                                                "rows": rows})
