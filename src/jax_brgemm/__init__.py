@@ -11,8 +11,9 @@ from jax_brgemm.memory import reuse_freed_memory
 from jax_brgemm.peak import peak_gflops
 from jax_brgemm import nn
 from jax_brgemm import nnx
+from jax_brgemm import optim
 from jax_brgemm.accelerate import accelerate
 
 __all__ = ["accelerate", "brgemm", "conv2d", "conv3d", "dense", "dot_product_attention", "export_safety_checks", "isa",
-           "lstm", "nn", "nnx", "peak_gflops", "reuse_freed_memory"]
+           "lstm", "nn", "nnx", "optim", "peak_gflops", "reuse_freed_memory"]
 __version__ = "0.1.0"

@@ -152,9 +152,10 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
 
     Where the kernels take a call but lose to stock XLA on this CPU, the call stays stock,
     with the reason in the report: ``jax_brgemm.accelerate.policy.TABLE``, fixed at import from the
-    CPU's ISA (float32 Dense-like layers over fewer than 512 rows, whose dots XLA overlaps
-    with the optimizer step; larger or bfloat16 ones, convolutions, LSTMs and attention run
-    on the kernels). ``policy=False`` runs every call the kernels take on them.
+    CPU's ISA (float32 Dense-like layers over fewer rows than the ISA's line, 64 with
+    AVX-512 and 512 elsewhere, whose dots XLA overlaps with the optimizer step; larger or
+    bfloat16 ones, convolutions, LSTMs and attention run on the kernels). ``policy=False``
+    runs every call the kernels take on them.
 
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
     not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
