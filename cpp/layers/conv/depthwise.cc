@@ -13,6 +13,10 @@
 #include "layers/common/operand.h"
 #include "layers/common/scratch.h"
 
+#if JB_X86
+#include <immintrin.h>
+#endif
+
 namespace jb::conv {
 
 namespace {
@@ -123,6 +127,89 @@ JB_DW_ROWS(avx512, [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]])
 #endif
 #undef JB_DW_ROWS
 
+#if JB_X86
+// AVX-512 rows for channels in whole blocks of 16: one register per (pixel, block) summed over
+// the pixel's valid taps, found once per pixel (at most kTaps). The loops above keep their sums
+// on the stack, a load and a store per FMA.
+constexpr int64_t kTaps = 64;
+#define JB_AVX512 [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]]
+
+template <class T>
+JB_AVX512 inline __m512 load16(const T* p) {
+  if constexpr (sizeof(T) == 4) return _mm512_loadu_ps(p);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <class T>
+JB_AVX512 inline void store16(T* p, __m512 v) {
+  if constexpr (sizeof(T) == 4) {
+    _mm512_storeu_ps(p, v);
+  } else {  // round to nearest even, NaN quiet: f32_to_bf16's bits
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    h = _mm512_mask_mov_epi32(h, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
+  }
+}
+
+// Per pixel, its valid taps as (activation offset, weight offset) pairs, then every block.
+template <class T>
+JB_AVX512 void fwd_row_v16(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
+  const Shape& s = g.s;
+  const int64_t n = row / g.P, p = row % g.P, C = s.c;
+  int64_t xo[kTaps], wo[kTaps];
+  for (int64_t q = 0; q < g.Q; ++q) {
+    int64_t nt = 0;
+    for (int64_t r = 0; r < s.r; ++r) {
+      const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
+      if (ih < 0 || ih >= s.h) continue;
+      for (int64_t t = 0; t < s.s; ++t) {
+        const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
+        if (iw < 0 || iw >= s.w) continue;
+        xo[nt] = ((n * s.h + ih) * s.w + iw) * C, wo[nt++] = (r * s.s + t) * C;
+      }
+    }
+    T* yp = y + (row * g.Q + q) * C;
+    for (int64_t c0 = 0; c0 < C; c0 += 16) {
+      __m512 acc = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < nt; ++i)
+        acc = _mm512_fmadd_ps(load16(x + xo[i] + c0), _mm512_loadu_ps(g.wf + wo[i] + c0), acc);
+      store16(yp + c0, acc);
+    }
+  }
+}
+
+template <class T>
+JB_AVX512 void bwd_row_v16(const Geo& g, const T* dz, T* dx, int64_t row) {
+  const Shape& s = g.s;
+  const int64_t n = row / s.h, h = row % s.h, C = s.c;
+  int64_t zo[kTaps], wo[kTaps];
+  for (int64_t w = 0; w < s.w; ++w) {
+    int64_t nt = 0;
+    for (int64_t r = 0; r < s.r; ++r) {
+      const int64_t u = h + s.pt - r * s.dil_h;
+      if (u < 0 || u % s.sh || u / s.sh >= g.P) continue;
+      for (int64_t t = 0; t < s.s; ++t) {
+        const int64_t v = w + s.pl - t * s.dil_w;
+        if (v < 0 || v % s.sw || v / s.sw >= g.Q) continue;
+        zo[nt] = ((n * g.P + u / s.sh) * g.Q + v / s.sw) * C, wo[nt++] = (r * s.s + t) * C;
+      }
+    }
+    T* xp = dx + ((n * s.h + h) * s.w + w) * C;
+    for (int64_t c0 = 0; c0 < C; c0 += 16) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nt; ++i)
+        acc = _mm512_fmadd_ps(load16(dz + zo[i] + c0), _mm512_loadu_ps(g.wf + wo[i] + c0), acc);
+      store16(xp + c0, acc);
+    }
+  }
+}
+#undef JB_AVX512
+#endif
+
 // The ISA level of the row functions for the dispatch: 0 generic, 1 AVX2, 2 AVX-512.
 int level(const Dispatch& dp) {
 #if JB_X86
@@ -138,6 +225,10 @@ int level(const Dispatch& dp) {
 #define JB_DW_PICK(NAME, T) (lv == 2 ? &NAME##_avx512<T> : lv == 1 ? &NAME##_avx2<T> : &NAME##_generic<T>)
 #else
 #define JB_DW_PICK(NAME, T) ((void)lv, &NAME##_generic<T>)
+#endif
+
+#if JB_X86
+bool vector_rows(const Shape& s, int lv) { return lv == 2 && s.c % 16 == 0 && s.r * s.s <= kTaps; }
 #endif
 
 std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
@@ -162,7 +253,10 @@ void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, c
   const int lv = level(dp);
   with_type(s.dt, [&](auto ts) {
     using T = decltype(ts);
-    const auto fn = JB_DW_PICK(fwd_row, T);
+    auto fn = JB_DW_PICK(fwd_row, T);
+#if JB_X86
+    if (vector_rows(s, lv)) fn = &fwd_row_v16<T>;
+#endif
     T* ot = static_cast<T*>(out);
     parallel_for(ex, s.n * g.P, [&](int64_t row) {
       fn(g, static_cast<const T*>(x), bias, ot, row);
@@ -180,7 +274,10 @@ void depthwise_backward(const Executor& ex, const Dispatch& dp, const Shape& s, 
   const int lv = level(dp);
   with_type(s.dt, [&](auto ts) {
     using T = decltype(ts);
-    const auto fn = JB_DW_PICK(bwd_row, T);
+    auto fn = JB_DW_PICK(bwd_row, T);
+#if JB_X86
+    if (vector_rows(s, lv)) fn = &bwd_row_v16<T>;
+#endif
     parallel_for(ex, s.n * s.h, [&](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
   });
 }
