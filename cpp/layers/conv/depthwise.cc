@@ -227,8 +227,13 @@ int level(const Dispatch& dp) {
 #define JB_DW_PICK(NAME, T) ((void)lv, &NAME##_generic<T>)
 #endif
 
+// The forward's and backward's row function: the AVX-512 register rows when the channels
+// come in whole blocks of 16.
 #if JB_X86
 bool vector_rows(const Shape& s, int lv) { return lv == 2 && s.c % 16 == 0 && s.r * s.s <= kTaps; }
+#define JB_DW_ROW(NAME, T) (vector_rows(s, lv) ? &NAME##_v16<T> : JB_DW_PICK(NAME, T))
+#else
+#define JB_DW_ROW(NAME, T) JB_DW_PICK(NAME, T)
 #endif
 
 std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
@@ -240,23 +245,25 @@ std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
   return wf;
 }
 
+// pass(g, lv, T{}): the weights in fp32, the pass's view of the shape, the ISA level and the
+// compute dtype.
+template <class Pass>
+void with_weights(const Dispatch& dp, const Shape& s, const void* w, DType w_dt, Pass&& pass) {
+  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
+  const Geo g{s, s.p(), s.q(), wf.data()};
+  with_type(s.dt, [&](auto ts) { pass(g, level(dp), ts); });
+}
+
 }  // namespace
 
 bool depthwise(const Shape& s) { return s.groups > 1 && s.groups == s.c && s.groups == s.k; }
 
 void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
                        DType w_dt, const float* bias, void* y, void* z) {
-  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
-  const Geo g{s, s.p(), s.q(), wf.data()};
-  const bool gelu = s.act == Activation::gelu;
-  void* out = gelu ? z : y;  // the pre-activation, then the activation over the row
-  const int lv = level(dp);
-  with_type(s.dt, [&](auto ts) {
+  void* out = s.act == Activation::gelu ? z : y;  // the pre-activation, then the activation over the row
+  with_weights(dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
-    auto fn = JB_DW_PICK(fwd_row, T);
-#if JB_X86
-    if (vector_rows(s, lv)) fn = &fwd_row_v16<T>;
-#endif
+    const auto fn = JB_DW_ROW(fwd_row, T);
     T* ot = static_cast<T*>(out);
     parallel_for(ex, s.n * g.P, [&](int64_t row) {
       fn(g, static_cast<const T*>(x), bias, ot, row);
@@ -269,15 +276,9 @@ void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, c
 
 void depthwise_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
                         DType w_dt, void* dx) {
-  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
-  const Geo g{s, s.p(), s.q(), wf.data()};
-  const int lv = level(dp);
-  with_type(s.dt, [&](auto ts) {
+  with_weights(dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
-    auto fn = JB_DW_PICK(bwd_row, T);
-#if JB_X86
-    if (vector_rows(s, lv)) fn = &bwd_row_v16<T>;
-#endif
+    const auto fn = JB_DW_ROW(bwd_row, T);
     parallel_for(ex, s.n * s.h, [&](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
   });
 }
