@@ -1,5 +1,6 @@
 // XLA FFI handlers of the convolution layer (jb.conv2d): thin wrappers that decode and
-// validate the buffers, then call cpp/layers/conv.
+// validate the buffers, then call cpp/layers/conv; asynchronous where the work is large
+// enough to split.
 //
 //   jb_conv_fwd  x (.., N, H, W, C), w (.., R, S, C/G, K), bias (.., K) or (.., 0)
 //                -> y (.., N, P, Q, K), z (.., N, P, Q, K) for gelu else empty
@@ -49,7 +50,7 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
   return s;
 }
 
-ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
+ffi::Error conv_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
                     int64_t dil_h, int64_t dil_w, int64_t groups) {
@@ -74,7 +75,6 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
   JB_CHECK(expect_z(op, act, yd, z->dimensions()));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
 
-  const Executor ex = executor(pool);
   const bool gelu = act == Activation::gelu;
   const int64_t ysize = s.n * s.p() * s.q() * s.k;
   return guarded(op, [&] {
@@ -82,14 +82,15 @@ ffi::Error conv_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F3
     per_item(items, lw.shared && lb.shared && lx.dense, [&](int64_t count, int64_t i) {
       conv::Shape batch = s;
       batch.n = count * s.n;
-      conv::forward(ex, dispatch(), batch, ptr(x, items.offset(lx, i)), ptr(w, items.offset(lw, i)), w_dt,
-                    has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr, ptr(y, i * ysize),
-                    gelu ? ptr(z, i * ysize) : nullptr);
+      launch(conv::forward_job(launch.threads(), dispatch(), batch, ptr(x, items.offset(lx, i)),
+                               ptr(w, items.offset(lw, i)), w_dt,
+                               has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr, ptr(y, i * ysize),
+                               gelu ? ptr(z, i * ysize) : nullptr));
     });
   });
 }
 
-ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error conv_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
                     int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_bwd";
@@ -102,19 +103,18 @@ ffi::Error conv_bwd(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, f
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
   JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.cg(), s.k}, items));
   if (items.count == 0 || s.n == 0) return ffi::Error::Success();
-  const Executor ex = executor(pool);
   const int64_t xsize = s.n * s.h * s.w * s.c;
   return guarded(op, [&] {
     per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
       conv::Shape batch = s;
       batch.n = count * s.n;
-      conv::backward(ex, dispatch(), batch, ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)), w_dt,
-                     ptr(dx, i * xsize));
+      launch(conv::backward_job(launch.threads(), dispatch(), batch, ptr(dz, items.offset(lz, i)),
+                                ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * xsize)));
     });
   });
 }
 
-ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
+ffi::Error conv_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
                     F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
                     int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_upd";
@@ -129,14 +129,37 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
   JB_CHECK(expect_db(op, db->dimensions(), wd, 4, s.k));
   if (items.count == 0) return ffi::Error::Success();
-  const Executor ex = executor(pool);
   const bool has_db = db->element_count() != 0;
   const int64_t wsize = s.r * s.s * s.cg() * s.k;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      conv::update(ex, dispatch(), s, ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * wsize),
-                   w_dt, has_db ? db->typed_data() + i * s.k : nullptr);
+      launch(conv::update_job(launch.threads(), dispatch(), s, ptr(x, items.offset(lx, i)),
+                              ptr(dz, items.offset(lz, i)), ptr(dw, i * wsize), w_dt,
+                              has_db ? db->typed_data() + i * s.k : nullptr));
   });
+}
+
+// Asynchronous where the work is large enough to split (ffi_common.h's Launch).
+ffi::Future conv_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code, int64_t sh,
+                           int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t dil_h, int64_t dil_w,
+                           int64_t groups) {
+  Launch launch(pool);
+  return launch.finish(conv_fwd(launch, x, w, bias, y, z, act_code, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
+}
+
+ffi::Future conv_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                           int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t dil_h,
+                           int64_t dil_w, int64_t groups) {
+  Launch launch(pool);
+  return launch.finish(conv_bwd(launch, dz, w, dx, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
+}
+
+ffi::Future conv_upd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
+                           F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
+                           int64_t dil_h, int64_t dil_w, int64_t groups) {
+  Launch launch(pool);
+  return launch.finish(conv_upd(launch, x, dz, dw, db, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
 }
 
 }  // namespace
@@ -145,9 +168,9 @@ ffi::Error conv_upd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, f
 // the kernel dilations and the feature groups.
 #define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw", "g"
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd, ffi_util::bind(conv_fwd, "act", JB_CONV_GEOMETRY));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd, ffi_util::bind(conv_bwd, JB_CONV_GEOMETRY));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_upd, conv_upd, ffi_util::bind(conv_upd, JB_CONV_GEOMETRY));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd_async, ffi_util::bind(conv_fwd_async, "act", JB_CONV_GEOMETRY));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd_async, ffi_util::bind(conv_bwd_async, JB_CONV_GEOMETRY));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_upd, conv_upd_async, ffi_util::bind(conv_upd_async, JB_CONV_GEOMETRY));
 
 #undef JB_CONV_GEOMETRY
 

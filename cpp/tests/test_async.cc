@@ -1,7 +1,7 @@
 // Jobs run asynchronously (parallel/job.h), as the FFI handlers run them: phases in order,
 // every item once, workers that start late or not at all, many calls in flight at once on
-// a small pool, the fc passes', jb.brgemm's and attention's results bitwise equal to the
-// synchronous path's.
+// a small pool, the fc passes', jb.brgemm's, attention's and the convolution's results
+// bitwise equal to the synchronous path's.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -15,6 +15,7 @@
 #include "fixtures.h"
 #include "layers/attention/attention.h"
 #include "layers/batch_reduce.h"
+#include "layers/conv/conv.h"
 #include "layers/fc/fc.h"
 #include "parallel/job.h"
 
@@ -285,6 +286,90 @@ TEST(brgemm_and_attention_async_bitwise_equal_to_sync) {
       for (int copy = 0; copy < 3; ++copy) {
         std::mt19937 r(uint32_t(int(dt) * 2 + causal));
         cases.push_back(std::make_unique<OtherCase>(dt, causal, r));
+        for (Job& j : cases.back()->jobs(threads)) jobs.push_back(std::move(j));
+      }
+    std::shuffle(jobs.begin(), jobs.end(), rng);
+    Latch latch;
+    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
+                                  latch.arrive());
+    latch.wait(int(jobs.size()));
+    for (size_t i = 0; i < cases.size(); ++i)
+      CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
+  }
+}
+
+// The three convolution passes of one layer, as jobs: direct (padded, strided, bf16),
+// narrow groups, depthwise and pointwise shapes.
+struct ConvCase {
+  conv::Shape s;
+  DType w_dt;
+  Tensor x, w, b, y, z, dy, dx, dw, db;
+  ConvCase(const conv::Shape& shape, DType w_dt, std::mt19937& rng)
+      : s(shape),
+        w_dt(w_dt),
+        x(s.dt, s.n * s.h * s.w * s.c), w(w_dt, s.r * s.s * s.cg() * s.k), b(DType::f32, s.k),
+        y(s.dt, s.n * s.p() * s.q() * s.k), z(s.dt, s.n * s.p() * s.q() * s.k), dy(s.dt, s.n * s.p() * s.q() * s.k),
+        dx(s.dt, s.n * s.h * s.w * s.c), dw(w_dt, s.r * s.s * s.cg() * s.k), db(DType::f32, s.k) {
+    for (Tensor* t : {&x, &w, &b, &dy}) t->fill(rng);
+  }
+  std::vector<Job> jobs(int64_t threads) {
+    const Dispatch dp = dispatch();
+    std::vector<Job> out;
+    out.push_back(conv::forward_job(threads, dp, s, x.data(), w.data(), w_dt, b.f.data(), y.data(),
+                                    s.act == Activation::gelu ? z.data() : nullptr));
+    out.push_back(conv::backward_job(threads, dp, s, dy.data(), w.data(), w_dt, dx.data()));
+    out.push_back(conv::update_job(threads, dp, s, x.data(), dy.data(), dw.data(), w_dt, db.f.data()));
+    return out;
+  }
+  std::vector<std::vector<uint16_t>> bits() const {
+    std::vector<std::vector<uint16_t>> res;
+    for (const Tensor* t : {&y, &z, &dx, &dw, &db}) {
+      const char* p = t->dt == DType::f32 ? reinterpret_cast<const char*>(t->f.data())
+                                          : reinterpret_cast<const char*>(t->h.data());
+      const size_t bytes = t->f.size() * dtype_size(t->dt);
+      res.emplace_back(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p + bytes));
+    }
+    return res;
+  }
+};
+
+conv::Shape conv_shape(int64_t n, int64_t hw, int64_t c, int64_t k, int64_t rs, int64_t stride, int64_t pad,
+                       int64_t groups, DType dt, Activation act) {
+  conv::Shape s;
+  s.n = n, s.h = s.w = hw, s.c = c, s.k = k, s.r = s.s = rs, s.sh = s.sw = stride;
+  s.pt = s.pb = s.pl = s.pr = pad;
+  s.groups = groups, s.dt = dt, s.act = act;
+  return s;
+}
+
+TEST(conv_async_overlapping_calls_bitwise_equal_to_sync) {
+  const int64_t threads = 2;
+  const std::pair<conv::Shape, DType> specs[] = {
+      {conv_shape(2, 14, 32, 64, 3, 1, 1, 1, DType::f32, Activation::relu), DType::f32},
+      {conv_shape(2, 15, 32, 48, 3, 2, 1, 1, DType::f32, Activation::gelu), DType::f32},  // strided
+      {conv_shape(2, 12, 64, 64, 3, 1, 1, 8, DType::f32, Activation::none), DType::f32},  // narrow groups
+      {conv_shape(2, 13, 64, 64, 3, 2, 1, 64, DType::f32, Activation::relu), DType::f32},  // depthwise
+      {conv_shape(2, 13, 48, 48, 5, 1, 2, 48, DType::bf16, Activation::none), DType::bf16},  // depthwise
+      {conv_shape(4, 8, 64, 128, 1, 1, 0, 1, DType::bf16, Activation::tanh), DType::f32},  // pointwise
+      {conv_shape(2, 9, 16, 32, 3, 1, 0, 2, DType::bf16, Activation::none), DType::bf16}};
+  jbtest::TestPool sync_pool;
+  const Executor ex = sync_pool.executor(threads);
+  std::vector<std::vector<std::vector<uint16_t>>> want;
+  for (size_t i = 0; i < std::size(specs); ++i) {
+    std::mt19937 r(uint32_t(i * 11 + 3));
+    ConvCase cs(specs[i].first, specs[i].second, r);
+    for (Job& j : cs.jobs(threads)) run(ex, std::move(j));
+    want.push_back(cs.bits());
+  }
+  QueuePool pool(2);
+  std::mt19937 rng(9);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::unique_ptr<ConvCase>> cases;
+    std::vector<Job> jobs;
+    for (size_t i = 0; i < std::size(specs); ++i)
+      for (int copy = 0; copy < 3; ++copy) {
+        std::mt19937 r(uint32_t(i * 11 + 3));
+        cases.push_back(std::make_unique<ConvCase>(specs[i].first, specs[i].second, r));
         for (Job& j : cases.back()->jobs(threads)) jobs.push_back(std::move(j));
       }
     std::shuffle(jobs.begin(), jobs.end(), rng);

@@ -1,4 +1,4 @@
-"""The handlers (FC passes, the fused optimizer updates, jb.brgemm, attention) return before
+"""The handlers (FC passes, the fused optimizer updates, jb.brgemm, attention, convolution) return before
 their work is done where it is large enough to split (asynchronous FFI calls): the results
 are the synchronous path's, bit for bit, every time."""
 
@@ -114,3 +114,45 @@ def test_attention_bitwise_equal_sync_and_async(async_mode, dtype, causal):
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
     _twice(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), q, k, v)
+
+
+# (N, H, W, C), (R, S, C / G, K), strides, padding, groups, activation: plain, strided,
+# grouped (narrow groups), depthwise (strided), pointwise.
+_CONV_CASES = {
+    "plain": ((2, 16, 16, 32), (3, 3, 32, 64), 1, "SAME", 1, "relu"),
+    "strided": ((2, 17, 17, 32), (3, 3, 32, 48), 2, "SAME", 1, "gelu"),
+    "grouped": ((2, 14, 14, 64), (3, 3, 8, 64), 1, "SAME", 8, None),
+    "depthwise": ((2, 15, 15, 64), (3, 3, 1, 64), 2, "SAME", 64, "relu"),
+    "pointwise": ((4, 8, 8, 64), (1, 1, 64, 128), 1, "VALID", 1, "tanh"),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", sorted(_CONV_CASES))
+def test_conv_bitwise_equal_sync_and_async(async_mode, case, dtype):
+    xs, ws, stride, padding, groups, act = _CONV_CASES[case]
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal(xs), dtype)
+    w = jnp.asarray(rng.standard_normal(ws) / 8, dtype)
+    b = jnp.asarray(rng.standard_normal(ws[-1]), jnp.float32)
+
+    def loss(x, w, b):  # the forward, and the backward and update passes of its gradients
+        y = jb.conv2d(x, w, b, strides=stride, padding=padding, activation=act, feature_group_count=groups)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    _twice(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, w, b)
+
+
+def test_conv_network_bitwise_equal_sync_and_async(async_mode):
+    """A few layers whose calls overlap: a small ResNet-like stack, value and gradients."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((4, 16, 16, 16)), jnp.float32)
+    shapes = [((3, 3, 16, 32), 1, 1), ((3, 3, 4, 32), 1, 8), ((3, 3, 1, 32), 2, 32), ((1, 1, 32, 64), 1, 1)]
+    params = [jnp.asarray(rng.standard_normal(s) / 8, jnp.float32) for s, _, _ in shapes]
+
+    def loss(params, x):
+        for w, (_, stride, groups) in zip(params, shapes):
+            x = jb.conv2d(x, w, strides=stride, activation="relu", feature_group_count=groups)
+        return jnp.sum(x ** 2)
+
+    _twice(jax.jit(jax.value_and_grad(loss)), params, x)

@@ -23,6 +23,7 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/common/blocking.h"
+#include "parallel/job.h"
 #include "parallel/parallel_for.h"
 
 namespace jb::conv {
@@ -60,6 +61,15 @@ Saved saved_for(Activation act);
 // rows = output pixels per block, cols = output channels per block, red = reduced
 // channels per batch element (must divide them); update takes rows = input channels and
 // cols = output channels per block of dw.
+
+// Each pass is also a Job (parallel/job.h) for `threads` workers, which the FFI handlers
+// run asynchronously: same blocks, same bits. Its operands must outlive the job.
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w, DType w_dt,
+                const float* bias, void* y, void* z, const Blocking* force = nullptr);
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w, DType w_dt,
+                 void* dx, const Blocking* force = nullptr);
+Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, void* dw,
+               DType dw_dt, float* db, const Blocking* force = nullptr);
 
 // y (and, for gelu, z) from x, w (w_dt) and an optional bias. z may be null otherwise.
 void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "layers/common/eltwise.h"
@@ -24,7 +25,7 @@ namespace {
 constexpr int64_t kChunk = 256;  // channels accumulated at once (fp32 on the stack)
 
 struct Geo {  // one pass's view of the shape; wf: the weights in fp32, [tap][c]
-  const Shape& s;
+  Shape s;  // a copy: jobs run after the caller's frame is gone
   int64_t P, Q;
   const float* wf;
 };
@@ -236,21 +237,23 @@ bool vector_rows(const Shape& s, int lv) { return lv == 2 && s.c % 16 == 0 && s.
 #define JB_DW_ROW(NAME, T) JB_DW_PICK(NAME, T)
 #endif
 
-std::vector<float> weights_f32(const void* w, DType w_dt, int64_t n) {
-  std::vector<float> wf(static_cast<size_t>(n));
+// The weights in fp32, kept alive by the job.
+const float* weights_f32(Job& job, const void* w, DType w_dt, int64_t n) {
+  auto wf = std::make_shared<std::vector<float>>(static_cast<size_t>(n));
   with_type(w_dt, [&](auto ts) {
     using T = decltype(ts);
-    for (int64_t i = 0; i < n; ++i) wf[size_t(i)] = to_f32(static_cast<const T*>(w)[i]);
+    for (int64_t i = 0; i < n; ++i) (*wf)[size_t(i)] = to_f32(static_cast<const T*>(w)[i]);
   });
-  return wf;
+  const float* data = wf->data();
+  job.keep.push_back(std::move(wf));
+  return data;
 }
 
 // pass(g, lv, T{}): the weights in fp32, the pass's view of the shape, the ISA level and the
 // compute dtype.
 template <class Pass>
-void with_weights(const Dispatch& dp, const Shape& s, const void* w, DType w_dt, Pass&& pass) {
-  const std::vector<float> wf = weights_f32(w, w_dt, s.r * s.s * s.c);
-  const Geo g{s, s.p(), s.q(), wf.data()};
+void with_weights(Job& job, const Dispatch& dp, const Shape& s, const void* w, DType w_dt, Pass&& pass) {
+  const Geo g{s, s.p(), s.q(), weights_f32(job, w, w_dt, s.r * s.s * s.c)};
   with_type(s.dt, [&](auto ts) { pass(g, level(dp), ts); });
 }
 
@@ -258,53 +261,54 @@ void with_weights(const Dispatch& dp, const Shape& s, const void* w, DType w_dt,
 
 bool depthwise(const Shape& s) { return s.groups > 1 && s.groups == s.c && s.groups == s.k; }
 
-void depthwise_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+void depthwise_forward(Job& job, int64_t, const Dispatch& dp, const Shape& s, const void* x, const void* w,
                        DType w_dt, const float* bias, void* y, void* z) {
   void* out = s.act == Activation::gelu ? z : y;  // the pre-activation, then the activation over the row
-  with_weights(dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
+  const Isa isa = dp.isa;
+  with_weights(job, dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
     const auto fn = JB_DW_ROW(fwd_row, T);
     T* ot = static_cast<T*>(out);
-    parallel_for(ex, s.n * g.P, [&](int64_t row) {
+    job.add(s.n * g.P, [g, fn, x, bias, ot, y, isa](int64_t row) {
+      const Shape& s = g.s;
       fn(g, static_cast<const T*>(x), bias, ot, row);
       if (s.act != Activation::none)
-        eltwise::activate(s.act, s.dt, ot + row * g.Q * s.c, static_cast<T*>(y) + row * g.Q * s.c, g.Q * s.c,
-                          dp.isa);
+        eltwise::activate(s.act, s.dt, ot + row * g.Q * s.c, static_cast<T*>(y) + row * g.Q * s.c, g.Q * s.c, isa);
     });
   });
 }
 
-void depthwise_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+void depthwise_backward(Job& job, int64_t, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
                         DType w_dt, void* dx) {
-  with_weights(dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
+  with_weights(job, dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
     const auto fn = JB_DW_ROW(bwd_row, T);
-    parallel_for(ex, s.n * s.h, [&](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
+    job.add(s.n * s.h, [g, fn, dz, dx](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
   });
 }
 
-void depthwise_update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+void depthwise_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
                       void* dw, DType dw_dt, float* db) {
   const Geo g{s, s.p(), s.q(), nullptr};
   const int64_t rows = s.n * g.P, welems = s.r * s.s * s.c;
   // Splits of the rows, each with its own fp32 partials (dw then db), summed at the end.
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * ex.num_threads));
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * threads));
   const int64_t per = welems + (db ? s.c : 0);
-  float* part = reinterpret_cast<float*>(Scratch::get<1>({size_t(splits * per) * sizeof(float)})[0]);
+  float* part = reinterpret_cast<float*>(job_scratch<1>(job, {size_t(splits * per) * sizeof(float)})[0]);
   const int lv = level(dp);
   with_type(s.dt, [&](auto ts) {
     using T = decltype(ts);
     const T* xt = static_cast<const T*>(x);
     const T* zt = static_cast<const T*>(dz);
     const auto fn = JB_DW_PICK(upd_row, T);
-    parallel_for(ex, splits, [&](int64_t sp) {
+    job.add(splits, [g, fn, xt, zt, part, per, welems, rows, splits, db](int64_t sp) {
       float* pw = part + sp * per;
       float* pdb = db ? pw + welems : nullptr;
       std::memset(pw, 0, size_t(per) * sizeof(float));
       for (int64_t row = rows * sp / splits; row < rows * (sp + 1) / splits; ++row) fn(g, xt, zt, pw, pdb, row);
     });
   });
-  parallel_for(ex, ceil_div(per, 1024), [&](int64_t i) {
+  job.add(ceil_div(per, 1024), [part, per, splits, welems, db, dw, dw_dt](int64_t i) {
     for (int64_t e = i * 1024; e < std::min(per, (i + 1) * 1024); ++e) {
       float acc = 0;
       for (int64_t sp = 0; sp < splits; ++sp) acc += part[sp * per + e];

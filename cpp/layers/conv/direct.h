@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include "layers/common/view.h"
 #include "layers/common/work.h"
 #include "layers/conv/conv.h"
+#include "parallel/job.h"
 
 namespace jb::conv {
 
@@ -113,44 +115,51 @@ struct DirectPlan : MultiplyNarrow {
   // tile(out_offset, pixels, cols, multiply), where multiply(out, bias) is its BRGEMM call.
   // The panels of all groups are one sequence, so an item of small groups (grouped and
   // depthwise layers) covers many of them and its input pixels stay in cache across them.
+  // The pass as phases of `job` (parallel/job.h): the copy, then the items. The caller
+  // keeps the plan alive in job.keep; pack and tile are copied into the job (values only).
   template <class Pack, class Tile>
-  void run(const Executor& ex, const void* in_src, DType in_dt, Pack&& pack, Tile&& tile) const {
+  void add(Job& job, const void* in_src, DType in_dt, Pack pack, Tile tile) const {
     const size_t lease = panel_bytes * size_t(per_item);
-    const auto buf = Scratch::get<2>({copy_bytes, lease * size_t(groups_.concurrency())});
+    const auto buf = job_scratch<2>(job, {copy_bytes, lease * size_t(groups_.concurrency())});
+    const DirectPlan* p = this;
     const char* in = static_cast<const char*>(in_src);
     if (copy) {
-      const size_t px = size_t(ldi) * mul_bytes;
-      parallel_for(ex, n * hin, [&](int64_t row) {
-        char* dst = buf[0] + size_t(row * win) * px;
-        std::memset(dst, 0, size_t(pad_l) * px);
-        reblock::pack(at(in_src, in_dt, row * win_src * ldi), in_dt, win_src * ldi, false, 1, win_src * ldi, 1,
-                      win_src * ldi, mul_dt, false, dst + size_t(pad_l) * px, isa);
-        std::memset(dst + size_t(pad_l + win_src) * px, 0, size_t(pad_r) * px);
+      char* dst0 = buf[0];
+      job.add(n * hin, [p, dst0, in_src, in_dt](int64_t row) {
+        const size_t px = size_t(p->ldi) * p->mul_bytes;
+        char* dst = dst0 + size_t(row * p->win) * px;
+        std::memset(dst, 0, size_t(p->pad_l) * px);
+        reblock::pack(at(in_src, in_dt, row * p->win_src * p->ldi), in_dt, p->win_src * p->ldi, false, 1,
+                      p->win_src * p->ldi, 1, p->win_src * p->ldi, p->mul_dt, false, dst + size_t(p->pad_l) * px,
+                      p->isa);
+        std::memset(dst + size_t(p->pad_l + p->win_src) * px, 0, size_t(p->pad_r) * px);
       });
       in = buf[0];
     }
-    PanelPool panels(buf[1], lease, groups_.concurrency());
-    const int64_t nb = int64_t(blocks.size());
-    parallel_for(ex, groups_.items(), [&](int64_t item) {
+    auto pool = std::make_shared<PanelPool>(buf[1], lease, groups_.concurrency());
+    PanelPool* pp = pool.get();
+    job.keep.push_back(std::move(pool));
+    job.add(groups_.items(), [p, in, pp, pack, tile](int64_t item) {
+      const int64_t nb = int64_t(p->blocks.size()), mb = int64_t(p->mul_bytes);
       // g: a panel of the sequence over groups x ob, fg its group, o0 its first channel
-      const int64_t g0 = groups_.panel(item) * per_item, g1 = std::min(groups * ob, g0 + per_item);
-      const PanelPool::Lease panel(panels);
-      const View<char, 5> pv(panel.data, {per_item, ib, rt, st, blk * int64_t(mul_bytes)});
+      const int64_t g0 = p->groups_.panel(item) * p->per_item, g1 = std::min(p->groups * p->ob, g0 + p->per_item);
+      const PanelPool::Lease panel(*pp);
+      const View<char, 5> pv(panel.data, {p->per_item, p->ib, p->rt, p->st, p->blk * mb});
       for (int64_t g = g0; g < g1; ++g) {
-        const int64_t fg = g / ob, o0 = g % ob * bo;
-        for (int64_t c = 0; c < ib; ++c)
-          for (int64_t r = 0; r < rt; ++r)
-            for (int64_t s = 0; s < st; ++s) pack(fg, o0, std::min(bo, co - o0), c, r, s, pv.at(g - g0, c, r, s));
+        const int64_t fg = g / p->ob, o0 = g % p->ob * p->bo;
+        for (int64_t c = 0; c < p->ib; ++c)
+          for (int64_t r = 0; r < p->rt; ++r)
+            for (int64_t s = 0; s < p->st; ++s) pack(fg, o0, std::min(p->bo, p->co - o0), c, r, s, pv.at(g - g0, c, r, s));
       }
-      for (int64_t u = groups_.first(item); u < groups_.last(item); ++u) {
-        const int64_t j = u % nb, row = u / nb % hout, img = u / nb / hout;
-        const PixelBlock& b = blocks[j];
-        const char* a = in + ((img * hin + hbase[row]) * win + b.i) * ldi * int64_t(mul_bytes);
+      for (int64_t u = p->groups_.first(item); u < p->groups_.last(item); ++u) {
+        const int64_t j = u % nb, row = u / nb % p->hout, img = u / nb / p->hout;
+        const PixelBlock& b = p->blocks[j];
+        const char* a = in + ((img * p->hin + p->hbase[row]) * p->win + b.i) * p->ldi * mb;
         for (int64_t g = g0; g < g1; ++g) {
-          const int64_t fg = g / ob, o0 = g % ob * bo, cols = std::min(bo, co - o0);
-          const Brgemm& k = kernels[kid[row * nb + j] + (cols != bo)];
-          const char* ag = a + fg * ci * int64_t(mul_bytes);
-          tile(((img * hout + row) * wout + b.o) * ldo + fg * co + o0, b.m, cols,
+          const int64_t fg = g / p->ob, o0 = g % p->ob * p->bo, cols = std::min(p->bo, p->co - o0);
+          const Brgemm& k = p->kernels[p->kid[row * nb + j] + (cols != p->bo)];
+          const char* ag = a + fg * p->ci * mb;
+          tile(((img * p->hout + row) * p->wout + b.o) * p->ldo + fg * p->co + o0, b.m, cols,
                [&](void* out, const float* bias) { k.static_offsets(ag, pv.at(g - g0), out, bias); });
         }
       }

@@ -74,33 +74,52 @@ Saved saved_for(Activation act) {
 // Forward: x is the A operand (a block of pixels: lda = stride_w * C), a weight block the
 // B operand, the output tile (ldc = K) the accumulator.
 
-void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
-             DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
+double flops(const Shape& s) {
+  return 2.0 * double(s.n) * double(s.p()) * double(s.q()) * double(s.k) * double(s.r * s.s) * double(s.cg());
+}
+
+Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w, DType w_dt,
+                const float* bias, void* y, void* z, const Blocking* force) {
   validate(s);
-  if (s.n == 0) return;
-  if (depthwise(s)) return depthwise_forward(ex, dp, s, x, w, w_dt, bias, y, z);
-  if (!force && narrow_forward_fits(s, dp)) return narrow_forward(ex, dp, s, x, w, w_dt, bias, y, z);
+  Job job;
+  job.name = "conv_fwd";
+  if (s.n == 0) return job;
+  job.flops = flops(s);
+  if (depthwise(s)) {
+    depthwise_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
+    return job;
+  }
+  if (!force && narrow_forward_fits(s, dp)) {
+    narrow_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
+    return job;
+  }
   const bool gelu = s.act == Activation::gelu;
-  const auto plan = forward_plans.get(key_of(s, bias != nullptr, ex.num_threads, dp, force), [&] {
-    return DirectPlan(forward_dims(s, bias != nullptr, gelu ? Activation::none : s.act), dp, force,
-                      ex.num_threads);
+  const auto plan = forward_plans.get(key_of(s, bias != nullptr, threads, dp, force), [&] {
+    return DirectPlan(forward_dims(s, bias != nullptr, gelu ? Activation::none : s.act), dp, force, threads);
   });
-  const DirectPlan& p = *plan;
+  const DirectPlan* p = plan.get();
+  job.keep.push_back(plan);
   const size_t es = dtype_size(s.dt);
   char* out = static_cast<char*>(gelu ? z : y);
-  p.run(
-      ex, x, s.dt,
-      [&](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p.bi) * s.k + g * s.kg() + k0), w_dt, s.k,
-                      false, p.bi, cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
+  p->add(
+      job, x, s.dt,
+      [p, s, w, w_dt](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p->bi) * s.k + g * s.kg() + k0), w_dt, s.k,
+                      false, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->isa);
       },
-      [&](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
+      [p, s, es, out, bias, gelu, y, z](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
         if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
           for (int64_t i = 0; i < pixels; ++i)
             eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off + i * s.k),
-                              static_cast<char*>(y) + (off + i * s.k) * es, cols, p.isa);
+                              static_cast<char*>(y) + (off + i * s.k) * es, cols, p->isa);
       });
+  return job;
+}
+
+void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+             DType w_dt, const float* bias, void* y, void* z, const Blocking* force) {
+  run(ex, forward_job(ex.num_threads, dp, s, x, w, w_dt, bias, y, z, force));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -110,26 +129,42 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void*
 // accumulator. Output pixels that no tap reaches (strides larger than the filter) get a
 // batch of zero elements: zeros.
 
-void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
-              DType w_dt, void* dx, const Blocking* force) {
+Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w, DType w_dt,
+                 void* dx, const Blocking* force) {
   validate(s);
-  if (s.n == 0) return;
-  if (depthwise(s)) return depthwise_backward(ex, dp, s, dz, w, w_dt, dx);
-  if (!force && narrow_backward_fits(s, dp)) return narrow_backward(ex, dp, s, dz, w, w_dt, dx);
-  const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, force), [&] {
-    return DirectPlan(backward_dims(s), dp, force, ex.num_threads);
+  Job job;
+  job.name = "conv_bwd";
+  if (s.n == 0) return job;
+  job.flops = flops(s);
+  if (depthwise(s)) {
+    depthwise_backward(job, threads, dp, s, dz, w, w_dt, dx);
+    return job;
+  }
+  if (!force && narrow_backward_fits(s, dp)) {
+    narrow_backward(job, threads, dp, s, dz, w, w_dt, dx);
+    return job;
+  }
+  const auto plan = backward_plans.get(key_of(s, 0, threads, dp, force), [&] {
+    return DirectPlan(backward_dims(s), dp, force, threads);
   });
-  const DirectPlan& p = *plan;
+  const DirectPlan* p = plan.get();
+  job.keep.push_back(plan);
   const size_t es = dtype_size(s.dt);
-  p.run(
-      ex, dz, s.dt,
-      [&](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p.bi), w_dt, s.k,
-                      true, p.bi, cols, p.bi, p.bo, p.mul_dt, p.vnni, dst, p.isa);
+  p->add(
+      job, dz, s.dt,
+      [p, s, w, w_dt](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
+        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p->bi), w_dt, s.k,
+                      true, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->isa);
       },
-      [&](int64_t off, int64_t, int64_t, auto&& multiply) {
+      [dx, es](int64_t off, int64_t, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + off * es, nullptr);
       });
+  return job;
+}
+
+void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+              DType w_dt, void* dx, const Blocking* force) {
+  run(ex, backward_job(ex.num_threads, dp, s, dz, w, w_dt, dx, force));
 }
 
 }  // namespace jb::conv

@@ -9,6 +9,7 @@
 // bias and activation.
 #include "layers/conv/narrow.h"
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -193,21 +194,27 @@ void transpose_row(const S* src, D* dst, const NarrowPlan& p) {
 
 // Runs the engine: x (n, hin, win, cin) in dtype dt; pack(wt) writes the packed weights; y
 // (and z for gelu) (n, hout, wout, cout).
+// Phases of `job`: the weights packed, then the items. The job keeps the plan alive.
 template <class Pack>
-void run(const Executor& ex, const NarrowPlan& p, DType dt, Activation act, const void* x, Pack&& pack,
-         const float* bias, void* y, void* z) {
-  const Geo& g = p.g;
-  const int64_t conc = std::max<int64_t>(1, std::min(ex.num_threads, p.items));
-  const auto buf = Scratch::get<2>({p.w_bytes, p.lease_bytes * size_t(conc)});
-  const char* wt = buf[0];
-  pack(buf[0]);
-  PanelPool pool(buf[1], p.lease_bytes, conc);
-  const bool gelu = act == Activation::gelu;
-  void* out = gelu ? z : y;
-  const size_t mb = p.mul_bytes;
-  const int64_t ciw = g.ci / p.epw, taps_w = g.s * ciw;
-  parallel_for(ex, p.items, [&](int64_t item) {
-    const PanelPool::Lease l(pool);
+void add(Job& job, int64_t threads, std::shared_ptr<const NarrowPlan> plan, DType dt, Activation act, const void* x,
+         Pack pack, const float* bias, void* y, void* z) {
+  const NarrowPlan* pp = plan.get();
+  job.keep.push_back(std::move(plan));
+  const int64_t conc = std::max<int64_t>(1, std::min(threads, pp->items));
+  const auto buf = job_scratch<2>(job, {pp->w_bytes, pp->lease_bytes * size_t(conc)});
+  char* wt = buf[0];
+  job.add(1, [pack, wt](int64_t) { pack(wt); });
+  auto leases = std::make_shared<PanelPool>(buf[1], pp->lease_bytes, conc);
+  PanelPool* pool = leases.get();
+  job.keep.push_back(std::move(leases));
+  job.add(pp->items, [pp, dt, act, x, wt, pool, bias, y, z](int64_t item) {
+    const NarrowPlan& p = *pp;
+    const Geo& g = p.g;
+    const bool gelu = act == Activation::gelu;
+    void* out = gelu ? z : y;
+    const size_t mb = p.mul_bytes;
+    const int64_t ciw = g.ci / p.epw, taps_w = g.s * ciw;
+    const PanelPool::Lease l(*pool);
     uint32_t* tmp = reinterpret_cast<uint32_t*>(l.data);  // one padded row, transposed
     uint32_t* ring = tmp + g.sw * p.row_words;            // er rows, [group][s][in][pixel]
     float* yt = reinterpret_cast<float*>(l.data + Scratch::aligned(size_t(g.sw * p.row_words + p.er * p.slot_words + 64) * 4));
@@ -296,27 +303,30 @@ bool narrow_backward_fits(const Shape& s, const Dispatch& dp) {
          lanes_fill(s.w, s.kg(), s, dp);
 }
 
-void narrow_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+void narrow_forward(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w,
                     DType w_dt, const float* bias, void* y, void* z) {
-  const auto plan = forward_plans.get(key_of(s, 0, ex.num_threads, dp, nullptr), [&] {
+  auto plan = forward_plans.get(key_of(s, 0, threads, dp, nullptr), [&] {
     const Geo g{s.n, s.h, s.w, s.c, s.cg(), s.p(), s.q(), s.k, s.kg(),
                 s.groups, s.r, s.s, s.sh, s.sw, s.dil_h, s.dil_w, s.pt, s.pl};
-    return NarrowPlan(g, s.dt, dp, ex.num_threads);
+    return NarrowPlan(g, s.dt, dp, threads);
   });
-  run(ex, *plan, s.dt, s.act, x, [&](char* wt) { pack_weights(s, w, w_dt, *plan, false, wt); }, bias, y, z);
+  const NarrowPlan* p = plan.get();
+  add(job, threads, std::move(plan), s.dt, s.act, x,
+      [s, w, w_dt, p](char* wt) { pack_weights(s, w, w_dt, *p, false, wt); }, bias, y, z);
 }
 
-void narrow_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+void narrow_backward(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
                      DType w_dt, void* dx) {
   // dx[h][w] = sum over taps of dz[h + pt - r dh][w + pl - t dw] w[r][t]: a forward of dz
   // with the taps reversed, pads (R - 1) dh - pt and (S - 1) dw - pl.
-  const auto plan = backward_plans.get(key_of(s, 0, ex.num_threads, dp, nullptr), [&] {
+  auto plan = backward_plans.get(key_of(s, 0, threads, dp, nullptr), [&] {
     const Geo g{s.n, s.p(), s.q(), s.k, s.kg(), s.h, s.w, s.c, s.cg(),
                 s.groups, s.r, s.s, 1, 1, s.dil_h, s.dil_w, (s.r - 1) * s.dil_h - s.pt, (s.s - 1) * s.dil_w - s.pl};
-    return NarrowPlan(g, s.dt, dp, ex.num_threads);
+    return NarrowPlan(g, s.dt, dp, threads);
   });
-  run(ex, *plan, s.dt, Activation::none, dz, [&](char* wt) { pack_weights(s, w, w_dt, *plan, true, wt); },
-      nullptr, dx, nullptr);
+  const NarrowPlan* p = plan.get();
+  add(job, threads, std::move(plan), s.dt, Activation::none, dz,
+      [s, w, w_dt, p](char* wt) { pack_weights(s, w, w_dt, *p, true, wt); }, nullptr, dx, nullptr);
 }
 
 }  // namespace jb::conv

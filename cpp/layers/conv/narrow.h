@@ -17,9 +17,10 @@ bool narrow_forward_fits(const Shape& s, const Dispatch& dp);
 // flipped and its channels swapped.
 bool narrow_backward_fits(const Shape& s, const Dispatch& dp);
 
-void narrow_forward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* w,
+// Each adds its pass's phases to `job` (parallel/job.h) for `threads` workers.
+void narrow_forward(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* w,
                     DType w_dt, const float* bias, void* y, void* z);
-void narrow_backward(const Executor& ex, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
+void narrow_backward(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
                      DType w_dt, void* dx);
 
 }  // namespace jb::conv

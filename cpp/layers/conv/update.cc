@@ -107,55 +107,63 @@ PlanCache<25, UpdatePlan> update_plans;
 // Weight update: see UpdatePlan. Items (K-block, C-block, split) own dw's blocks (or the
 // split's partial), for every (r, s).
 
-void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
-            void* dw, DType dw_dt, float* db, const Blocking* force) {
+Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz, void* dw,
+               DType dw_dt, float* db, const Blocking* force) {
   validate(s);
+  Job job;
+  job.name = "conv_upd";
   const int64_t welems = s.r * s.s * s.cg() * s.k;
   if (s.n == 0) {  // an empty batch: zero gradients
     std::memset(dw, 0, size_t(welems) * dtype_size(dw_dt));
     if (db) std::memset(db, 0, size_t(s.k) * sizeof(float));
-    return;
+    return job;
   }
-  if (depthwise(s)) return depthwise_update(ex, dp, s, x, dz, dw, dw_dt, db);
-  const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), ex.num_threads, dp, force), [&] {
-    return UpdatePlan(s, dp, dw_dt, force, ex.num_threads);
+  job.flops = 2.0 * double(s.n) * double(s.p()) * double(s.q()) * double(s.k) * double(s.r * s.s) * double(s.cg());
+  if (depthwise(s)) {
+    depthwise_update(job, threads, dp, s, x, dz, dw, dw_dt, db);
+    return job;
+  }
+  const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
+    return UpdatePlan(s, dp, dw_dt, force, threads);
   });
-  const UpdatePlan& p = *plan;
-  const UpdateView& v = p.v;
-  const size_t mul_bytes = p.mul_bytes;
-  const auto buf = Scratch::get<3>({p.xt_bytes, p.dz_bytes, p.part_bytes});
+  const UpdatePlan* p = plan.get();
+  job.keep.push_back(plan);
+  const UpdateView v = p->v;
+  const size_t mul_bytes = p->mul_bytes;
+  const auto buf = job_scratch<3>(job, {p->xt_bytes, p->dz_bytes, p->part_bytes});
 
   // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
   // 64 columns (summed from dz in place, by the item owning the columns).
-  const View<char, 4> xt(buf[0], {v.n, p.hp, p.sw, p.bstride * int64_t(mul_bytes)});
-  const int64_t nxt = v.n * p.hp * p.sw, ndz = p.packed ? p.groups * p.kb * p.rows : 0;
+  const View<char, 4> xt(buf[0], {v.n, p->hp, p->sw, p->bstride * int64_t(mul_bytes)});
+  const int64_t nxt = v.n * p->hp * p->sw, ndz = p->packed ? p->groups * p->kb * p->rows : 0;
   const int64_t pix = v.n * v.p * v.q;
-  constexpr int64_t kDbCols = 64;
+  static constexpr int64_t kDbCols = 64;
   const int64_t ndb = db ? ceil_div(s.k, kDbCols) : 0;
-  parallel_for(ex, nxt + ndz + ndb, [&](int64_t i) {
+  char* dzb = buf[1];
+  job.add(nxt + ndz + ndb, [p, v, s, xt, nxt, ndz, pix, mul_bytes, x, dz, db, dzb](int64_t i) {
     if (i < nxt) {
-      const int64_t img = i / (p.hp * p.sw), hr = i / p.sw % p.hp, ph = i % p.sw;
+      const int64_t img = i / (p->hp * p->sw), hr = i / p->sw % p->hp, ph = i % p->sw;
       char* dst = xt.at(img, hr, ph);
-      const int64_t ih = hr - p.pt;
-      const int64_t j_lo = std::max<int64_t>(0, ceil_div(p.pl - ph, p.sw));
-      const int64_t j_hi = std::min(p.wq, ceil_div(v.w + p.pl - ph, p.sw));
+      const int64_t ih = hr - p->pt;
+      const int64_t j_lo = std::max<int64_t>(0, ceil_div(p->pl - ph, p->sw));
+      const int64_t j_hi = std::min(p->wq, ceil_div(v.w + p->pl - ph, p->sw));
       if (ih < 0 || ih >= v.h || j_hi <= j_lo) {
-        std::memset(dst, 0, size_t(s.c * p.wq) * mul_bytes);
+        std::memset(dst, 0, size_t(s.c * p->wq) * mul_bytes);
         return;
       }
       // Rows of wq columns starting at column j_lo: the zero fill of each row's end runs
       // into the next row's left padding (and the block's slack after the last row).
       std::memset(dst, 0, size_t(j_lo) * mul_bytes);
-      reblock::pack(at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p.sw + ph - p.pl) * s.c), s.dt,
-                    p.sw * s.c, true, s.c, j_hi - j_lo, s.c, p.wq, p.mul_dt, false, dst + j_lo * mul_bytes, p.isa);
+      reblock::pack(at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p->sw + ph - p->pl) * s.c), s.dt,
+                    p->sw * s.c, true, s.c, j_hi - j_lo, s.c, p->wq, p->mul_dt, false, dst + j_lo * mul_bytes, p->isa);
       return;
     }
     if (i < nxt + ndz) {
       // K-block kb of every group in turn: columns g * kg + k0
-      const int64_t kb = (i - nxt) / p.rows, row = (i - nxt) % p.rows, k0 = kb % p.kb * p.bn;
-      reblock::pack(at(dz, s.dt, row * v.q * s.k + kb / p.kb * p.k + k0), s.dt, s.k, false, v.q,
-                    std::min(p.bn, p.k - k0), v.q, p.bn, p.mul_dt, p.vnni,
-                    buf[1] + ((kb * p.rows + row) * p.blk_q) * mul_bytes, p.isa);
+      const int64_t kb = (i - nxt) / p->rows, row = (i - nxt) % p->rows, k0 = kb % p->kb * p->bn;
+      reblock::pack(at(dz, s.dt, row * v.q * s.k + kb / p->kb * p->k + k0), s.dt, s.k, false, v.q,
+                    std::min(p->bn, p->k - k0), v.q, p->bn, p->mul_dt, p->vnni,
+                    dzb + ((kb * p->rows + row) * p->blk_q) * mul_bytes, p->isa);
       return;
     }
     const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
@@ -166,51 +174,58 @@ void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* 
 
   // The reduction: item (group, kb, cb, split) over its rows, chunk by chunk, every tap (r, s);
   // c0 and k0 within the group, dw's rows c0 (of the group's cg) and columns g * kg + k0.
-  float* part = p.direct ? static_cast<float*>(dw) : reinterpret_cast<float*>(buf[2]);
-  const int64_t per_split = ceil_div(p.rows, p.splits);
-  parallel_for(ex, p.groups * p.kb * p.cb * p.splits, [&](int64_t i) {
-    const int64_t sp = i % p.splits, cbi = i / p.splits % p.cb, gkb = i / p.splits / p.cb;
-    const int64_t g = gkb / p.kb, c0 = cbi * p.bm, k0 = gkb % p.kb * p.bn;
-    const int64_t m = std::min(p.bm, p.c - c0), cols = std::min(p.bn, p.k - k0), kg0 = g * p.k + k0;
-    const int64_t r0 = sp * per_split, r1 = std::min(p.rows, r0 + per_split);
-    float* out = part + (p.direct ? 0 : sp * welems);
-    const char* b = p.packed ? buf[1] + gkb * p.rows * p.blk_q * int64_t(mul_bytes)
-                             : static_cast<const char*>(at(dz, s.dt, kg0));
+  float* part = p->direct ? static_cast<float*>(dw) : reinterpret_cast<float*>(buf[2]);
+  const int64_t per_split = ceil_div(p->rows, p->splits);
+  char* xtb = buf[0];
+  job.add(p->groups * p->kb * p->cb * p->splits, [p, s, part, per_split, welems, mul_bytes, dz, dzb, xtb](int64_t i) {
+    const int64_t sp = i % p->splits, cbi = i / p->splits % p->cb, gkb = i / p->splits / p->cb;
+    const int64_t g = gkb / p->kb, c0 = cbi * p->bm, k0 = gkb % p->kb * p->bn;
+    const int64_t m = std::min(p->bm, p->c - c0), cols = std::min(p->bn, p->k - k0), kg0 = g * p->k + k0;
+    const int64_t r0 = sp * per_split, r1 = std::min(p->rows, r0 + per_split);
+    float* out = part + (p->direct ? 0 : sp * welems);
+    const char* b = p->packed ? dzb + gkb * p->rows * p->blk_q * int64_t(mul_bytes)
+                              : static_cast<const char*>(at(dz, s.dt, kg0));
     if (r0 >= r1) {  // a split without rows (more splits than rows): zero partials
       for (int64_t t = 0; t < s.r * s.s; ++t)
         for (int64_t cc = 0; cc < m; ++cc)
-          std::memset(out + (t * p.c + c0 + cc) * s.k + kg0, 0, size_t(cols) * sizeof(float));
+          std::memset(out + (t * p->c + c0 + cc) * s.k + kg0, 0, size_t(cols) * sizeof(float));
       return;
     }
-    for (int64_t ch = r0; ch < r1; ch += p.chunk) {
-      const int64_t count = std::min(p.chunk, r1 - ch);
-      const Brgemm& kern = (ch == r0 ? *p.first : *p.more)(m, cols);
+    for (int64_t ch = r0; ch < r1; ch += p->chunk) {
+      const int64_t count = std::min(p->chunk, r1 - ch);
+      const Brgemm& kern = (ch == r0 ? *p->first : *p->more)(m, cols);
       for (int64_t r = 0; r < s.r; ++r)
         for (int64_t t = 0; t < s.s; ++t) {
-          const int64_t rr = r * p.dil_h, tt = t * p.dil_w;  // the dilated tap's input offsets
-          const char* a =
-              buf[0] + ((rr * p.sw + tt % p.sw) * p.bstride + (g * p.c + c0) * p.wq + tt / p.sw) * int64_t(mul_bytes);
-          kern.offsets(a, p.a_rows.data() + ch, b, p.b_rows.data() + ch, count,
-                       out + ((r * s.s + t) * p.c + c0) * s.k + kg0);
+          const int64_t rr = r * p->dil_h, tt = t * p->dil_w;  // the dilated tap's input offsets
+          const char* a = xtb + ((rr * p->sw + tt % p->sw) * p->bstride + (g * p->c + c0) * p->wq + tt / p->sw) *
+                                    int64_t(mul_bytes);
+          kern.offsets(a, p->a_rows.data() + ch, b, p->b_rows.data() + ch, count,
+                       out + ((r * s.s + t) * p->c + c0) * s.k + kg0);
         }
     }
   });
-  if (p.direct) return;
+  if (p->direct) return job;
 
   // Partials of the splits summed into dw.
   const int64_t chunk = 4096;
-  parallel_for(ex, ceil_div(welems, chunk), [&](int64_t i) {
+  job.add(ceil_div(welems, chunk), [p, part, welems, dw, dw_dt, chunk](int64_t i) {
     const int64_t a = i * chunk, count = std::min(chunk, welems - a);
     with_type(dw_dt, [&](auto ts) {
       using T = decltype(ts);
       T* dst = static_cast<T*>(dw) + a;
       for (int64_t e = 0; e < count; ++e) {
         float acc = part[a + e];
-        for (int64_t sp = 1; sp < p.splits; ++sp) acc += part[sp * welems + a + e];
+        for (int64_t sp = 1; sp < p->splits; ++sp) acc += part[sp * welems + a + e];
         dst[e] = from_f32<T>(acc);
       }
     });
   });
+  return job;
+}
+
+void update(const Executor& ex, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+            void* dw, DType dw_dt, float* db, const Blocking* force) {
+  run(ex, update_job(ex.num_threads, dp, s, x, dz, dw, dw_dt, db, force));
 }
 
 }  // namespace jb::conv
