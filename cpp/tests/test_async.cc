@@ -85,6 +85,15 @@ struct Latch {
   }
 };
 
+// Starts every job on `pool` at once, in a shuffled order, and waits until all have finished.
+void run_all_shuffled(std::vector<Job>& jobs, QueuePool& pool, int64_t threads, std::mt19937& rng) {
+  std::shuffle(jobs.begin(), jobs.end(), rng);
+  Latch latch;
+  for (Job& j : jobs)
+    run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j), latch.arrive());
+  latch.wait(int(jobs.size()));
+}
+
 TEST(job_phases_in_order_each_item_once_tasks_run_late) {
   // The tasks only run after run_async has returned, in any order: one worker must be able
   // to finish every phase, and a phase's items must all see the one before complete.
@@ -201,11 +210,7 @@ TEST(fc_async_many_overlapping_calls_bitwise_equal_to_sync) {
       jobs.push_back(std::move(first));
       for (; rest < js.size(); ++rest) jobs.push_back(std::move(js[rest]));
     }
-    std::shuffle(jobs.begin(), jobs.end(), rng);
-    Latch latch;
-    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
-                                  latch.arrive());
-    latch.wait(int(jobs.size()));
+    run_all_shuffled(jobs, pool, threads, rng);
     for (size_t i = 0; i < cases.size(); ++i)
       CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
   }
@@ -288,11 +293,7 @@ TEST(brgemm_and_attention_async_bitwise_equal_to_sync) {
         cases.push_back(std::make_unique<OtherCase>(dt, causal, r));
         for (Job& j : cases.back()->jobs(threads)) jobs.push_back(std::move(j));
       }
-    std::shuffle(jobs.begin(), jobs.end(), rng);
-    Latch latch;
-    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
-                                  latch.arrive());
-    latch.wait(int(jobs.size()));
+    run_all_shuffled(jobs, pool, threads, rng);
     for (size_t i = 0; i < cases.size(); ++i)
       CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
   }
@@ -372,11 +373,7 @@ TEST(conv_async_overlapping_calls_bitwise_equal_to_sync) {
         cases.push_back(std::make_unique<ConvCase>(specs[i].first, specs[i].second, r));
         for (Job& j : cases.back()->jobs(threads)) jobs.push_back(std::move(j));
       }
-    std::shuffle(jobs.begin(), jobs.end(), rng);
-    Latch latch;
-    for (Job& j : jobs) run_async([&](std::function<void()> t) { pool.schedule(std::move(t)); }, threads, std::move(j),
-                                  latch.arrive());
-    latch.wait(int(jobs.size()));
+    run_all_shuffled(jobs, pool, threads, rng);
     for (size_t i = 0; i < cases.size(); ++i)
       CHECK(cases[i]->bits() == want[i / 3]) << "spec " << i / 3 << " copy " << i % 3 << " round " << round;
   }
