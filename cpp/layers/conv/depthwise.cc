@@ -1,7 +1,7 @@
 // Depthwise convolutions (feature groups == C == K): every channel reduces over its own taps
 // only, so there is no GEMM to batch-reduce (a BRGEMM per channel is 1 wide). Here the
-// channels go in the vector lanes and the taps accumulate in fp32 over a chunk of channels
-// of one pixel; the passes are memory-bound. Each inner loop is built per ISA (target
+// channels go in the vector lanes (GCC vector types) and each register sums its pixel's valid
+// taps in fp32; the passes are memory-bound. Each inner loop is built per ISA (target
 // attributes on row functions, chosen by the dispatch), so JAX_BRGEMM_ISA still applies.
 #include "layers/conv/depthwise.h"
 
@@ -14,15 +14,9 @@
 #include "layers/common/operand.h"
 #include "layers/common/scratch.h"
 
-#if JB_X86
-#include <immintrin.h>
-#endif
-
 namespace jb::conv {
 
 namespace {
-
-constexpr int64_t kChunk = 256;  // channels accumulated at once (fp32 on the stack)
 
 struct Geo {  // one pass's view of the shape; wf: the weights in fp32, [tap][c]
   Shape s;  // a copy: jobs run after the caller's frame is gone
@@ -30,186 +24,214 @@ struct Geo {  // one pass's view of the shape; wf: the weights in fp32, [tap][c]
   const float* wf;
 };
 
-// Forward, one output row (n, p): y[q][c] = bias[c] + sum_taps x[ih][iw][c] * w[tap][c].
-template <class T>
-[[gnu::always_inline]] inline void fwd_row_body(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
+// Registers summed at once: independent FMA chains, enough to hide the FMA's latency.
+constexpr int64_t kChains = 4;
+
+struct Tap {  // one valid tap of a pixel: its activation and weight offsets
+  int64_t a, w;
+};
+
+// The valid taps of forward output pixel (n, p, q): the inputs it reads.
+int64_t fwd_taps(const Geo& g, int64_t n, int64_t p, int64_t q, Tap* taps) {
   const Shape& s = g.s;
-  const int64_t n = row / g.P, p = row % g.P, C = s.c;
-  for (int64_t q = 0; q < g.Q; ++q)
-    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
-      const int64_t cw = std::min(kChunk, C - c0);
-      float acc[kChunk];
-      for (int64_t j = 0; j < cw; ++j) acc[j] = bias ? bias[c0 + j] : 0.0f;
-      for (int64_t r = 0; r < s.r; ++r) {
-        const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
-        if (ih < 0 || ih >= s.h) continue;
-        for (int64_t t = 0; t < s.s; ++t) {
-          const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
-          if (iw < 0 || iw >= s.w) continue;
-          const T* xp = x + ((n * s.h + ih) * s.w + iw) * C + c0;
-          const float* wp = g.wf + (r * s.s + t) * C + c0;
-          for (int64_t j = 0; j < cw; ++j) acc[j] += to_f32(xp[j]) * wp[j];
-        }
-      }
-      T* yp = y + (row * g.Q + q) * C + c0;
-      for (int64_t j = 0; j < cw; ++j) yp[j] = from_f32<T>(acc[j]);
+  int64_t nt = 0;
+  for (int64_t r = 0; r < s.r; ++r) {
+    const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
+    if (ih < 0 || ih >= s.h) continue;
+    for (int64_t t = 0; t < s.s; ++t) {
+      const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
+      if (iw >= 0 && iw < s.w) taps[nt++] = {((n * s.h + ih) * s.w + iw) * s.c, (r * s.s + t) * s.c};
     }
+  }
+  return nt;
+}
+
+// The valid taps of input pixel (n, h, w) in the backward: the outputs that read it.
+int64_t bwd_taps(const Geo& g, int64_t n, int64_t h, int64_t w, Tap* taps) {
+  const Shape& s = g.s;
+  int64_t nt = 0;
+  for (int64_t r = 0; r < s.r; ++r) {
+    const int64_t u = h + s.pt - r * s.dil_h;
+    if (u < 0 || u % s.sh || u / s.sh >= g.P) continue;
+    for (int64_t t = 0; t < s.s; ++t) {
+      const int64_t v = w + s.pl - t * s.dil_w;
+      if (v >= 0 && v % s.sw == 0 && v / s.sw < g.Q)
+        taps[nt++] = {((n * g.P + u / s.sh) * g.Q + v / s.sw) * s.c, (r * s.s + t) * s.c};
+    }
+  }
+  return nt;
+}
+
+// W channels in a register: GCC vector types, compiled for the ISA of the function the row
+// bodies below are inlined into (the load and store of bf16 are shifts of its bits).
+template <int W>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * W)));
+  typedef uint32_t u __attribute__((vector_size(4 * W)));
+  typedef uint16_t h __attribute__((vector_size(2 * W)));
+};
+
+template <int W, class T>
+[[gnu::always_inline]] inline typename Lanes<W>::f load(const T* p) {
+  using L = Lanes<W>;
+  if constexpr (sizeof(T) == 4) {
+    typename L::f v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  } else {
+    typename L::h b;
+    std::memcpy(&b, p, sizeof b);
+    typename L::u u;  // element by element: GCC makes one widening load of it
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) u[i] = uint32_t(b[i]) << 16;
+    return (typename L::f)u;
+  }
+}
+
+template <int W, class T>
+[[gnu::always_inline]] inline void store(T* p, typename Lanes<W>::f v) {
+  using L = Lanes<W>;
+  if constexpr (sizeof(T) == 4) {
+    std::memcpy(p, &v, sizeof v);
+  } else {  // f32_to_bf16's bits: round to nearest even, NaN quiet
+    const typename L::u u = (typename L::u)v;
+    typename L::u b = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    b = (u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40 : b;
+    const typename L::h out = __builtin_convertvector(b, typename L::h);
+    std::memcpy(p, &out, sizeof out);
+  }
+}
+
+// out[c] = init[c] + sum_taps in[tap.a + c] * wf[tap.w + c] for one pixel: U registers of W
+// channels summed over the pixel's taps at once (U chains hide the FMA latency), then single
+// registers, then the last channels one by one.
+template <int W, class T>
+[[gnu::always_inline]] inline void pixel(const Tap* taps, int64_t nt, const T* in, const float* wf,
+                                         const float* init, int64_t C, T* out) {
+  using V = typename Lanes<W>::f;
+  constexpr int64_t U = kChains;
+  int64_t c = 0;
+  for (; c + U * W <= C; c += U * W) {
+    V acc[U] = {};
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < U; ++u)
+      if (init) acc[u] = load<W>(init + c + u * W);
+    for (int64_t i = 0; i < nt; ++i) {
+      const T* a = in + taps[i].a + c;
+      const float* b = wf + taps[i].w + c;
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < U; ++u) acc[u] += load<W>(a + u * W) * load<W>(b + u * W);
+    }
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < U; ++u) store<W>(out + c + u * W, acc[u]);
+  }
+  for (; c + W <= C; c += W) {
+    V acc = init ? load<W>(init + c) : V{};
+    for (int64_t i = 0; i < nt; ++i) acc += load<W>(in + taps[i].a + c) * load<W>(wf + taps[i].w + c);
+    store<W>(out + c, acc);
+  }
+  for (; c < C; ++c) {
+    float acc = init ? init[c] : 0.0f;
+    for (int64_t i = 0; i < nt; ++i) acc += to_f32(in[taps[i].a + c]) * wf[taps[i].w + c];
+    out[c] = from_f32<T>(acc);
+  }
+}
+
+// Forward, one output row (n, p): y[q][c] = bias[c] + sum_taps x[ih][iw][c] * w[tap][c].
+template <int W, class T>
+[[gnu::always_inline]] inline void fwd_row_body(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
+  std::vector<Tap> taps(size_t(g.s.r * g.s.s));
+  for (int64_t q = 0; q < g.Q; ++q) {
+    const int64_t nt = fwd_taps(g, row / g.P, row % g.P, q, taps.data());
+    pixel<W>(taps.data(), nt, x, g.wf, bias, g.s.c, y + (row * g.Q + q) * g.s.c);
+  }
 }
 
 // Backward by data, one input row (n, h): dx[w][c] = sum over the taps that read (h, w) of
 // dz[p][q][c] * w[tap][c] (a gather: every dx element is written once, by its row's item).
-template <class T>
+template <int W, class T>
 [[gnu::always_inline]] inline void bwd_row_body(const Geo& g, const T* dz, T* dx, int64_t row) {
-  const Shape& s = g.s;
-  const int64_t n = row / s.h, h = row % s.h, C = s.c;
-  for (int64_t w = 0; w < s.w; ++w)
-    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
-      const int64_t cw = std::min(kChunk, C - c0);
-      float acc[kChunk] = {};
-      for (int64_t r = 0; r < s.r; ++r) {
-        const int64_t u = h + s.pt - r * s.dil_h;
-        if (u < 0 || u % s.sh || u / s.sh >= g.P) continue;
-        for (int64_t t = 0; t < s.s; ++t) {
-          const int64_t v = w + s.pl - t * s.dil_w;
-          if (v < 0 || v % s.sw || v / s.sw >= g.Q) continue;
-          const T* zp = dz + ((n * g.P + u / s.sh) * g.Q + v / s.sw) * C + c0;
-          const float* wp = g.wf + (r * s.s + t) * C + c0;
-          for (int64_t j = 0; j < cw; ++j) acc[j] += to_f32(zp[j]) * wp[j];
-        }
-      }
-      T* xp = dx + ((n * s.h + h) * s.w + w) * C + c0;
-      for (int64_t j = 0; j < cw; ++j) xp[j] = from_f32<T>(acc[j]);
-    }
+  std::vector<Tap> taps(size_t(g.s.r * g.s.s));
+  for (int64_t w = 0; w < g.s.w; ++w) {
+    const int64_t nt = bwd_taps(g, row / g.s.h, row % g.s.h, w, taps.data());
+    pixel<W>(taps.data(), nt, dz, g.wf, nullptr, g.s.c, dx + (row * g.s.w + w) * g.s.c);
+  }
 }
 
-// Update, one output row (n, p) into fp32 partials part[tap][c] and pdb[c].
-template <class T>
+// out[c] += sum_{i < count} a[i * sa + c] * b[i * sb + c] for c < cw: one tap's sum over a
+// row's pixels, U registers at once (cw <= U * W), then single registers, then one by one.
+template <int W, class T>
+[[gnu::always_inline]] inline void dot_rows(const T* a, int64_t sa, const T* b, int64_t sb, int64_t count,
+                                            int64_t cw, float* out) {
+  using V = typename Lanes<W>::f;
+  constexpr int64_t U = kChains;
+  int64_t c = 0;
+  if (cw == U * W) {
+    V acc[U] = {};
+    for (int64_t i = 0; i < count; ++i)
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < U; ++u) acc[u] += load<W>(a + i * sa + u * W) * load<W>(b + i * sb + u * W);
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < U; ++u) store<W>(out + u * W, load<W>(out + u * W) + acc[u]);
+    return;
+  }
+  for (; c + W <= cw; c += W) {
+    V acc = {};
+    for (int64_t i = 0; i < count; ++i) acc += load<W>(a + i * sa + c) * load<W>(b + i * sb + c);
+    store<W>(out + c, load<W>(out + c) + acc);
+  }
+  for (; c < cw; ++c)
+    for (int64_t i = 0; i < count; ++i) out[c] += to_f32(a[i * sa + c]) * to_f32(b[i * sb + c]);
+}
+
+// Update, one output row (n, p) into fp32 partials part[tap][c] and pdb[c]: per block of U * W
+// channels (its x and dz rows stay in L1), every tap summed over the pixels that read it.
+template <int W, class T>
 [[gnu::always_inline]] inline void upd_row_body(const Geo& g, const T* x, const T* dz, float* part, float* pdb,
                                                 int64_t row) {
   const Shape& s = g.s;
   const int64_t n = row / g.P, p = row % g.P, C = s.c;
-  for (int64_t q = 0; q < g.Q; ++q) {
-    const T* zp = dz + (row * g.Q + q) * C;
-    if (pdb)
-      for (int64_t c = 0; c < C; ++c) pdb[c] += to_f32(zp[c]);
+  const T* zrow = dz + row * g.Q * C;
+  if (pdb)
+    for (int64_t q = 0; q < g.Q; ++q)
+      for (int64_t c = 0; c < C; ++c) pdb[c] += to_f32(zrow[q * C + c]);
+  for (int64_t c0 = 0; c0 < C; c0 += kChains * W)
     for (int64_t r = 0; r < s.r; ++r) {
       const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
       if (ih < 0 || ih >= s.h) continue;
-      for (int64_t t = 0; t < s.s; ++t) {
-        const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
-        if (iw < 0 || iw >= s.w) continue;
-        const T* xp = x + ((n * s.h + ih) * s.w + iw) * C;
-        float* dp = part + (r * s.s + t) * C;
-        for (int64_t c = 0; c < C; ++c) dp[c] += to_f32(xp[c]) * to_f32(zp[c]);
+      for (int64_t t = 0; t < s.s; ++t) {  // pixels q whose input column q * sw + t * dw - pl is inside
+        const int64_t off = t * s.dil_w - s.pl;
+        const int64_t q0 = std::max<int64_t>(0, ceil_div(-off, s.sw));
+        const int64_t q1 = std::min(g.Q, off >= s.w ? 0 : ceil_div(s.w - off, s.sw));
+        if (q1 <= q0) continue;
+        dot_rows<W>(x + ((n * s.h + ih) * s.w + q0 * s.sw + off) * C + c0, s.sw * C, zrow + q0 * C + c0, C,
+                    q1 - q0, std::min(kChains * W, C - c0), part + (r * s.s + t) * C + c0);
       }
     }
-  }
 }
 
-// The row functions per ISA: the bodies inlined into functions built for each target.
-#define JB_DW_ROWS(SUFFIX, ATTR)                                                                         \
+// The row functions per ISA (W channels a register): the bodies inlined into functions built
+// for each target.
+#define JB_DW_ROWS(SUFFIX, W, ATTR)                                                                      \
   template <class T>                                                                                     \
   ATTR void fwd_row_##SUFFIX(const Geo& g, const T* x, const float* b, T* y, int64_t row) {              \
-    fwd_row_body<T>(g, x, b, y, row);                                                                    \
+    fwd_row_body<W, T>(g, x, b, y, row);                                                                 \
   }                                                                                                      \
   template <class T>                                                                                     \
   ATTR void bwd_row_##SUFFIX(const Geo& g, const T* dz, T* dx, int64_t row) {                            \
-    bwd_row_body<T>(g, dz, dx, row);                                                                     \
+    bwd_row_body<W, T>(g, dz, dx, row);                                                                  \
   }                                                                                                      \
   template <class T>                                                                                     \
   ATTR void upd_row_##SUFFIX(const Geo& g, const T* x, const T* dz, float* part, float* pdb, int64_t row) { \
-    upd_row_body<T>(g, x, dz, part, pdb, row);                                                           \
+    upd_row_body<W, T>(g, x, dz, part, pdb, row);                                                        \
   }
 
-JB_DW_ROWS(generic, )
+JB_DW_ROWS(generic, 4, )
 #if JB_X86
-JB_DW_ROWS(avx2, [[gnu::target("avx2,fma,f16c")]])
-JB_DW_ROWS(avx512, [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]])
+JB_DW_ROWS(avx2, 8, [[gnu::target("avx2,fma,f16c")]])
+JB_DW_ROWS(avx512, 16, [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]])
 #endif
 #undef JB_DW_ROWS
-
-#if JB_X86
-// AVX-512 rows for channels in whole blocks of 16: one register per (pixel, block) summed over
-// the pixel's valid taps, found once per pixel (at most kTaps). The loops above keep their sums
-// on the stack, a load and a store per FMA.
-constexpr int64_t kTaps = 64;
-#define JB_AVX512 [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,fma")]]
-
-template <class T>
-JB_AVX512 inline __m512 load16(const T* p) {
-  if constexpr (sizeof(T) == 4) return _mm512_loadu_ps(p);
-  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-template <class T>
-JB_AVX512 inline void store16(T* p, __m512 v) {
-  if constexpr (sizeof(T) == 4) {
-    _mm512_storeu_ps(p, v);
-  } else {  // round to nearest even, NaN quiet: f32_to_bf16's bits
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    h = _mm512_mask_mov_epi32(h, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
-  }
-}
-
-// Per pixel, its valid taps as (activation offset, weight offset) pairs, then every block.
-template <class T>
-JB_AVX512 void fwd_row_v16(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
-  const Shape& s = g.s;
-  const int64_t n = row / g.P, p = row % g.P, C = s.c;
-  int64_t xo[kTaps], wo[kTaps];
-  for (int64_t q = 0; q < g.Q; ++q) {
-    int64_t nt = 0;
-    for (int64_t r = 0; r < s.r; ++r) {
-      const int64_t ih = p * s.sh + r * s.dil_h - s.pt;
-      if (ih < 0 || ih >= s.h) continue;
-      for (int64_t t = 0; t < s.s; ++t) {
-        const int64_t iw = q * s.sw + t * s.dil_w - s.pl;
-        if (iw < 0 || iw >= s.w) continue;
-        xo[nt] = ((n * s.h + ih) * s.w + iw) * C, wo[nt++] = (r * s.s + t) * C;
-      }
-    }
-    T* yp = y + (row * g.Q + q) * C;
-    for (int64_t c0 = 0; c0 < C; c0 += 16) {
-      __m512 acc = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
-      for (int64_t i = 0; i < nt; ++i)
-        acc = _mm512_fmadd_ps(load16(x + xo[i] + c0), _mm512_loadu_ps(g.wf + wo[i] + c0), acc);
-      store16(yp + c0, acc);
-    }
-  }
-}
-
-template <class T>
-JB_AVX512 void bwd_row_v16(const Geo& g, const T* dz, T* dx, int64_t row) {
-  const Shape& s = g.s;
-  const int64_t n = row / s.h, h = row % s.h, C = s.c;
-  int64_t zo[kTaps], wo[kTaps];
-  for (int64_t w = 0; w < s.w; ++w) {
-    int64_t nt = 0;
-    for (int64_t r = 0; r < s.r; ++r) {
-      const int64_t u = h + s.pt - r * s.dil_h;
-      if (u < 0 || u % s.sh || u / s.sh >= g.P) continue;
-      for (int64_t t = 0; t < s.s; ++t) {
-        const int64_t v = w + s.pl - t * s.dil_w;
-        if (v < 0 || v % s.sw || v / s.sw >= g.Q) continue;
-        zo[nt] = ((n * g.P + u / s.sh) * g.Q + v / s.sw) * C, wo[nt++] = (r * s.s + t) * C;
-      }
-    }
-    T* xp = dx + ((n * s.h + h) * s.w + w) * C;
-    for (int64_t c0 = 0; c0 < C; c0 += 16) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < nt; ++i)
-        acc = _mm512_fmadd_ps(load16(dz + zo[i] + c0), _mm512_loadu_ps(g.wf + wo[i] + c0), acc);
-      store16(xp + c0, acc);
-    }
-  }
-}
-#undef JB_AVX512
-#endif
 
 // The ISA level of the row functions for the dispatch: 0 generic, 1 AVX2, 2 AVX-512.
 int level(const Dispatch& dp) {
@@ -226,15 +248,6 @@ int level(const Dispatch& dp) {
 #define JB_DW_PICK(NAME, T) (lv == 2 ? &NAME##_avx512<T> : lv == 1 ? &NAME##_avx2<T> : &NAME##_generic<T>)
 #else
 #define JB_DW_PICK(NAME, T) ((void)lv, &NAME##_generic<T>)
-#endif
-
-// The forward's and backward's row function: the AVX-512 register rows when the channels
-// come in whole blocks of 16.
-#if JB_X86
-bool vector_rows(const Shape& s, int lv) { return lv == 2 && s.c % 16 == 0 && s.r * s.s <= kTaps; }
-#define JB_DW_ROW(NAME, T) (vector_rows(s, lv) ? &NAME##_v16<T> : JB_DW_PICK(NAME, T))
-#else
-#define JB_DW_ROW(NAME, T) JB_DW_PICK(NAME, T)
 #endif
 
 // The weights in fp32, kept alive by the job.
@@ -267,7 +280,7 @@ void depthwise_forward(Job& job, int64_t, const Dispatch& dp, const Shape& s, co
   const Isa isa = dp.isa;
   with_weights(job, dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
-    const auto fn = JB_DW_ROW(fwd_row, T);
+    const auto fn = JB_DW_PICK(fwd_row, T);
     T* ot = static_cast<T*>(out);
     job.add(s.n * g.P, [g, fn, x, bias, ot, y, isa](int64_t row) {
       const Shape& s = g.s;
@@ -282,7 +295,7 @@ void depthwise_backward(Job& job, int64_t, const Dispatch& dp, const Shape& s, c
                         DType w_dt, void* dx) {
   with_weights(job, dp, s, w, w_dt, [&](const Geo& g, int lv, auto ts) {
     using T = decltype(ts);
-    const auto fn = JB_DW_ROW(bwd_row, T);
+    const auto fn = JB_DW_PICK(bwd_row, T);
     job.add(s.n * s.h, [g, fn, dz, dx](int64_t row) { fn(g, static_cast<const T*>(dz), static_cast<T*>(dx), row); });
   });
 }
