@@ -242,6 +242,12 @@ TEST(conv_forced_small_blocks) {
       for (DType dt : {DType::f32, DType::bf16}) run_case(c, dt, dt, Activation::none, true, 3, &bl);
 }
 
+// fp32 dz rows 1 KiB apart, 64 to a row: the update packs them (they would alias in L1).
+TEST(conv_update_packs_aliasing_rows) {
+  const Case c{1, 2, 64, 8, 256, 3, 3, 1, 1, 2, 2, 2, 2, 2, 2};  // DeepLab's dilated row, narrowed
+  run_case(c, DType::f32, DType::f32, Activation::none, true, 2);
+}
+
 TEST(conv_bf16_both_multiply_paths) {
   for (const char* mode : {"dot", "fp32"}) {
     const jb::Dispatch dp = jb::make_dispatch(jb::best_isa(), mode);
