@@ -181,6 +181,24 @@ def test_feature_groups_match_lax(x_shape, w_shape, groups, strides, padding, di
              padding=padding, rhs_dilation=(dil, dil), feature_group_count=groups)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_feature_groups_weight_gradient_keeps_inf_where_stock_does(dtype):
+    """The narrow-group update sums taps over whole registers of pixels: an Inf in the last
+    input column (which the left filter column never reads under SAME padding) must not turn
+    that column's gradient into NaN; stock's finite entries stay finite, and equal."""
+    x = jax.random.normal(jax.random.key(3), (2, 6, 21, 32)).at[:, :, -1, :].set(jnp.inf).astype(dtype)
+    w = jax.random.normal(jax.random.key(4), (3, 3, 8, 32)) / 8
+    dy = jax.random.normal(jax.random.key(5), (2, 6, 21, 32)).astype(dtype)
+    kw = dict(padding="SAME", feature_group_count=4)
+    ours = jax.jit(jax.vjp(lambda w: jb.conv2d(x, w, dtype=dtype, **kw), w)[1])(dy)[0]
+    theirs = jax.vjp(lambda w: stock_conv(x, w, dtype=dtype, **kw).astype(jnp.float32), w)[1](
+        dy.astype(jnp.float32))[0]
+    finite = np.isfinite(np.asarray(theirs))
+    assert finite[:, 0].all() and not finite[:, 1:].all()  # the left column never reads the Inf
+    np.testing.assert_array_equal(np.isfinite(np.asarray(ours)), finite)
+    close(np.where(finite, ours, 0), np.where(finite, theirs, 0), 3e-2 if dtype == jnp.bfloat16 else 2e-4)
+
+
 def test_feature_groups_grad_of_grad():
     keys = jax.random.split(jax.random.key(8), 3)
     x = jax.random.normal(keys[0], (2, 7, 8, 6))

@@ -25,6 +25,7 @@
 #include "layers/common/work.h"
 #include "layers/conv/depthwise.h"
 #include "layers/conv/direct.h"
+#include "layers/conv/transpose.h"
 
 namespace jb::conv {
 
@@ -78,21 +79,7 @@ struct NarrowPlan : MultiplyPath {
 
 PlanCache<25, NarrowPlan> forward_plans, backward_plans;
 
-// Transposes of 32-bit words, 8 x 8 at a time where the CPU has AVX2 (the rest scalar):
-// words(src, ss, rows, cols, dst, ld): dst[c * ld + j] = src[j * ss + c] for j < rows, c < cols;
-// the output tile (fp32 [channel][pixel], ldq) into an NHWC row of T with the bias added.
-template <class D, class S>
-JB_INLINE D word_of(S v) {
-  if constexpr (sizeof(S) == 2) return bf16_to_f32(v);  // fp32 multiplies of bf16 data
-  else return v;
-}
-
-template <class S, class D>
-void words_scalar(const S* src, int64_t ss, int64_t j0, int64_t rows, int64_t c0, int64_t cols, D* dst, int64_t ld) {
-  for (int64_t c = c0; c < cols; ++c)
-    for (int64_t j = j0; j < rows; ++j) dst[c * ld + j] = word_of<D>(src[j * ss + c]);
-}
-
+// The output tile (fp32 [channel][pixel], ldq) into an NHWC row of T with the bias added.
 template <class T>
 void out_scalar(const float* yt, int64_t ldq, int64_t q0, int64_t q1, int64_t c0, int64_t c1,
                 const float* bias, T* orow, int64_t cout) {
@@ -102,38 +89,6 @@ void out_scalar(const float* yt, int64_t ldq, int64_t q0, int64_t q1, int64_t c0
 }
 
 #if JB_X86
-JB_TARGET_AVX2 JB_INLINE void transpose8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-
-JB_TARGET_AVX2 void words_avx2(const uint32_t* src, int64_t ss, int64_t rows, int64_t cols, uint32_t* dst,
-                               int64_t ld) {
-  const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
-  for (int64_t j = 0; j < r8; j += 8)
-    for (int64_t c = 0; c < c8; c += 8) {
-      __m256 v[8];
-      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + (j + i) * ss + c));
-      transpose8(v);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c + i) * ld + j), v[i]);
-    }
-  words_scalar(src, ss, r8, rows, 0, c8, dst, ld);
-  words_scalar(src, ss, 0, rows, c8, cols, dst, ld);
-}
-
 template <class T>
 JB_TARGET_AVX2 void out_avx2(const float* yt, int64_t ldq, int64_t wout, int64_t cout, const float* bias,
                              T* orow) {
@@ -178,17 +133,7 @@ void transpose_row(const S* src, D* dst, const NarrowPlan& p) {
       std::fill(dst + c * p.wq + j_hi, dst + (c + 1) * p.wq, D(0));
     }
     if (j_hi == j_lo) continue;
-    const S* s0 = src + (j_lo * g.sw + ph - g.pl) * p.words;
-#if JB_X86
-    if constexpr (sizeof(S) == 4) {
-      if (p.isa >= Isa::avx2) {
-        words_avx2(reinterpret_cast<const uint32_t*>(s0), g.sw * p.words, j_hi - j_lo, p.words,
-                   reinterpret_cast<uint32_t*>(dst + j_lo), p.wq);
-        continue;
-      }
-    }
-#endif
-    words_scalar(s0, g.sw * p.words, 0, j_hi - j_lo, 0, p.words, dst + j_lo, p.wq);
+    words(p.isa, src + (j_lo * g.sw + ph - g.pl) * p.words, g.sw * p.words, j_hi - j_lo, p.words, dst + j_lo, p.wq);
   }
 }
 

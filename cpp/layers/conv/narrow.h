@@ -4,8 +4,10 @@
 // (output row, group) one BRGEMM call with A = the group's weights (output channels x input
 // channels, broadcast), B = the input rows transposed to channels x pixels (VNNI pairs of
 // channels for bf16), batch = the taps; its fp32 tile (channels x pixels) is transposed back
-// into the NHWC row with bias and activation (narrow.cc). forward and backward (conv.h) call
-// these for the shapes narrow_*_fits accepts; same arguments, same results to rounding.
+// into the NHWC row with bias and activation (narrow.cc). The weight update sums each tap's
+// products over the pixels in the lanes (narrow_update.cc). forward, backward and update
+// (conv.h) call these for the shapes narrow_*_fits accepts; same arguments, same results to
+// rounding.
 #pragma once
 
 #include "layers/conv/conv.h"
@@ -22,5 +24,10 @@ void narrow_forward(Job& job, int64_t threads, const Dispatch& dp, const Shape& 
                     DType w_dt, const float* bias, void* y, void* z);
 void narrow_backward(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* dz, const void* w,
                      DType w_dt, void* dx);
+
+// Groups of at most 8 output channels and rows of at least 8 pixels.
+bool narrow_update_fits(const Shape& s, const Dispatch& dp);
+void narrow_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s, const void* x, const void* dz,
+                   void* dw, DType dw_dt, float* db);
 
 }  // namespace jb::conv

@@ -11,6 +11,7 @@
 #include "layers/common/plan_cache.h"
 #include "layers/conv/depthwise.h"
 #include "layers/conv/direct.h"
+#include "layers/conv/narrow.h"
 
 namespace jb::conv {
 
@@ -131,6 +132,10 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
   job.flops = 2.0 * double(s.n) * double(s.p()) * double(s.q()) * double(s.k) * double(s.r * s.s) * double(s.cg());
   if (depthwise(s)) {
     depthwise_update(job, threads, dp, s, x, dz, dw, dw_dt, db);
+    return job;
+  }
+  if (narrow_update_fits(s, dp)) {
+    narrow_update(job, threads, dp, s, x, dz, dw, dw_dt, db);
     return job;
   }
   const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
