@@ -79,6 +79,7 @@ def test_matches_lax(x_shape, w_shape, kw, dtype):
     check(x_shape, w_shape, dtype, **kw)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(d=st.integers(1, 6), h=st.integers(1, 6), c=st.sampled_from([1, 2, 6]), kg=st.sampled_from([1, 3]),
        t=st.integers(1, 3), r=st.integers(1, 3), groups=st.sampled_from([1, 2]), sd=st.integers(1, 2),
