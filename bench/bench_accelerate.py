@@ -31,7 +31,6 @@ bench/results/<cpu-kind>/accelerate.{json,png}.
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 
 import flax.linen as nn
@@ -287,7 +286,9 @@ def main(argv=None):
                   f"{max(rounds):.2f}; {calls['on_kernels']} layer calls on the kernels)" +
                   (f"; policy=False {row['kernels_speedup']:.2f}x" if "kernels_speedup" in row else ""),
                   flush=True)
-    rows = _with_earlier_rows(rows)
+    order = {(m, d): i for i, (d, m) in enumerate((d, m) for d in DTYPES for m in MODELS)}
+    rows = common.with_earlier_rows("accelerate", rows, lambda r: (r["model"], r["dtype"]),
+                                    lambda r: order.get((r["model"], r["dtype"])))
     common.write_results("accelerate", {"repeats": args.repeats, "min_time": args.min_time, "rows": rows})
     labels = [f"{r['model']} {r['dtype']}" for r in rows]
     common.plot_bars("accelerate", labels,
@@ -305,17 +306,6 @@ def main(argv=None):
               f"({1e3 * a['min']:.2f}-{1e3 * a['max']:.2f}) | {r['speedup']:.2f}x ({r['speedup_rounds']['min']:.2f}-"
               f"{r['speedup_rounds']['max']:.2f}) | {r['accelerated_calls']} | "
               + (f"{r['kernels_speedup']:.2f}x |" if "kernels_speedup" in r else " |"))
-
-
-def _with_earlier_rows(rows):
-    """``rows`` and, from the last results file, the rows of models not measured this time
-    (a run of some ``--models`` updates theirs), in the order of MODELS."""
-    path = common.RESULTS / "accelerate.json"
-    measured = {(r["model"], r["dtype"]) for r in rows}
-    earlier = json.loads(path.read_text())["rows"] if path.exists() else []
-    rows += [r for r in earlier if (r["model"], r["dtype"]) not in measured and r["model"] in MODELS]
-    order = {(m, d): i for i, (d, m) in enumerate((d, m) for d in DTYPES for m in MODELS)}
-    return sorted(rows, key=lambda r: order[r["model"], r["dtype"]])
 
 
 if __name__ == "__main__":

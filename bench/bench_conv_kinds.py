@@ -17,7 +17,8 @@ Medians over `repeats` alternating rounds.
 --passes also times our three passes alone (the forward, the input gradient alone, the
 kernel gradient alone: XLA drops the passes a lone gradient does not need; a transposed
 layer's forward is the backward by data of the strided convolution it transposes, and so on).
-Writes bench/results/<cpu-kind>/conv_kinds.json.
+Writes bench/results/<cpu-kind>/conv_kinds.json, keeping the rows of layers and dtypes not
+measured this time.
 """
 
 from __future__ import annotations
@@ -187,6 +188,11 @@ def main(argv=None):
                     f"{100 * gf / peak[dname]:4.1f}% probe" +
                     (f", {100 * row['pass_bandwidth_fraction'][v]:.0f}% bw" if "pass_bandwidth_fraction" in row else "")
                     + ")" for v, gf in row["pass_gflops"].items()), flush=True)
+    for r in rows:  # the run's conditions on each row: a later run of some layers keeps the others
+        r.update(peak_gflops=peak, bandwidth_gbs=bw, scale=args.scale)
+    order = {(d, name): i for i, (d, name) in enumerate((d, name) for d in DTYPES for name in LAYERS)}
+    rows = common.with_earlier_rows("conv_kinds", rows, lambda r: (r["dtype"], r["layer"]),
+                                    lambda r: order.get((r["dtype"], r["layer"])))
     path = common.write_results("conv_kinds", {"peak_gflops": peak, "bandwidth_gbs": bw, "scale": args.scale,
                                                "repeats": args.repeats, "torch": torch.__version__ if torch else None,
                                                "rows": rows})

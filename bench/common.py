@@ -192,6 +192,21 @@ def write_results(name: str, payload: dict) -> Path:
     return path
 
 
+def with_earlier_rows(name: str, rows: list[dict], key, order) -> list[dict]:
+    """``rows`` and, from the last ``name`` results file, the rows whose ``key`` was not measured
+    this time (a run of some layers or models updates theirs), each stamped with the time it
+    was measured; sorted by ``order`` (rows it gives None, no longer benchmarked, are dropped)."""
+    now = time.strftime("%Y-%m-%d %H:%M:%S")
+    for r in rows:
+        r.setdefault("measured", now)
+    path = RESULTS / f"{name}.json"
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        done = {key(r) for r in rows}
+        rows += [{**r, "measured": r.get("measured", earlier["date"])} for r in earlier["rows"] if key(r) not in done]
+    return sorted((r for r in rows if order(r) is not None), key=order)
+
+
 def plot_bars(name: str, labels: list[str], series: dict[str, list[float]], ylabel: str,
               title: str, hline: float | None = None, hline_label: str = "") -> Path:
     """Grouped bar chart: one group per label, one bar per series."""
