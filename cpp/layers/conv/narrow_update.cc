@@ -2,7 +2,8 @@
 // For one group, dw[r][s][c][k] = sum over the output pixels of x at the tap's input pixel
 // times dz: a dot product along the output rows. An item transposes the padded input rows
 // and the dz rows of its images (or band of rows) to [channel][pixel] in fp32 (bf16 widened:
-// exact products), a few groups at a time so that they stay in L2, and a register tile of
+// exact products; or bf16 pairs of pixels for vdpbf16ps where the dispatch multiplies bf16
+// that way), a few groups at a time so that they stay in L2, and a register tile of
 // CB input x KB output channels sums one tap's products over all those rows, W pixels a
 // register, before its lanes are added up. In a row's last register the lanes past Q are
 // masked off in x: the input columns there are real pixels the tap never multiplies (an Inf
@@ -12,9 +13,14 @@
 #include <cstring>
 #include <memory>
 
+#if JB_X86
+#include <immintrin.h>
+#endif
+
 #include "layers/common/lanes.h"
 #include "layers/common/operand.h"
 #include "layers/common/plan_cache.h"
+#include "layers/common/scratch.h"
 #include "layers/common/target.h"
 #include "layers/common/work.h"
 #include "layers/conv/depthwise.h"
@@ -29,103 +35,162 @@ namespace {
 constexpr int64_t kBudget = 384 << 10;  // transposed rows an item keeps at once (bytes, L2)
 
 struct UpdatePlan;
-using TilesFn = void (*)(const UpdatePlan&, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+using TilesFn = void (*)(const UpdatePlan&, const void*, const void*, int64_t, int64_t, int64_t, int64_t, float*);
 
 struct UpdatePlan {
   UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads);
 
   Shape s;
   Isa isa;
-  int64_t P, Q, cg, kg, lanes, nv, ldz, wq, ldx;
+  bool dot = false;  // bf16 pairs of pixels multiplied by vdpbf16ps (else fp32 lanes)
+  int64_t P, Q, cg, kg, lanes, nv, ldz, wq, ldx;      // lanes: pixels a register holds
   int64_t band = 1, bands = 1, units = 1, items = 1;  // a unit: the rows [band * b, ...) of one image
   int64_t ub = 1, gchunk = 1;                         // units and groups transposed at once
-  int64_t xunit = 0, zunit = 0;                       // floats of a unit's x and dz rows in a lease
+  int64_t xunit = 0, zunit = 0, tmp = 0;              // elements of a unit's x and dz rows; fp32 staging
   size_t lease_bytes = 0;
   TilesFn tiles = nullptr;
 
   int64_t rows_of(int64_t unit) const { return std::min(band, P - unit % bands * band); }
 };
 
-// acc[i][j] += x row i * dz row j over W pixels (x's lanes masked when `mask` is given).
-template <int W, int CB, int KB>
-JB_INLINE void fma_step(const float* x, int64_t ldx, const float* z, int64_t ldz, const typename Lanes<W>::u* mask,
-                        typename Lanes<W>::f (&acc)[CB][KB]) {
+// The products of one register of pixels: fp32 lanes (W pixels; bf16 data widened).
+template <int W>
+struct LaneOps {
+  using E = float;  // the transposed rows' element
   using V = typename Lanes<W>::f;
   using M = typename Lanes<W>::u;
-  V xv[CB], zv[KB];
-#pragma GCC unroll 4
-  for (int i = 0; i < CB; ++i) {
-    xv[i] = load<W>(x + i * ldx);
-    if (mask) xv[i] = (V)((M)xv[i] & *mask);
+  static constexpr int kPixels = W;
+  static JB_INLINE V load_x(const E* p, const M* mask) {
+    const V v = load<W>(p);
+    return mask ? (V)((M)v & *mask) : v;
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < KB; ++j) zv[j] = load<W>(z + j * ldz);
-#pragma GCC unroll 4
-  for (int i = 0; i < CB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < KB; ++j) acc[i][j] += xv[i] * zv[j];
-}
-
-// One group chunk's products: xb, zb hold units [u0, u0 + nb) of groups [g0, g0 + gn),
-// x as [unit][padded row][phase][gi * cg + c][ldx], dz as [unit][row][gi * kg + k][ldz].
-template <int W, int CB, int KB>
-JB_INLINE void tiles_body(const UpdatePlan& p, const float* xb, const float* zb, int64_t g0, int64_t gn,
-                          int64_t u0, int64_t nb, float* part) {
-  using V = typename Lanes<W>::f;
-  using M = typename Lanes<W>::u;
-  const Shape& s = p.s;
-  M tail;
-  for (int l = 0; l < W; ++l) tail[l] = (p.nv - 1) * W + l < p.Q ? ~0u : 0u;
-  const int64_t xrow = p.gchunk * p.cg * p.ldx, zrow = p.gchunk * p.kg * p.ldz;  // a row's stride
-  for (int64_t gi = 0; gi < gn; ++gi)
-    for (int64_t r = 0; r < s.r; ++r)
-      for (int64_t t = 0; t < s.s; ++t) {
-        const int64_t ph = t * s.dil_w % s.sw, js = t * s.dil_w / s.sw;
-        for (int64_t c0 = 0; c0 < p.cg; c0 += CB)
-          for (int64_t k0 = 0; k0 < p.kg; k0 += KB) {
-            V acc[CB][KB] = {};
-            for (int64_t ui = 0; ui < nb; ++ui) {
-              const float* xu = xb + ui * p.xunit + (r * s.dil_h * s.sw + ph) * xrow + (gi * p.cg + c0) * p.ldx + js;
-              const float* zu = zb + ui * p.zunit + (gi * p.kg + k0) * p.ldz;
-              for (int64_t o = 0, rows = p.rows_of(u0 + ui); o < rows; ++o) {
-                const float* xr = xu + o * s.sh * s.sw * xrow;
-                const float* zr = zu + o * zrow;
-                int64_t v = 0;
-                for (; v + 1 < p.nv; ++v) fma_step<W, CB, KB>(xr + v * W, p.ldx, zr + v * W, p.ldz, nullptr, acc);
-                fma_step<W, CB, KB>(xr + v * W, p.ldx, zr + v * W, p.ldz, &tail, acc);
-              }
-            }
-            for (int64_t i = 0; i < std::min<int64_t>(CB, p.cg - c0); ++i)
-              for (int64_t j = 0; j < std::min<int64_t>(KB, p.kg - k0); ++j) {
-                float sum = 0;
-                for (int l = 0; l < W; ++l) sum += acc[i][j][l];
-                part[((r * s.s + t) * p.cg + c0 + i) * s.k + (g0 + gi) * p.kg + k0 + j] += sum;
-              }
-          }
-      }
-}
-
-template <int W, int CB, int KB>
-struct Tiles {
-  static JB_INLINE void run(const UpdatePlan& p, const float* xb, const float* zb, int64_t g0, int64_t gn,
-                            int64_t u0, int64_t nb, float* part) {
-    tiles_body<W, CB, KB>(p, xb, zb, g0, gn, u0, nb, part);
+  static JB_INLINE V load_z(const E* p) { return load<W>(p); }
+  static JB_INLINE void madd(V& acc, V x, V z) { acc += x * z; }
+  static JB_INLINE float sum(V acc) {
+    float t = 0;
+    for (int l = 0; l < W; ++l) t += acc[l];
+    return t;
+  }
+  static JB_INLINE M mask(int64_t first, int64_t q) {  // pixels first + l < q
+    M m;
+    for (int l = 0; l < W; ++l) m[l] = first + l < q ? ~0u : 0u;
+    return m;
   }
 };
 
-// Lanes per register and the tile (CB x KB accumulators and CB + KB operands in registers).
-TilesFn pick_tiles(Isa isa, int64_t* lanes) {
 #if JB_X86
+#define JB_TARGET_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+// bf16 pairs of neighbouring pixels: vdpbf16ps sums both products of a pair into one fp32 lane.
+struct DotOps {
+  using E = uint16_t;
+  using V = __m512;
+  using M = __m512i;
+  static constexpr int kPixels = 32;
+  static JB_TARGET_DOT JB_INLINE __m512i load_x(const E* p, const M* mask) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return mask ? _mm512_and_si512(v, *mask) : v;
+  }
+  static JB_TARGET_DOT JB_INLINE __m512i load_z(const E* p) { return _mm512_loadu_si512(p); }
+  static JB_TARGET_DOT JB_INLINE void madd(V& acc, __m512i x, __m512i z) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)z);
+  }
+  static JB_TARGET_DOT JB_INLINE float sum(V acc) { return _mm512_reduce_add_ps(acc); }
+  static JB_TARGET_DOT JB_INLINE M mask(int64_t first, int64_t q) {
+    alignas(64) uint16_t m[32];
+    for (int l = 0; l < 32; ++l) m[l] = first + l < q ? 0xffff : 0;
+    return _mm512_load_si512(m);
+  }
+};
+#endif
+
+// One group chunk's products: xb, zb hold units [u0, u0 + nb) of groups [g0, g0 + gn),
+// x as [unit][padded row][phase][gi * cg + c][ldx], dz as [unit][row][gi * kg + k][ldz]. A tile
+// of CB x KB accumulators (CB + KB operands in registers) per tap and channel block. Defined
+// under a target attribute (ATTR): the bf16 tiles' intrinsics may only inline into it.
+#define JB_TILES_BODY(NAME, ATTR)                                                                           \
+  template <class Ops, int CB, int KB>                                                                      \
+  ATTR JB_INLINE void NAME##_step(const typename Ops::E* x, int64_t ldx, const typename Ops::E* z,           \
+                                  int64_t ldz, const typename Ops::M* mask, typename Ops::V (&acc)[CB][KB]) {  \
+    decltype(Ops::load_z(z)) a[CB], b[KB];                                                                  \
+    _Pragma("GCC unroll 4") for (int i = 0; i < CB; ++i) a[i] = Ops::load_x(x + i * ldx, mask);             \
+    _Pragma("GCC unroll 4") for (int j = 0; j < KB; ++j) b[j] = Ops::load_z(z + j * ldz);                   \
+    _Pragma("GCC unroll 4") for (int i = 0; i < CB; ++i)                                                    \
+      _Pragma("GCC unroll 4") for (int j = 0; j < KB; ++j) Ops::madd(acc[i][j], a[i], b[j]);                \
+  }                                                                                                         \
+  template <class Ops, int CB, int KB>                                                                      \
+  ATTR JB_INLINE void NAME(const UpdatePlan& p, const void* xv, const void* zv, int64_t g0, int64_t gn,     \
+                           int64_t u0, int64_t nb, float* part) {                                           \
+    using E = typename Ops::E;                                                                              \
+    const E* xb = static_cast<const E*>(xv);                                                                \
+    const E* zb = static_cast<const E*>(zv);                                                                \
+    const Shape& s = p.s;                                                                                   \
+    constexpr int W = Ops::kPixels;                                                                         \
+    const typename Ops::M tail = Ops::mask((p.nv - 1) * W, p.Q);                                            \
+    const int64_t xrow = p.gchunk * p.cg * p.ldx, zrow = p.gchunk * p.kg * p.ldz; /* a row's stride */      \
+    for (int64_t gi = 0; gi < gn; ++gi)                                                                     \
+      for (int64_t r = 0; r < s.r; ++r)                                                                     \
+        for (int64_t t = 0; t < s.s; ++t) {                                                                 \
+          const int64_t ph = t * s.dil_w % s.sw, js = t * s.dil_w / s.sw;                                   \
+          for (int64_t c0 = 0; c0 < p.cg; c0 += CB)                                                         \
+            for (int64_t k0 = 0; k0 < p.kg; k0 += KB) {                                                     \
+              typename Ops::V acc[CB][KB] = {};                                                             \
+              for (int64_t ui = 0; ui < nb; ++ui) {                                                         \
+                const E* xu = xb + ui * p.xunit + (r * s.dil_h * s.sw + ph) * xrow + (gi * p.cg + c0) * p.ldx + js; \
+                const E* zu = zb + ui * p.zunit + (gi * p.kg + k0) * p.ldz;                                 \
+                for (int64_t o = 0, rows = p.rows_of(u0 + ui); o < rows; ++o) {                             \
+                  const E* xr = xu + o * s.sh * s.sw * xrow;                                                \
+                  const E* zr = zu + o * zrow;                                                              \
+                  int64_t v = 0;                                                                            \
+                  for (; v + 1 < p.nv; ++v) NAME##_step<Ops>(xr + v * W, p.ldx, zr + v * W, p.ldz, nullptr, acc); \
+                  NAME##_step<Ops>(xr + v * W, p.ldx, zr + v * W, p.ldz, &tail, acc);                       \
+                }                                                                                           \
+              }                                                                                             \
+              for (int64_t i = 0; i < std::min<int64_t>(CB, p.cg - c0); ++i)                                \
+                for (int64_t j = 0; j < std::min<int64_t>(KB, p.kg - k0); ++j)                              \
+                  part[((r * s.s + t) * p.cg + c0 + i) * s.k + (g0 + gi) * p.kg + k0 + j] +=                \
+                      Ops::sum(acc[i][j]);                                                                  \
+            }                                                                                               \
+        }                                                                                                   \
+  }
+
+JB_TILES_BODY(tiles_body, )
+#if JB_X86
+JB_TILES_BODY(tiles_dot_body, JB_TARGET_DOT)
+#endif
+#undef JB_TILES_BODY
+
+template <int W, int CB, int KB>
+struct Tiles {
+  static JB_INLINE void run(const UpdatePlan& p, const void* xb, const void* zb, int64_t g0, int64_t gn,
+                            int64_t u0, int64_t nb, float* part) {
+    tiles_body<LaneOps<W>, CB, KB>(p, xb, zb, g0, gn, u0, nb, part);
+  }
+};
+
+#if JB_X86
+JB_TARGET_DOT void tiles_dot(const UpdatePlan& p, const void* xb, const void* zb, int64_t g0, int64_t gn,
+                             int64_t u0, int64_t nb, float* part) {
+  tiles_dot_body<DotOps, 4, 4>(p, xb, zb, g0, gn, u0, nb, part);
+}
+#endif
+
+// The tiles for the plan's ISA and path, and the pixels a register holds.
+TilesFn pick_tiles(Isa isa, bool dot, int64_t* lanes) {
+#if JB_X86
+  if (dot) return *lanes = DotOps::kPixels, &tiles_dot;
   if (isa >= Isa::avx512) return *lanes = 16, &target::Variants<Tiles<16, 4, 4>>::avx512;
   if (isa == Isa::avx2) return *lanes = 8, &target::Variants<Tiles<8, 2, 4>>::avx2;
 #endif
-  (void)isa;
+  (void)isa, (void)dot;
   return *lanes = 4, &target::Variants<Tiles<4, 2, 4>>::baseline;
 }
 
 UpdatePlan::UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads)
     : s(s0), isa(dp.isa), P(s0.p()), Q(s0.q()), cg(s0.cg()), kg(s0.kg()) {
-  tiles = pick_tiles(isa, &lanes);
+  // vdpbf16ps where the dispatch multiplies bf16 natively without AMX (Zen 4: at the fp32
+  // FMA's rate per instruction, two products a lane); fp32 lanes elsewhere.
+  dot = s.dt == DType::bf16 && isa == Isa::avx512 && dp.bf16_multiply == DType::bf16;
+  tiles = pick_tiles(isa, dot, &lanes);
   nv = ceil_div(Q, lanes);
   ldz = nv * lanes;
   wq = ceil_div((Q - 1) * s.sw + (s.s - 1) * s.dil_w + 1, s.sw);
@@ -144,50 +209,75 @@ UpdatePlan::UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads)
   // Per group and unit, the rows its tiles read; groups enough for whole 8 x 8 transposes,
   // units as many as the budget holds (each register tile sums over all of them), then groups.
   const int64_t xrows = (band - 1) * s.sh + s.er();
-  const int64_t per = (xrows * s.sw * cg * ldx + band * kg * ldz) * int64_t(sizeof(float));
+  const int64_t eb = dot ? 2 : 4;  // bytes of a transposed element
+  const int64_t per = (xrows * s.sw * cg * ldx + band * kg * ldz) * eb;
   gchunk = std::min(s.groups, ceil_div(8, std::min<int64_t>(cg, kg)));
   ub = std::clamp<int64_t>(kBudget / (gchunk * per), 1, ceil_div(units, items));
   gchunk = std::clamp<int64_t>(kBudget / (ub * per), gchunk, s.groups);
   xunit = xrows * s.sw * gchunk * cg * ldx;
   zunit = band * gchunk * kg * ldz;
+  tmp = dot ? gchunk * std::max(cg * ldx, kg * ldz) : 0;  // a block of rows in fp32, then narrowed
   // slack: a tile's rows past the chunk's last channel (discarded accumulators) stay inside
-  lease_bytes = size_t(ub * (xunit + zunit) + 4 * (ldx + ldz)) * sizeof(float);
+  lease_bytes = Scratch::aligned(size_t(ub * (xunit + zunit) + 4 * (ldx + ldz)) * size_t(eb)) + size_t(tmp) * 4;
 }
 
 PlanCache<25, UpdatePlan> plans;
 
-// Units [u0, u0 + nb) of groups [g0, g0 + gn) transposed into the lease (see tiles_body).
+// A block of transposed rows into the lease: fp32 as it is, or narrowed to bf16 (exact: the
+// values came from bf16), on AVX-512 (the only ISA of the bf16 path).
+struct Narrow {
+  static JB_INLINE void run(const float* src, uint16_t* dst, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t u;
+      std::memcpy(&u, src + i, 4);
+      dst[i] = uint16_t(u >> 16);
+    }
+  }
+};
+
+void emit(const UpdatePlan& p, const float* rows, int64_t count, void* lease, int64_t at) {
+#if JB_X86
+  if (p.dot) target::Variants<Narrow>::avx512(rows, static_cast<uint16_t*>(lease) + at, count);
+#endif
+  (void)p, (void)rows, (void)count, (void)lease, (void)at;  // fp32: written in place
+}
+
+// Units [u0, u0 + nb) of groups [g0, g0 + gn) transposed into the lease (see tiles_body);
+// `stage`: where the bf16 path writes a block of rows in fp32 first.
 template <class T>
 void transpose_units(const UpdatePlan& p, const T* x, const T* dz, int64_t g0, int64_t gn, int64_t u0, int64_t nb,
-                     float* xb, float* zb) {
+                     void* xb, void* zb, float* stage) {
   const Shape& s = p.s;
   const int64_t xrow = p.gchunk * p.cg * p.ldx, zrow = p.gchunk * p.kg * p.ldz;
+  auto block = [&](void* base, int64_t at) { return p.dot ? stage : static_cast<float*>(base) + at; };
   for (int64_t ui = 0; ui < nb; ++ui) {
     const int64_t unit = u0 + ui, img = unit / p.bands, o0 = unit % p.bands * p.band, rows = p.rows_of(unit);
-    float* xu = xb + ui * p.xunit;
     for (int64_t hr = 0; hr < (rows - 1) * s.sh + s.er(); ++hr) {
       const int64_t ih = o0 * s.sh + hr - s.pt;
       for (int64_t ph = 0; ph < s.sw; ++ph) {
-        float* d = xu + (hr * s.sw + ph) * xrow;
+        const int64_t at = ui * p.xunit + (hr * s.sw + ph) * xrow, count = gn * p.cg * p.ldx;
+        float* d = block(xb, at);
         const int64_t j_lo = std::clamp<int64_t>(ceil_div(s.pl - ph, s.sw), 0, p.wq);
         const int64_t j_hi = std::clamp<int64_t>(ceil_div(s.w + s.pl - ph, s.sw), j_lo, p.wq);
         if (ih < 0 || ih >= s.h || j_hi == j_lo) {
-          std::memset(d, 0, size_t(gn * p.cg * p.ldx) * sizeof(float));
-          continue;
+          std::memset(d, 0, size_t(count) * sizeof(float));
+        } else {
+          for (int64_t c = 0; c < gn * p.cg; ++c) {
+            std::fill(d + c * p.ldx, d + c * p.ldx + j_lo, 0.0f);
+            std::fill(d + c * p.ldx + j_hi, d + (c + 1) * p.ldx, 0.0f);
+          }
+          words(p.isa, x + ((img * s.h + ih) * s.w + j_lo * s.sw + ph - s.pl) * s.c + g0 * p.cg, s.sw * s.c,
+                j_hi - j_lo, gn * p.cg, d + j_lo, p.ldx);
         }
-        for (int64_t c = 0; c < gn * p.cg; ++c) {
-          std::fill(d + c * p.ldx, d + c * p.ldx + j_lo, 0.0f);
-          std::fill(d + c * p.ldx + j_hi, d + (c + 1) * p.ldx, 0.0f);
-        }
-        words(p.isa, x + ((img * s.h + ih) * s.w + j_lo * s.sw + ph - s.pl) * s.c + g0 * p.cg, s.sw * s.c,
-              j_hi - j_lo, gn * p.cg, d + j_lo, p.ldx);
+        emit(p, d, count, xb, at);
       }
     }
-    float* zu = zb + ui * p.zunit;
     for (int64_t o = 0; o < rows; ++o) {
-      float* d = zu + o * zrow;
+      const int64_t at = ui * p.zunit + o * zrow, count = gn * p.kg * p.ldz;
+      float* d = block(zb, at);
       words(p.isa, dz + ((img * p.P + o0 + o) * p.Q) * s.k + g0 * p.kg, s.k, p.Q, gn * p.kg, d, p.ldz);
       for (int64_t k = 0; k < gn * p.kg; ++k) std::fill(d + k * p.ldz + p.Q, d + (k + 1) * p.ldz, 0.0f);
+      emit(p, d, count, zb, at);
     }
   }
 }
@@ -224,8 +314,10 @@ void narrow_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s
     float* part = parts + i * welems;
     std::memset(part, 0, size_t(welems) * sizeof(float));
     const PanelPool::Lease l(*pool);
-    float* xb = reinterpret_cast<float*>(l.data);
-    float* zb = xb + p->ub * p->xunit;
+    const size_t eb = p->dot ? 2 : 4;
+    char* xb = l.data;
+    char* zb = xb + size_t(p->ub * p->xunit) * eb;
+    float* stage = reinterpret_cast<float*>(l.data + p->lease_bytes - size_t(p->tmp) * 4);
     const int64_t first = p->units * i / p->items, last = p->units * (i + 1) / p->items;
     with_type(s.dt, [&](auto ts) {
       using T = decltype(ts);
@@ -233,7 +325,7 @@ void narrow_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s
         const int64_t nb = std::min(p->ub, last - u0);
         for (int64_t g0 = 0; g0 < s.groups; g0 += p->gchunk) {
           const int64_t gn = std::min(p->gchunk, s.groups - g0);
-          transpose_units(*p, static_cast<const T*>(x), static_cast<const T*>(dz), g0, gn, u0, nb, xb, zb);
+          transpose_units(*p, static_cast<const T*>(x), static_cast<const T*>(dz), g0, gn, u0, nb, xb, zb, stage);
           p->tiles(*p, xb, zb, g0, gn, u0, nb, part);
         }
       }
