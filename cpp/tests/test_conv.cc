@@ -197,6 +197,9 @@ const Case kGrouped[] = {
     {1, 8, 16, 9, 15, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 3},
     {3, 2, 9, 16, 16, 1, 3, 1, 1, 0, 0, 1, 1, 1, 1, 2},
     {2, 9, 10, 32, 32, 5, 5, 2, 1, 2, 2, 3, 1, 1, 2, 32},  // depthwise, whole 16-channel blocks
+    // depthwise, 8-pixel blocks of the rows' interiors (with pixels left over) and their borders
+    {2, 9, 27, 48, 48, 7, 7, 2, 1, 3, 3, 3, 2, 1, 1, 48},
+    {1, 6, 21, 32, 32, 5, 5, 1, 1, 2, 2, 1, 3, 1, 1, 32},
 };
 
 TEST(conv_feature_groups) {
@@ -220,7 +223,7 @@ TEST(conv_feature_groups) {
     if (isa > jb::best_isa()) continue;
     const jb::Dispatch dp = jb::make_dispatch(isa, "");
     for (DType dt : {DType::f32, DType::bf16})
-      for (int i : {7, 9, 14}) run_case(kGrouped[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
+      for (int i : {7, 9, 14, 15, 16}) run_case(kGrouped[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
   }
 }
 

@@ -171,6 +171,7 @@ GROUPED = [
     ((2, 10, 12, 64), (3, 3, 8, 64), 8, 1, "SAME", 1),          # ResNeXt-like: pixels in the lanes
     ((1, 9, 17, 9), (3, 3, 3, 15), 3, 1, ((3, 0), (6, 1)), 2),  # narrow, odd, pads beyond the reach
     ((2, 9, 10, 32), (5, 5, 1, 32), 32, (2, 1), "SAME", 2),      # depthwise, 16-channel blocks
+    ((2, 5, 27, 32), (7, 7, 1, 32), 32, (2, 1), ((3, 2), (3, 2)), 1),  # depthwise, 8-pixel interior blocks
 ]
 
 
