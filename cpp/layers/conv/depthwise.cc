@@ -136,12 +136,32 @@ bool blocked(const Shape& s) {
   return s.sw == 1 && s.dil_w == 1 && s.c % W == 0 && s.s >= 5;
 }
 
+// The `count` pixels of one row (forward: output row i = p of image n; backward: input row
+// i = h): blocks of kBlock inside the interior [lo, hi) through interior(), the others one
+// by one through their tap lists.
+template <int W, class T>
+[[gnu::always_inline]] inline void row_pixels(const Geo& g, bool backward, const T* in, const float* init,
+                                              int64_t n, int64_t i, int64_t count, int64_t lo, int64_t hi,
+                                              const std::vector<const T*>& rows, const std::vector<int64_t>& wrows,
+                                              T* out) {
+  std::vector<Tap> taps(size_t(g.s.r * g.s.s));
+  for (int64_t q = 0; q < count;) {
+    if (q >= lo && q + kBlock <= hi) {
+      interior<W>(rows, wrows, g.s.s, backward, g.wf, init, g.s.c, q, out);
+      q += kBlock;
+      continue;
+    }
+    const int64_t nt = backward ? bwd_taps(g, n, i, q, taps.data()) : fwd_taps(g, n, i, q, taps.data());
+    pixel<W>(taps.data(), nt, in, g.wf, init, g.s.c, out + q * g.s.c);
+    ++q;
+  }
+}
+
 // Forward, one output row (n, p): y[q][c] = bias[c] + sum_taps x[ih][iw][c] * w[tap][c].
 template <int W, class T>
 [[gnu::always_inline]] inline void fwd_row_body(const Geo& g, const T* x, const float* bias, T* y, int64_t row) {
   const Shape& s = g.s;
   const int64_t n = row / g.P, p = row % g.P;
-  std::vector<Tap> taps(size_t(s.r * s.s));
   std::vector<const T*> rows;  // the valid filter rows' input rows, from padded column 0
   std::vector<int64_t> wrows;
   int64_t lo = 0, hi = 0;      // the interior [lo, hi): columns q with q - pl .. q - pl + S - 1 inside
@@ -153,17 +173,7 @@ template <int W, class T>
       if (ih >= 0 && ih < s.h) rows.push_back(x + ((n * s.h + ih) * s.w - s.pl) * s.c), wrows.push_back(r * s.s * s.c);
     }
   }
-  T* out = y + row * g.Q * s.c;
-  for (int64_t q = 0; q < g.Q;) {
-    if (q >= lo && q + kBlock <= hi) {
-      interior<W>(rows, wrows, s.s, false, g.wf, bias, s.c, q, out);
-      q += kBlock;
-      continue;
-    }
-    const int64_t nt = fwd_taps(g, n, p, q, taps.data());
-    pixel<W>(taps.data(), nt, x, g.wf, bias, s.c, out + q * s.c);
-    ++q;
-  }
+  row_pixels<W>(g, false, x, bias, n, p, g.Q, lo, hi, rows, wrows, y + row * g.Q * s.c);
 }
 
 // Backward by data, one input row (n, h): dx[w][c] = sum over the taps that read (h, w) of
@@ -172,7 +182,6 @@ template <int W, class T>
 [[gnu::always_inline]] inline void bwd_row_body(const Geo& g, const T* dz, T* dx, int64_t row) {
   const Shape& s = g.s;
   const int64_t n = row / s.h, h = row % s.h;
-  std::vector<Tap> taps(size_t(s.r * s.s));
   std::vector<const T*> rows;  // the valid filter rows' dz rows, from column pl - (S - 1)
   std::vector<int64_t> wrows;
   int64_t lo = 0, hi = 0;      // the interior: columns w with w + pl - (S - 1) .. w + pl inside dz
@@ -185,17 +194,7 @@ template <int W, class T>
         rows.push_back(dz + ((n * g.P + u / s.sh) * g.Q + s.pl - (s.s - 1)) * s.c), wrows.push_back(r * s.s * s.c);
     }
   }
-  T* out = dx + row * s.w * s.c;
-  for (int64_t w = 0; w < s.w;) {
-    if (w >= lo && w + kBlock <= hi) {
-      interior<W>(rows, wrows, s.s, true, g.wf, nullptr, s.c, w, out);
-      w += kBlock;
-      continue;
-    }
-    const int64_t nt = bwd_taps(g, n, h, w, taps.data());
-    pixel<W>(taps.data(), nt, dz, g.wf, nullptr, s.c, out + w * s.c);
-    ++w;
-  }
+  row_pixels<W>(g, true, dz, nullptr, n, h, s.w, lo, hi, rows, wrows, dx + row * s.w * s.c);
 }
 
 // out[c] += sum_{i < count} a[i * sa + c] * b[i * sb + c] for c < cw: one tap's sum over a
