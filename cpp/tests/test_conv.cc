@@ -144,6 +144,7 @@ const Case kCases[] = {
     {2, 14, 14, 40, 72, 3, 3, 1, 1, 1, 1, 1, 1},  // a small image: the padded copy
     {1, 30, 31, 24, 20, 3, 3, 1, 1, 1, 1, 1, 1},  // a larger one: border blocks in place
     {1, 13, 12, 6, 10, 2, 4, 3, 2, 1, 0, 0, 2},   // 2x4 filter, strides 3 / 2
+    {2, 1, 11, 3, 3, 1, 3, 1, 1, 0, 0, 3, 1},     // a left pad beyond the filter's reach (the dual's is < 0)
 };
 
 }  // namespace

@@ -13,6 +13,7 @@ from flax import nnx
 
 import jax_brgemm as jb
 import jax_brgemm.nnx as jbnnx
+from stock_reference import conv_general_dilated as exact_conv
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ACTIVATIONS = {None: lambda y: y, "relu": jax.nn.relu, "gelu": jax.nn.gelu,
@@ -156,7 +157,7 @@ PADDINGS_2D = ["SAME", "VALID", "CIRCULAR", "REFLECT", "SAME_LOWER", 1, (2, 0),
 def test_conv2d_every_padding(padding, strides):
     kw = dict(strides=strides, padding=padding)
     ours = jbnnx.Conv(3, 5, (3, 2), rngs=nnx.Rngs(0), **kw)
-    stock = nnx.Conv(3, 5, (3, 2), rngs=nnx.Rngs(0), **kw)
+    stock = nnx.Conv(3, 5, (3, 2), rngs=nnx.Rngs(0), **kw, conv_general_dilated=exact_conv)
     same_state(ours, stock)
     x = normal(1, (2, 9, 7, 3))
     close(ours(x), stock(x))
@@ -168,7 +169,7 @@ def test_conv2d_every_padding(padding, strides):
                                      [(3, 1)], [(-1, 1)]], ids=str)
 def test_conv1d_every_padding(padding):
     ours = jbnnx.Conv(4, 3, 3, rngs=nnx.Rngs(0), padding=padding)
-    stock = nnx.Conv(4, 3, 3, rngs=nnx.Rngs(0), padding=padding)
+    stock = nnx.Conv(4, 3, 3, rngs=nnx.Rngs(0), padding=padding, conv_general_dilated=exact_conv)
     x = normal(1, (2, 11, 4))
     close(ours(x), stock(x))
     assert kernel_calls(ours, x) == 1
@@ -181,7 +182,7 @@ def test_conv_dtypes_batch_dims_mask_activation(dtype, batch):
     mask = (jnp.arange(3 * 3 * 5 * 7).reshape(3, 3, 5, 7) % 3 != 0).astype(F32)
     kw = dict(dtype=dtype, mask=mask, strides=2)
     ours = jbnnx.Conv(5, 7, (3, 3), rngs=nnx.Rngs(4), activation="relu", **kw)
-    stock = nnx.Conv(5, 7, (3, 3), rngs=nnx.Rngs(4), **kw)
+    stock = nnx.Conv(5, 7, (3, 3), rngs=nnx.Rngs(4), **kw, conv_general_dilated=exact_conv)
     x = normal(2, batch + (7, 6, 5), dtype)
     y = ours(x)
     assert y.dtype == stock(x).dtype and y.shape == stock(x).shape
@@ -210,7 +211,7 @@ def test_conv_stock_fallbacks_are_exact(kw):
 ], ids=["3d_grouped", "3d_strided_dilated", "2d_input_dilation_strided"])
 def test_conv_kinds_run_on_the_kernels(kernel_size, kw, x_shape):
     ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), activation="tanh", **kw)
-    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
+    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw, conv_general_dilated=exact_conv)
     same_state(ours, stock)
     x = normal(1, x_shape)
     np.testing.assert_allclose(ours(x), jnp.tanh(stock(x)), atol=2e-5, rtol=2e-5)

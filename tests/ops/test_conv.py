@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import jax_brgemm as jb
 from jax_brgemm.nn.conv import conv_on_kernels
+from stock_reference import conv_general_dilated as exact_conv
 
 HI = jax.lax.Precision.HIGHEST
 REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,
@@ -23,7 +24,7 @@ REF_ACT = {None: lambda v: v, "relu": jax.nn.relu, "gelu": jax.nn.gelu,
 
 def stock(features, kernel_size, activation=None, **kw):
     """flax.linen.Conv followed by the activation: what jb.nn.Conv must equal."""
-    conv = fnn.Conv(features, kernel_size, precision=HI, **kw)
+    conv = fnn.Conv(features, kernel_size, precision=HI, conv_general_dilated=exact_conv, **kw)
     return lambda p, x: REF_ACT[activation](conv.apply(p, x)), conv
 
 
@@ -220,23 +221,39 @@ def test_stock_fallback(shape, features, kernel_size, kw, reason):
 
 @pytest.mark.parametrize("padding", [((-1, 1), (0, 0)), ((2, -3), (-1, -2)), -1])
 def test_negative_padding_crops(padding):
-    """A negative pad crops the input (the kernels run the rest); compared with the stock
-    convolution of the cropped input, since stock XLA's own cropping convolution reads
-    garbage now and then."""
-    pads = [padding] * 2 if isinstance(padding, int) else padding
-    pads = [(p, p) if isinstance(p, int) else p for p in pads]
+    """A negative pad crops the input (the kernels run the rest)."""
     x = jax.random.normal(jax.random.key(0), (2, 9, 10, 3))
-    window = (slice(None),) + tuple(slice(-min(lo, 0), n + min(hi, 0))
-                                    for n, (lo, hi) in zip((9, 10), pads, strict=True))
     layer = jb.nn.Conv(4, (3, 3), padding=padding)
-    ref = fnn.Conv(4, (3, 3), padding=tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads))
     params = layer.init(jax.random.key(1), x)
     assert "jb_conv" in jax.jit(layer.apply).lower(params, x).as_text()  # on the kernels
-    np.testing.assert_allclose(jax.jit(layer.apply)(params, x), ref.apply(params, x[window]), atol=2e-5, rtol=2e-5)
-    g = jax.grad(lambda p, x: jnp.sum(jnp.tanh(layer.apply(p, x))), argnums=(0, 1))(params, x)
-    g_ref = jax.grad(lambda p, x: jnp.sum(jnp.tanh(ref.apply(p, x[window]))), argnums=(0, 1))(params, x)
+    check_against_exact_stock(layer, params, x, padding)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("shape,kernel_size,padding", [
+    ((2, 11, 4), (3,), [(3, 1)]), ((2, 11, 4), (3,), [(1, 5)]), ((3, 1, 11, 4), (1, 3), ((0, 0), (5, 0))),
+    ((2, 7, 1, 4), (3, 1), ((4, 2), (0, 0))), ((2, 5, 7, 4), (3, 3), ((3, 4), (4, 3)))])
+def test_pads_beyond_the_filters_reach(shape, kernel_size, padding, dtype):
+    """Pads wider than the filter reaches: output pixels of padding alone, and a negative pad
+    in the input gradient's dual convolution. Stock XLA's own input gradient is wrong here
+    (it reads the next image: stock_reference.conv_general_dilated); ours is exact."""
+    x = jax.random.normal(jax.random.key(0), shape)
+    layer = jb.nn.Conv(3, kernel_size, padding=padding, dtype=dtype)
+    params = layer.init(jax.random.key(1), x)
+    assert "jb_conv_bwd" in jax.jit(jax.grad(lambda x: jnp.sum(layer.apply(params, x)))).lower(x).as_text()
+    check_against_exact_stock(layer, params, x, padding, dtype, 5e-2 if dtype else 1e-4)
+
+
+def check_against_exact_stock(layer, params, x, padding, dtype=None, tol=1e-4):
+    """layer's outputs and gradients equal flax's Conv with padding done by lax.pad."""
+    ref = fnn.Conv(layer.features, layer.kernel_size, padding=padding, dtype=dtype, precision=HI,
+                   conv_general_dilated=exact_conv)
+    loss = lambda f: lambda p, x: jnp.sum(jnp.tanh(f(p, x).astype(jnp.float32)))  # noqa: E731
+    np.testing.assert_allclose(*(np.asarray(f(params, x), np.float32) for f in (jax.jit(layer.apply), ref.apply)),
+                               atol=tol, rtol=tol)
+    g, g_ref = (jax.grad(loss(f), argnums=(0, 1))(params, x) for f in (layer.apply, ref.apply))
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

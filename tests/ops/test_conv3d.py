@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_brgemm as jb
+from stock_reference import conv_general_dilated as exact_conv
 
 DN = ("NDHWC", "DHWIO", "NDHWC")
 
@@ -20,7 +21,7 @@ def stock(x, w, b, *, strides=1, padding="SAME", rhs_dilation=1, lhs_dilation=1,
     """The stock 3-D convolution as jb.conv3d computes it: products in `dtype`, fp32 sums."""
     three = lambda v: (v,) * 3 if isinstance(v, int) else tuple(v)  # noqa: E731
     padding = [(padding, padding)] * 3 if isinstance(padding, int) else padding
-    y = jax.lax.conv_general_dilated(
+    y = exact_conv(
         x.astype(dtype), w.astype(dtype), three(strides), padding, lhs_dilation=three(lhs_dilation),
         rhs_dilation=three(rhs_dilation), feature_group_count=feature_group_count, dimension_numbers=DN,
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

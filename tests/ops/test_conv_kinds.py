@@ -14,6 +14,7 @@ from flax import nnx
 
 import jax_brgemm as jb
 import jax_brgemm.nnx as jbnnx
+from stock_reference import conv_general_dilated as exact_conv
 
 HI = jax.lax.Precision.HIGHEST
 DN = ("NHWC", "HWIO", "NHWC")
@@ -22,7 +23,7 @@ DN = ("NHWC", "HWIO", "NHWC")
 def stock_conv(x, w, b=None, *, strides=(1, 1), padding="SAME", rhs_dilation=(1, 1), feature_group_count=1,
                lhs_dilation=(1, 1), dtype=jnp.float32):
     """lax.conv_general_dilated as jb.conv2d computes it: products in `dtype`, fp32 sums."""
-    y = jax.lax.conv_general_dilated(x.astype(dtype), w.astype(dtype), strides, padding,
+    y = exact_conv(x.astype(dtype), w.astype(dtype), strides, padding,
                                      rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
                                      lhs_dilation=lhs_dilation,
                                      dimension_numbers=DN, precision=HI,
@@ -106,13 +107,14 @@ def check_modules(kw, kernel_size, x, call, bias_grad=True):
     """jb.nn.Conv, stock flax Conv under accelerate() and jb.nnx.Conv, 6 features, keywords
     kw: `call` in the lowered program, flax's results and gradients (the bias gradient only
     when bias_grad)."""
-    ref = fnn.Conv(6, kernel_size, precision=HI, **kw)
+    module = fnn.Conv(6, kernel_size, precision=HI, **kw)
+    ref = module.clone(conv_general_dilated=exact_conv)
     params = ref.init(jax.random.key(1), x)
     tol = 3e-2 if kw["dtype"] == jnp.bfloat16 else 2e-4
 
     def accelerated(p, x):
         with jb.accelerate():
-            return ref.apply(p, x)
+            return module.apply(p, x)
 
     for apply in (jb.nn.Conv(6, kernel_size, **kw).apply, accelerated):
         assert call in jax.jit(apply).lower(params, x).as_text()
@@ -125,7 +127,7 @@ def check_modules(kw, kernel_size, x, call, bias_grad=True):
         for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
             close(a, e, tol)
     ours = jbnnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), **kw)
-    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
+    stock = nnx.Conv(4, 6, kernel_size, rngs=nnx.Rngs(0), precision=HI, conv_general_dilated=exact_conv, **kw)
     close(ours(x), stock(x), tol)
 
 
@@ -234,13 +236,14 @@ def test_linen_and_nnx_conv_feature_groups(features, kernel_size, groups, kw, dt
     rank = 1 if isinstance(kernel_size, int) else len(kernel_size)
     x = jax.random.normal(jax.random.key(0), (2, 13, 12) if rank == 1 else (2, 12, 11, 12))
     kw = dict(feature_group_count=groups, dtype=dtype, **kw)
-    ref = fnn.Conv(features, kernel_size, precision=HI, **kw)
+    module = fnn.Conv(features, kernel_size, precision=HI, **kw)
+    ref = module.clone(conv_general_dilated=exact_conv)
     params = ref.init(jax.random.key(1), x)
     tol = 3e-2 if dtype == jnp.bfloat16 else 2e-4
 
     def accelerated(p, x):
         with jb.accelerate():
-            return ref.apply(p, x)
+            return module.apply(p, x)
 
     for apply in (jb.nn.Conv(features, kernel_size, **kw).apply, accelerated):
         assert "jb_conv_fwd" in jax.jit(apply).lower(params, x).as_text()
@@ -251,7 +254,8 @@ def test_linen_and_nnx_conv_feature_groups(features, kernel_size, groups, kw, dt
         for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
             close(a, e, tol)
     ours = jbnnx.Conv(12, features, kernel_size, rngs=nnx.Rngs(0), **kw)
-    stock = nnx.Conv(12, features, kernel_size, rngs=nnx.Rngs(0), precision=HI, **kw)
+    stock = nnx.Conv(12, features, kernel_size, rngs=nnx.Rngs(0), precision=HI, conv_general_dilated=exact_conv,
+                     **kw)
     close(ours(x), stock(x), tol)
 
 
