@@ -1,12 +1,13 @@
 // Narrow feature groups with the pixels in the vector lanes (narrow.h). A work item is a band
-// of output rows of one image. It keeps the padded input rows its current output row reads
-// in a ring (L2), each transposed to [group][s][channel (pair)][output column] (zeros in the
-// padding, bf16 pairs kept as 32-bit words: the VNNI layout; one copy per filter column s,
-// so that the reduction runs over (s, channel) with one stride, K = S x C / G per batch
-// element rather than C / G). For every output row and group one BRGEMM call (A: the group's
-// packed weights [r][out][(s, in)]; B: the ring's rows; batch: the filter rows, padding rows
-// being zeros) writes an fp32 tile [channel][pixel], and the row goes back transposed, with
-// bias and activation.
+// of output rows of one image. It keeps the input rows its current output row reads in a
+// ring (L2), each transposed to [column phase][channel (pair)][column] (zeros in the
+// padding columns, bf16 pairs kept as 32-bit words: the VNNI layout). For every output row
+// and group one BRGEMM call (A: the group's packed weights [r][s][out][in]; B: the ring's
+// rows, tap (r, s) at its row and column offset; batch: the taps of the rows inside the
+// input) writes an fp32 tile [channel][pixel], and the row goes back transposed, with bias
+// and activation. The ring is one transposed row per filter row: all groups' rows of a
+// ResNeXt stage stay in L2 together (a copy per filter column, for longer batch elements,
+// tripled it and ran out of Zen 3's 512 KiB).
 #include "layers/conv/narrow.h"
 
 #include <memory>
@@ -32,7 +33,7 @@ namespace jb::conv {
 namespace {
 
 constexpr int64_t kNarrow = 8;             // groups at most this wide (output channels) go here
-constexpr int64_t kMaxRows = 64;           // filter rows (the batch's offset table is on the stack)
+constexpr int64_t kMaxTaps = 256;          // filter taps (the batch's offset tables are on the stack)
 
 // The convolution the engine runs: the forward, or the backward by data as a forward of dz.
 struct Geo {
@@ -46,9 +47,9 @@ struct NarrowPlan : MultiplyPath {
     epw = vnni ? 2 : 1;
     words = g.cin / epw;
     wq = ceil_div((g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1, g.sw);
-    row_words = words * wq;
-    ldw = round_up(g.wout, 16) + 4;  // + 4: rows not a multiple of 64 bytes apart
-    slot_words = g.groups * g.s * (g.ci / epw) * ldw;
+    ldw = round_up(wq, 16) + 4;  // + 4: rows not a multiple of 64 bytes apart
+    phase_words = words * ldw;
+    slot_words = g.sw * phase_words;
     er = (g.r - 1) * g.dh + 1;
     ldq = round_up(g.wout, 16);
     // Bands of rows: as long as possible (the ring's rows are transposed once), as many as
@@ -57,12 +58,11 @@ struct NarrowPlan : MultiplyPath {
     band = ceil_div(g.hout, bands);
     bands = ceil_div(g.hout, band);
     items = g.n * bands;
-    lease_bytes = Scratch::aligned(size_t(g.sw * row_words + er * slot_words + 64) * 4) +
+    lease_bytes = Scratch::aligned(size_t(er * slot_words + 64) * 4) +
                   Scratch::aligned(size_t(g.cout * ldq) * sizeof(float));
     w_bytes = size_t(g.groups * g.r * g.s * g.co * g.ci) * mul_bytes;
-    for (int64_t r = 0; r < g.r; ++r) offs_a.push_back(r * g.co * g.s * g.ci);
-    // A: the group's [r][out][(s, in)]; B: its ring rows [(s, in)][pixel]: K = S x in.
-    BrgemmDesc d = desc(g.s * g.ci, g.s * g.ci, g.wout, ldq);
+    // A: the group's [r][s][out][in]; B: a ring row's [in][pixel] at the tap's column.
+    BrgemmDesc d = desc(g.ci, g.ci, g.wout, ldq);
     d.m = g.co;
     d.n = g.wout;
     d.ldb = ldw * epw;
@@ -70,10 +70,9 @@ struct NarrowPlan : MultiplyPath {
   }
 
   Geo g;
-  int64_t epw = 1, words = 0, wq = 0, row_words = 0, ldw = 0, slot_words = 0, er = 1, ldq = 0;
+  int64_t epw = 1, words = 0, wq = 0, ldw = 0, phase_words = 0, slot_words = 0, er = 1, ldq = 0;
   int64_t band = 1, bands = 1, items = 0;
   size_t lease_bytes = 0, w_bytes = 0;
-  std::vector<int64_t> offs_a;
   std::optional<Brgemm> kern;
 };
 
@@ -121,19 +120,20 @@ JB_TARGET_AVX2 void out_avx2(const float* yt, int64_t ldq, int64_t wout, int64_t
 }
 #endif
 
-// One padded input row into the transposed row: words x wq per phase, zeros outside.
+// One input row into the transposed row: per column phase, words x wq (rows ldw apart),
+// zeros in the padding columns.
 template <class S, class D>
 void transpose_row(const S* src, D* dst, const NarrowPlan& p) {
   const Geo& g = p.g;
-  for (int64_t ph = 0; ph < g.sw; ++ph, dst += p.row_words) {
+  for (int64_t ph = 0; ph < g.sw; ++ph, dst += p.phase_words) {
     const int64_t j_lo = std::min(p.wq, std::max<int64_t>(0, ceil_div(g.pl - ph, g.sw)));
     const int64_t j_hi = std::max(j_lo, std::min(p.wq, ceil_div(g.win + g.pl - ph, g.sw)));
     for (int64_t c = 0; c < p.words; ++c) {
-      std::fill(dst + c * p.wq, dst + c * p.wq + j_lo, D(0));
-      std::fill(dst + c * p.wq + j_hi, dst + (c + 1) * p.wq, D(0));
+      std::fill(dst + c * p.ldw, dst + c * p.ldw + j_lo, D(0));
+      std::fill(dst + c * p.ldw + j_hi, dst + c * p.ldw + p.wq, D(0));
     }
     if (j_hi == j_lo) continue;
-    words(p.isa, src + (j_lo * g.sw + ph - g.pl) * p.words, g.sw * p.words, j_hi - j_lo, p.words, dst + j_lo, p.wq);
+    words(p.isa, src + (j_lo * g.sw + ph - g.pl) * p.words, g.sw * p.words, j_hi - j_lo, p.words, dst + j_lo, p.ldw);
   }
 }
 
@@ -158,42 +158,39 @@ void add(Job& job, int64_t threads, std::shared_ptr<const NarrowPlan> plan, DTyp
     const bool gelu = act == Activation::gelu;
     void* out = gelu ? z : y;
     const size_t mb = p.mul_bytes;
-    const int64_t ciw = g.ci / p.epw, taps_w = g.s * ciw;
+    const int64_t ciw = g.ci / p.epw;
     const PanelPool::Lease l(*pool);
-    uint32_t* tmp = reinterpret_cast<uint32_t*>(l.data);  // one padded row, transposed
-    uint32_t* ring = tmp + g.sw * p.row_words;            // er rows, [group][s][in][pixel]
-    float* yt = reinterpret_cast<float*>(l.data + Scratch::aligned(size_t(g.sw * p.row_words + p.er * p.slot_words + 64) * 4));
+    uint32_t* ring = reinterpret_cast<uint32_t*>(l.data);  // er rows, [phase][in][column]
+    float* yt = reinterpret_cast<float*>(l.data + Scratch::aligned(size_t(p.er * p.slot_words + 64) * 4));
     const int64_t img = item / p.bands, p0 = item % p.bands * p.band, p1 = std::min(g.hout, p0 + p.band);
     with_type(dt, [&](auto ts) {
       using T = decltype(ts);
-      // Padded input row hr into its ring slot: each tap's columns copied out of the
-      // transposed row, so that K runs over (s, in) with one stride.
+      // Padded input row hr, transposed, into its ring slot (rows of padding are never read).
       auto load = [&](int64_t hr) {
-        uint32_t* slot = ring + hr % p.er * p.slot_words;
         const int64_t ih = hr - g.pt;
-        if (ih < 0 || ih >= g.hin) {
-          std::memset(slot, 0, size_t(p.slot_words) * 4);
-          return;
-        }
+        if (ih < 0 || ih >= g.hin) return;
         const T* src = static_cast<const T*>(x) + (img * g.hin + ih) * g.win * g.cin;
-        if (p.vnni) transpose_row(reinterpret_cast<const uint32_t*>(src), tmp, p);
-        else transpose_row(src, reinterpret_cast<float*>(tmp), p);
-        for (int64_t f = 0; f < g.groups; ++f)
-          for (int64_t t = 0; t < g.s; ++t) {
-            const uint32_t* from = tmp + t * g.dw % g.sw * p.row_words + f * ciw * p.wq + t * g.dw / g.sw;
-            uint32_t* to = slot + (f * taps_w + t * ciw) * p.ldw;
-            for (int64_t i = 0; i < ciw; ++i) std::memcpy(to + i * p.ldw, from + i * p.wq, size_t(g.wout) * 4);
-          }
+        uint32_t* slot = ring + hr % p.er * p.slot_words;
+        if (p.vnni) transpose_row(reinterpret_cast<const uint32_t*>(src), slot, p);
+        else transpose_row(src, reinterpret_cast<float*>(slot), p);
       };
       int64_t next = p0 * g.sh;  // the next padded row to load
-      int64_t offs_b[kMaxRows];
+      int64_t offs_a[kMaxTaps], offs_b[kMaxTaps];
       for (int64_t o = p0; o < p1; ++o) {
         for (int64_t hr = std::max(next, o * g.sh); hr < o * g.sh + p.er; ++hr) load(hr);
         next = o * g.sh + p.er;
-        for (int64_t r = 0; r < g.r; ++r) offs_b[r] = (o * g.sh + r * g.dh) % p.er * p.slot_words * p.epw;
+        int64_t taps = 0;  // of the filter rows inside the input
+        for (int64_t r = 0; r < g.r; ++r) {
+          const int64_t hr = o * g.sh + r * g.dh;
+          if (hr < g.pt || hr >= g.pt + g.hin) continue;
+          for (int64_t t = 0; t < g.s; ++t, ++taps) {
+            offs_a[taps] = (r * g.s + t) * g.co * g.ci;
+            offs_b[taps] = (hr % p.er * p.slot_words + t * g.dw % g.sw * p.phase_words + t * g.dw / g.sw) * p.epw;
+          }
+        }
         for (int64_t f = 0; f < g.groups; ++f)
-          p.kern->offsets(wt + size_t(f * g.r * g.s * g.co * g.ci) * mb, p.offs_a.data(),
-                          ring + f * taps_w * p.ldw, offs_b, g.r, yt + f * g.co * p.ldq);
+          p.kern->offsets(wt + size_t(f * g.r * g.s * g.co * g.ci) * mb, offs_a, ring + f * ciw * p.ldw, offs_b,
+                          taps, yt + f * g.co * p.ldq);
         // The tile back into the NHWC row: bias, then the activation on the row.
         T* orow = static_cast<T*>(out) + (img * g.hout + o) * g.wout * g.cout;
 #if JB_X86
@@ -209,7 +206,7 @@ void add(Job& job, int64_t threads, std::shared_ptr<const NarrowPlan> plan, DTyp
   });
 }
 
-// The group's weights as A operands, [group][r][out][(s, in)] in the multiply dtype; flip: the
+// The group's weights as A operands, [group][r][s][out][in] in the multiply dtype; flip: the
 // backward's (taps reversed, in and out swapped).
 void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p, bool flip, char* dst) {
   const Geo& g = p.g;
@@ -219,8 +216,8 @@ void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p
     int64_t e = 0;
     for (int64_t f = 0; f < g.groups; ++f)
       for (int64_t r = 0; r < g.r; ++r)
-        for (int64_t m = 0; m < g.co; ++m)
-          for (int64_t t = 0; t < g.s; ++t)
+        for (int64_t t = 0; t < g.s; ++t)
+          for (int64_t m = 0; m < g.co; ++m)
             for (int64_t i = 0; i < g.ci; ++i, ++e) {
               // HWIO: w[r][t][c in the group][k]
               const int64_t idx = flip ? (((g.r - 1 - r) * s.s + g.s - 1 - t) * s.cg() + m) * s.k + f * s.kg() + i
@@ -234,7 +231,7 @@ void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p
 
 bool lanes_fill(int64_t pixels, int64_t in_channels, const Shape& s, const Dispatch& dp) {
   // bf16 pairs of input channels must not straddle two groups
-  return pixels >= 8 && s.r <= kMaxRows && (multiply_dtype(s.dt, dp) == DType::f32 || in_channels % 2 == 0);
+  return pixels >= 8 && s.r * s.s <= kMaxTaps && (multiply_dtype(s.dt, dp) == DType::f32 || in_channels % 2 == 0);
 }
 
 }  // namespace
