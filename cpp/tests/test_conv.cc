@@ -201,6 +201,9 @@ const Case kGrouped[] = {
     // depthwise, 8-pixel blocks of the rows' interiors (with pixels left over) and their borders
     {2, 9, 27, 48, 48, 7, 7, 2, 1, 3, 3, 3, 2, 1, 1, 48},
     {1, 6, 21, 32, 32, 5, 5, 1, 1, 2, 2, 1, 3, 1, 1, 32},
+    // groups of 8 output channels (fp32 on AVX2: x and dz straight from NHWC in the update):
+    // 5 input channels a group (a tile of 4, then 1), 3 + 2 taps a row, strided, dilated
+    {1, 10, 19, 10, 16, 3, 5, 2, 1, 2, 0, 4, 1, 1, 2, 2},
 };
 
 TEST(conv_feature_groups) {
@@ -224,7 +227,7 @@ TEST(conv_feature_groups) {
     if (isa > jb::best_isa()) continue;
     const jb::Dispatch dp = jb::make_dispatch(isa, "");
     for (DType dt : {DType::f32, DType::bf16})
-      for (int i : {7, 9, 14, 15, 16}) run_case(kGrouped[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
+      for (int i : {7, 9, 14, 15, 16, 17}) run_case(kGrouped[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
   }
 }
 

@@ -47,4 +47,11 @@ template <int W, class T>
   }
 }
 
+// n floats, 8 at a time: a group's channels (a memcpy call for each would cost more).
+[[gnu::always_inline]] inline void copy_floats(const float* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store<8>(dst + i, load<8>(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 }  // namespace jb

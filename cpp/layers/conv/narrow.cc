@@ -7,7 +7,8 @@
 // input) writes an fp32 tile [channel][pixel], and the row goes back transposed, with bias
 // and activation. The ring is one transposed row per filter row: all groups' rows of a
 // ResNeXt stage stay in L2 together (a copy per filter column, for longer batch elements,
-// tripled it and ran out of Zen 3's 512 KiB).
+// tripled it and ran out of Zen 3's 512 KiB). fp32 groups of exactly 8 output channels on
+// AVX2 fill a register with the channels instead (EightLanes below).
 #include "layers/conv/narrow.h"
 
 #include <memory>
@@ -19,6 +20,7 @@
 #endif
 
 #include "layers/common/eltwise.h"
+#include "layers/common/lanes.h"
 #include "layers/common/operand.h"
 #include "layers/common/plan_cache.h"
 #include "layers/common/scratch.h"
@@ -44,6 +46,7 @@ struct Geo {
 
 struct NarrowPlan : MultiplyPath {
   NarrowPlan(const Geo& g0, DType dt, const Dispatch& dp, int64_t threads) : MultiplyPath(dt, dp), g(g0) {
+    eight = dt == DType::f32 && isa == Isa::avx2 && g.co == 8;
     epw = vnni ? 2 : 1;
     words = g.cin / epw;
     wq = ceil_div((g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1, g.sw);
@@ -60,6 +63,9 @@ struct NarrowPlan : MultiplyPath {
     items = g.n * bands;
     lease_bytes = Scratch::aligned(size_t(er * slot_words + 64) * 4) +
                   Scratch::aligned(size_t(g.cout * ldq) * sizeof(float));
+    wpad = (g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1;
+    eight_slot = g.groups * wpad * g.ci;
+    if (eight) lease_bytes = Scratch::aligned(size_t(er * eight_slot) * sizeof(float));
     w_bytes = size_t(g.groups * g.r * g.s * g.co * g.ci) * mul_bytes;
     // A: the group's [r][s][out][in]; B: a ring row's [in][pixel] at the tap's column.
     BrgemmDesc d = desc(g.ci, g.ci, g.wout, ldq);
@@ -70,6 +76,8 @@ struct NarrowPlan : MultiplyPath {
   }
 
   Geo g;
+  bool eight = false;  // fp32 groups of 8 output channels on AVX2: EightLanes
+  int64_t wpad = 0, eight_slot = 0;  // its ring: padded columns, floats a row
   int64_t epw = 1, words = 0, wq = 0, ldw = 0, phase_words = 0, slot_words = 0, er = 1, ldq = 0;
   int64_t band = 1, bands = 1, items = 0;
   size_t lease_bytes = 0, w_bytes = 0;
@@ -120,6 +128,70 @@ JB_TARGET_AVX2 void out_avx2(const float* yt, int64_t ldq, int64_t wout, int64_t
 }
 #endif
 
+#if JB_X86
+// Groups of exactly 8 output channels, fp32, AVX2: the channels of a group fill the lanes
+// (a BRGEMM tile would too, but K = C / G = 8 a call), the weights are one vector per
+// (tap, input channel), and the input pixels are broadcast from a ring of input rows
+// regrouped to [group][padded column][channel]: a group's pixels contiguous (in NHWC with
+// 2^k channels they sit 2^k floats apart, on a few L1 sets) and zeros in the padding.
+// Per output row and group, tiles of up to 12 pixels (12 accumulators, 13 loads for 12
+// FMAs) sum every tap, then add the bias and store into the NHWC row. Weights packed
+// [group][r][s][in][out].
+struct EightLanes {
+  using V = Lanes<8>::f;
+
+  // Pixels [q0, q0 + PB) of output row o, group f; ring: the padded rows' slots.
+  template <int PB>
+  static JB_INLINE void tile(const NarrowPlan& p, const float* ring, const float* wt, const float* bias, int64_t o,
+                             int64_t f, int64_t q0, float* orow) {
+    const Geo& g = p.g;
+    V acc[PB] = {};
+    for (int64_t r = 0; r < g.r; ++r) {
+      const int64_t hr = o * g.sh + r * g.dh;
+      if (hr < g.pt || hr >= g.pt + g.hin) continue;  // a padding row
+      const float* xr = ring + hr % p.er * p.eight_slot + (f * p.wpad + q0 * g.sw) * g.ci;
+      for (int64_t t = 0; t < g.s; ++t) {
+        const float* w = wt + (r * g.s + t) * g.ci * 8;
+        const float* xt = xr + t * g.dw * g.ci;
+        for (int64_t c = 0; c < g.ci; ++c) {
+          const V wv = load<8>(w + c * 8);
+#pragma GCC unroll 12
+          for (int i = 0; i < PB; ++i) acc[i] += xt[i * g.sw * g.ci + c] * wv;
+        }
+      }
+    }
+    const V b = bias ? load<8>(bias + f * 8) : V{};
+#pragma GCC unroll 12
+    for (int i = 0; i < PB; ++i) store<8>(orow + (q0 + i) * g.cout + f * 8, acc[i] + b);
+  }
+
+  // Output row o into orow (NHWC, bias added), in tiles of 12 pixels.
+  static JB_INLINE void run(const NarrowPlan& p, const float* ring, const float* wt, const float* bias, int64_t o,
+                            float* orow) {
+    const Geo& g = p.g;
+    for (int64_t f = 0; f < g.groups; ++f) {
+      const float* wf = wt + f * g.r * g.s * g.ci * 8;
+      int64_t q0 = 0;
+      for (; q0 + 12 <= g.wout; q0 += 12) tile<12>(p, ring, wf, bias, o, f, q0, orow);
+      switch (g.wout - q0) {
+        case 11: tile<11>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 10: tile<10>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 9: tile<9>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 8: tile<8>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 7: tile<7>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 6: tile<6>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 5: tile<5>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 4: tile<4>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 3: tile<3>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 2: tile<2>(p, ring, wf, bias, o, f, q0, orow); break;
+        case 1: tile<1>(p, ring, wf, bias, o, f, q0, orow); break;
+        default: break;
+      }
+    }
+  }
+};
+#endif
+
 // One input row into the transposed row: per column phase, words x wq (rows ldw apart),
 // zeros in the padding columns.
 template <class S, class D>
@@ -135,6 +207,23 @@ void transpose_row(const S* src, D* dst, const NarrowPlan& p) {
     if (j_hi == j_lo) continue;
     words(p.isa, src + (j_lo * g.sw + ph - g.pl) * p.words, g.sw * p.words, j_hi - j_lo, p.words, dst + j_lo, p.ldw);
   }
+}
+
+// Padded input row hr of image xi into its ring slot as [group][padded column][channel],
+// zeros in the padding (EightLanes; rows of padding are never read).
+inline void regroup_row(const NarrowPlan& p, const float* xi, int64_t hr, float* ring) {
+  const Geo& g = p.g;
+  const int64_t ih = hr - g.pt;
+  if (ih < 0 || ih >= g.hin) return;
+  float* slot = ring + hr % p.er * p.eight_slot;
+  const float* src = xi + ih * g.win * g.cin;
+  for (int64_t f = 0; f < g.groups; ++f)
+    for (int64_t j = 0; j < p.wpad; ++j) {
+      const int64_t iw = j - g.pl;
+      float* d = slot + (f * p.wpad + j) * g.ci;
+      if (iw < 0 || iw >= g.win) std::fill(d, d + g.ci, 0.0f);
+      else copy_floats(src + iw * g.cin + f * g.ci, g.ci, d);
+    }
 }
 
 // Runs the engine: x (n, hin, win, cin) in dtype dt; pack(wt) writes the packed weights; y
@@ -159,6 +248,25 @@ void add(Job& job, int64_t threads, std::shared_ptr<const NarrowPlan> plan, DTyp
     void* out = gelu ? z : y;
     const size_t mb = p.mul_bytes;
     const int64_t ciw = g.ci / p.epw;
+#if JB_X86
+    if (p.eight) {
+      const PanelPool::Lease l(*pool);
+      float* ring = reinterpret_cast<float*>(l.data);
+      const int64_t img = item / p.bands, p0 = item % p.bands * p.band, p1 = std::min(g.hout, p0 + p.band);
+      const float* xi = static_cast<const float*>(x) + img * g.hin * g.win * g.cin;
+      int64_t next = p0 * g.sh;  // the next padded row to regroup
+      for (int64_t o = p0; o < p1; ++o) {
+        for (int64_t hr = std::max(next, o * g.sh); hr < o * g.sh + p.er; ++hr) regroup_row(p, xi, hr, ring);
+        next = o * g.sh + p.er;
+        float* orow = static_cast<float*>(out) + (img * g.hout + o) * g.wout * g.cout;
+        target::Variants<EightLanes>::avx2(p, ring, reinterpret_cast<const float*>(wt), bias, o, orow);
+        if (act != Activation::none)
+          eltwise::activate(act, dt, orow, static_cast<float*>(y) + (img * g.hout + o) * g.wout * g.cout,
+                            g.wout * g.cout, p.isa);
+      }
+      return;
+    }
+#endif
     const PanelPool::Lease l(*pool);
     uint32_t* ring = reinterpret_cast<uint32_t*>(l.data);  // er rows, [phase][in][column]
     float* yt = reinterpret_cast<float*>(l.data + Scratch::aligned(size_t(p.er * p.slot_words + 64) * 4));
@@ -213,18 +321,20 @@ void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p
   with_type(w_dt, [&](auto ws) {
     using W = decltype(ws);
     const W* src = static_cast<const W*>(w);
-    int64_t e = 0;
     for (int64_t f = 0; f < g.groups; ++f)
       for (int64_t r = 0; r < g.r; ++r)
         for (int64_t t = 0; t < g.s; ++t)
           for (int64_t m = 0; m < g.co; ++m)
-            for (int64_t i = 0; i < g.ci; ++i, ++e) {
+            for (int64_t i = 0; i < g.ci; ++i) {
+              // [out][in] for the ring's tiles, [in][out] for EightLanes
+              const int64_t e = (((f * g.r + r) * g.s + t) * g.co + m) * g.ci + i;
+              const int64_t at = p.eight ? e - m * g.ci - i + i * g.co + m : e;
               // HWIO: w[r][t][c in the group][k]
               const int64_t idx = flip ? (((g.r - 1 - r) * s.s + g.s - 1 - t) * s.cg() + m) * s.k + f * s.kg() + i
                                        : ((r * s.s + t) * s.cg() + i) * s.k + f * s.kg() + m;
               const float v = to_f32(src[idx]);
-              if (p.vnni) reinterpret_cast<uint16_t*>(dst)[e] = f32_to_bf16(v);
-              else reinterpret_cast<float*>(dst)[e] = v;
+              if (p.vnni) reinterpret_cast<uint16_t*>(dst)[at] = f32_to_bf16(v);
+              else reinterpret_cast<float*>(dst)[at] = v;
             }
   });
 }

@@ -9,6 +9,8 @@
 // masked off in x: the input columns there are real pixels the tap never multiplies (an Inf
 // there must not turn dz's zero padding into NaN). Each item keeps fp32 partials of dw; a
 // last loop sums them in item order, so the result does not depend on the scheduling.
+// fp32 groups of exactly 8 output channels on AVX2 put the channels in the lanes instead
+// (EightLanes below).
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -42,10 +44,12 @@ struct UpdatePlan {
 
   Shape s;
   Isa isa;
-  bool dot = false;  // bf16 pairs of pixels multiplied by vdpbf16ps (else fp32 lanes)
+  bool dot = false;    // bf16 pairs of pixels multiplied by vdpbf16ps (else fp32 lanes)
+  bool eight = false;  // fp32 groups of 8 output channels on AVX2: EightLanes, no transposes
   int64_t P, Q, cg, kg, lanes, nv, ldz, wq, ldx;      // lanes: pixels a register holds
   int64_t band = 1, bands = 1, units = 1, items = 1;  // a unit: the rows [band * b, ...) of one image
   int64_t ub = 1, gchunk = 1;                         // units and groups transposed at once
+  int64_t rb = 1;                                     // EightLanes: output rows of a block
   int64_t xunit = 0, zunit = 0, tmp = 0;              // elements of a unit's x and dz rows; fp32 staging
   size_t lease_bytes = 0;
   TilesFn tiles = nullptr;
@@ -174,6 +178,97 @@ JB_TARGET_DOT void tiles_dot(const UpdatePlan& p, const void* xb, const void* zb
 }
 #endif
 
+// Groups of exactly 8 output channels (ResNeXt's), fp32, AVX2: the group's output channels
+// fill the lanes, dz's pixel is one load, x's channels are broadcast, both straight from
+// NHWC (no transposes; regrouping a block of rows first was slower, docs/experiments.md).
+// A tile of up to 3 taps x 4 input channels (12 accumulators, 13 loads for 12 FMAs) sums
+// the pixels of a block of output rows for one filter row, then adds into the item's
+// partials.
+struct EightLanes {
+  using V = Lanes<8>::f;
+
+  template <int TB, int CB, bool EDGE>
+  static JB_INLINE void pixels(const float* xr, const float* zr, const Shape& s, int64_t t0, int64_t q0, int64_t q1,
+                               V (&acc)[TB][CB]) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const V z = load<8>(zr + q * s.k);
+#pragma GCC unroll 4
+      for (int tb = 0; tb < TB; ++tb) {
+        const int64_t iw = q * s.sw + (t0 + tb) * s.dil_w - s.pl;
+        if (EDGE && (iw < 0 || iw >= s.w)) continue;
+        const float* xp = xr + iw * s.c;
+#pragma GCC unroll 4
+        for (int cb = 0; cb < CB; ++cb) acc[tb][cb] += xp[cb] * z;
+      }
+    }
+  }
+
+  // Taps [t0, t0 + TB) of filter row r, input channels [c0, c0 + CB) of the group, over
+  // output rows [o0, o1): x at the image's first pixel, group channel c0; dz at the image's
+  // first pixel, the group's first channel; cell at dw[r][t0][c0][the group's first k].
+  template <int TB, int CB>
+  static JB_INLINE void tile(const float* x, const float* dz, const Shape& s, int64_t o0, int64_t o1, int64_t r,
+                             int64_t t0, float* cell) {
+    V acc[TB][CB] = {};
+    // per row: the pixels whose taps all fall inside it, then the others with a check
+    const int64_t q = s.q();
+    const int64_t lo = std::clamp<int64_t>(ceil_div(s.pl - t0 * s.dil_w, s.sw), 0, q);
+    const int64_t hi = std::clamp<int64_t>(ceil_div(s.w + s.pl - (t0 + TB - 1) * s.dil_w, s.sw), lo, q);
+    for (int64_t o = o0; o < o1; ++o) {
+      const int64_t ih = o * s.sh + r * s.dil_h - s.pt;
+      if (ih < 0 || ih >= s.h) continue;
+      const float* xr = x + ih * s.w * s.c;
+      const float* zr = dz + o * q * s.k;
+      pixels<TB, CB, true>(xr, zr, s, t0, 0, lo, acc);
+      pixels<TB, CB, false>(xr, zr, s, t0, lo, hi, acc);
+      pixels<TB, CB, true>(xr, zr, s, t0, hi, q, acc);
+    }
+#pragma GCC unroll 4
+    for (int tb = 0; tb < TB; ++tb)
+#pragma GCC unroll 4
+      for (int cb = 0; cb < CB; ++cb) {
+        float* c = cell + (tb * s.cg() + cb) * s.k;
+        store<8>(c, load<8>(c) + acc[tb][cb]);
+      }
+  }
+
+  template <int TB>
+  static JB_INLINE void taps(const float* x, const float* dz, const Shape& s, int64_t o0, int64_t o1, int64_t r,
+                             int64_t t0, float* cell) {
+    int64_t c0 = 0;
+    for (; c0 + 4 <= s.cg(); c0 += 4) tile<TB, 4>(x + c0, dz, s, o0, o1, r, t0, cell + c0 * s.k);
+    switch (s.cg() - c0) {
+      case 3: tile<TB, 3>(x + c0, dz, s, o0, o1, r, t0, cell + c0 * s.k); break;
+      case 2: tile<TB, 2>(x + c0, dz, s, o0, o1, r, t0, cell + c0 * s.k); break;
+      case 1: tile<TB, 1>(x + c0, dz, s, o0, o1, r, t0, cell + c0 * s.k); break;
+      default: break;
+    }
+  }
+
+  // Adds to the partials [r][s][c][k] the products of output rows [o0, o0 + rows) of image
+  // img, in blocks of rb rows whose x and dz stay in L2 while every group reads them.
+  static JB_INLINE void run(const Shape& s, const float* x, const float* dz, int64_t img, int64_t o0, int64_t rows,
+                            int64_t rb, float* part) {
+    x += img * s.h * s.w * s.c;
+    dz += img * s.p() * s.q() * s.k;
+    for (int64_t ob = o0; ob < o0 + rows; ob += rb) {
+      const int64_t oe = std::min(o0 + rows, ob + rb);
+      for (int64_t g = 0; g < s.groups; ++g)
+        for (int64_t r = 0; r < s.r; ++r)
+          for (int64_t t0 = 0; t0 < s.s; t0 += 3) {
+            const float* xg = x + g * s.cg();
+            const float* zg = dz + g * 8;
+            float* cell = part + (r * s.s + t0) * s.cg() * s.k + g * 8;
+            switch (std::min<int64_t>(3, s.s - t0)) {
+              case 3: taps<3>(xg, zg, s, ob, oe, r, t0, cell); break;
+              case 2: taps<2>(xg, zg, s, ob, oe, r, t0, cell); break;
+              default: taps<1>(xg, zg, s, ob, oe, r, t0, cell); break;
+            }
+          }
+    }
+  }
+};
+
 // The tiles for the plan's ISA and path, and the pixels a register holds.
 TilesFn pick_tiles(Isa isa, bool dot, int64_t* lanes) {
 #if JB_X86
@@ -190,6 +285,10 @@ UpdatePlan::UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads)
   // vdpbf16ps where the dispatch multiplies bf16 natively without AMX (Zen 4: at the fp32
   // FMA's rate per instruction, two products a lane); fp32 lanes elsewhere.
   dot = s.dt == DType::bf16 && isa == Isa::avx512 && dp.bf16_multiply == DType::bf16;
+  eight = s.dt == DType::f32 && isa == Isa::avx2 && kg == 8;
+  // its blocks: x's and dz's rows within 256 KiB (L2)
+  const int64_t row_bytes = (s.sh * s.w * s.c + Q * s.k) * 4;
+  rb = std::clamp<int64_t>(((256 << 10) - (s.er() - 1) * s.w * s.c * 4) / row_bytes, 1, P);
   tiles = pick_tiles(isa, dot, &lanes);
   nv = ceil_div(Q, lanes);
   ldz = nv * lanes;
@@ -313,12 +412,20 @@ void narrow_update(Job& job, int64_t threads, const Dispatch& dp, const Shape& s
     }
     float* part = parts + i * welems;
     std::memset(part, 0, size_t(welems) * sizeof(float));
+    const int64_t first = p->units * i / p->items, last = p->units * (i + 1) / p->items;
+#if JB_X86
+    if (p->eight) {
+      for (int64_t u = first; u < last; ++u)
+        target::Variants<EightLanes>::avx2(s, static_cast<const float*>(x), static_cast<const float*>(dz),
+                                           u / p->bands, u % p->bands * p->band, p->rows_of(u), p->rb, part);
+      return;
+    }
+#endif
     const PanelPool::Lease l(*pool);
     const size_t eb = p->dot ? 2 : 4;
     char* xb = l.data;
     char* zb = xb + size_t(p->ub * p->xunit) * eb;
     float* stage = reinterpret_cast<float*>(l.data + p->lease_bytes - size_t(p->tmp) * 4);
-    const int64_t first = p->units * i / p->items, last = p->units * (i + 1) / p->items;
     with_type(s.dt, [&](auto ts) {
       using T = decltype(ts);
       for (int64_t u0 = first; u0 < last; u0 += p->ub) {
