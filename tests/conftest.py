@@ -4,17 +4,58 @@ Every test runs with accelerate()'s dispatch policy off (the tests check what th
 compute; on some CPUs the policy leaves float32 dense layers stock), except those marked
 ``policy``.
 
+The quick tier (``-m "not slow"``, the README's and CI's run) takes one case in three of a
+parametrized test with four or more; the full run takes every case. All tests share one
+persistent compilation cache that starts empty each run: the same stock references and
+kernels compile once for the run's workers rather than once per test.
+
 ``tiny``: the train tests' tiny benchmark (tests/train/tiny_benchmark.py) in a directory
 of the test module's own: its data, checker rules and an empty reference directory.
 """
 
 import importlib.util
+import os
+import shutil
 import sys
+import tempfile
+from collections import defaultdict
 from pathlib import Path
 
+import jax
 import pytest
 
 from jax_brgemm.accelerate import policy
+
+
+_CACHE_ENV = "JAX_BRGEMM_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    # The controller (or a lone process) makes the directory; xdist workers, started after,
+    # inherit its name.
+    if _CACHE_ENV not in os.environ:
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax_brgemm-tests-")
+        config._jb_cache_owner = True
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jb_cache_owner", False):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    cases = defaultdict(list)
+    for item in items:
+        if hasattr(item, "callspec"):
+            cases[(item.path, item.cls, item.originalname)].append(item)
+    for group in cases.values():
+        if len(group) >= 4:
+            for i, item in enumerate(group):
+                if i % 3:
+                    item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ def _shapes(tree):
 
 @pytest.mark.parametrize("make, shape", [
     (lambda impl: LSTMClassifier(features=(12, 8), num_classes=10, impl=impl), (3, 6, 5)),
-    (lambda impl: GNMTEncoder(features=8, impl=impl), (2, 5, 8)),
+    pytest.param(lambda impl: GNMTEncoder(features=8, impl=impl), (2, 5, 8), marks=pytest.mark.slow),
 ])
 def test_same_tree_and_results(make, shape):
     x = jax.random.normal(jax.random.key(0), shape)

@@ -212,6 +212,7 @@ class RNNClassifier(nn.Module):  # an RNN classifier as in the Flax docs: stacke
         return nn.Dense(10)(x[:, -1])
 
 
+@pytest.mark.slow  # 21-24 s a cell; the quick tier runs linen RNNs in test_accelerate_scans.py
 @pytest.mark.parametrize("cell", [nn.OptimizedLSTMCell, nn.LSTMCell])
 def test_rnn_classifier_same_outputs_gradients_and_trees(cell):
     model = RNNClassifier(cell)

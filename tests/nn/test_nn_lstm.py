@@ -117,8 +117,9 @@ def kernel_calls(fn, *args):
     return hlo.count("jb_lstm_fwd"), hlo.count("jb_lstm_bptt")
 
 
-@pytest.mark.parametrize("kw", [dict()] + [pytest.param(kw, marks=pytest.mark.slow) for kw in (
-    dict(time_major=True), dict(reverse=True), dict(reverse=True, keep_order=True))])
+@pytest.mark.slow  # 33 s a case; the quick tier has seq_lengths in tests/ops/test_lstm.py and nnx
+@pytest.mark.parametrize("kw", [dict(), dict(time_major=True), dict(reverse=True),
+                                dict(reverse=True, keep_order=True)])
 def test_seq_lengths_return_carry_matches_stock_on_the_kernels(kw):
     # lengths 0 and past T: the stock module's reading (the last step's carry, no gradient)
     n, t, c, k = 5, 6, 3, 4

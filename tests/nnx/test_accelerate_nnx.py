@@ -63,7 +63,8 @@ def loss(model, x):
 
 @pytest.mark.parametrize("make,shape,calls", [
     (lambda: CNN(rngs=nnx.Rngs(0)), (3, 14, 14, 1), 4),
-    (lambda: RNNClassifier(nnx.OptimizedLSTMCell, rngs=nnx.Rngs(0)), (3, 5, 7), 3),
+    pytest.param(lambda: RNNClassifier(nnx.OptimizedLSTMCell, rngs=nnx.Rngs(0)), (3, 5, 7), 3,
+                 marks=pytest.mark.slow),  # the quick tier runs it in test_nnx_modules.py
     (lambda: RNNClassifier(nnx.LSTMCell, rngs=nnx.Rngs(0)), (3, 5, 7), 3),
 ], ids=["cnn", "lstm", "lstm-cell"])
 def test_same_outputs_gradients_and_state(make, shape, calls):

@@ -93,6 +93,7 @@ def test_hypothesis_shapes(d, h, c, kg, t, r, groups, sd, dd, ld, bf16):
           feature_group_count=groups)
 
 
+@pytest.mark.slow  # 13 s; the quick tier has the 2-D convolution's (test_conv.py)
 def test_grad_of_grad():
     keys = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(keys[0], (2, 4, 5, 3, 2))

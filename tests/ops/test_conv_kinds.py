@@ -202,6 +202,7 @@ def test_feature_groups_weight_gradient_keeps_inf_where_stock_does(dtype):
     close(np.where(finite, ours, 0), np.where(finite, theirs, 0), 3e-2 if dtype == jnp.bfloat16 else 2e-4)
 
 
+@pytest.mark.slow  # 24 s; the quick tier has the plain convolution's (test_conv.py)
 def test_feature_groups_grad_of_grad():
     keys = jax.random.split(jax.random.key(8), 3)
     x = jax.random.normal(keys[0], (2, 7, 8, 6))

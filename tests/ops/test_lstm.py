@@ -265,8 +265,9 @@ def _scalar(out):
     return jnp.sum(y * jnp.sin(3 * y)) + jnp.sum(jnp.tanh(c) * h) + jnp.sum(h * h)
 
 
-@pytest.mark.parametrize("time_major", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("n,t,c,k", [(3, 4, 5, 6), pytest.param(2, 1, 3, 17, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 35 s; the quick tier has grad of grad in tests/nn/test_nn_lstm.py
+@pytest.mark.parametrize("time_major", [False, True])
+@pytest.mark.parametrize("n,t,c,k", [(3, 4, 5, 6), (2, 1, 3, 17)])
 def test_lstm_grad_of_grad_matches_the_scan(n, t, c, k, time_major):
     args = _args(jax.random.key(n + k), n, t, c, k, time_major)
     ref = lambda *a: scan_lstm(*a, time_major=time_major)  # noqa: E731

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json, re
     import jax, jax.numpy as jnp, numpy as np
@@ -139,6 +141,7 @@ ATTENTION_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # 18 s; the quick tier shards the other custom calls in the test above
 def test_attention_runs_per_batch_shard():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     proc = subprocess.run([sys.executable, "-c", ATTENTION_SCRIPT], env=env, capture_output=True,
