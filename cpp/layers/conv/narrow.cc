@@ -49,7 +49,8 @@ struct NarrowPlan : MultiplyPath {
     eight = dt == DType::f32 && isa == Isa::avx2 && g.co == 8;
     epw = vnni ? 2 : 1;
     words = g.cin / epw;
-    wq = ceil_div((g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1, g.sw);
+    wpad = (g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1;  // the padded columns the row reads
+    wq = ceil_div(wpad, g.sw);
     ldw = round_up(wq, 16) + 4;  // + 4: rows not a multiple of 64 bytes apart
     phase_words = words * ldw;
     slot_words = g.sw * phase_words;
@@ -63,7 +64,6 @@ struct NarrowPlan : MultiplyPath {
     items = g.n * bands;
     lease_bytes = Scratch::aligned(size_t(er * slot_words + 64) * 4) +
                   Scratch::aligned(size_t(g.cout * ldq) * sizeof(float));
-    wpad = (g.wout - 1) * g.sw + (g.s - 1) * g.dw + 1;
     eight_slot = g.groups * wpad * g.ci;
     if (eight) lease_bytes = Scratch::aligned(size_t(er * eight_slot) * sizeof(float));
     w_bytes = size_t(g.groups * g.r * g.s * g.co * g.ci) * mul_bytes;
@@ -77,7 +77,7 @@ struct NarrowPlan : MultiplyPath {
 
   Geo g;
   bool eight = false;  // fp32 groups of 8 output channels on AVX2: EightLanes
-  int64_t wpad = 0, eight_slot = 0;  // its ring: padded columns, floats a row
+  int64_t wpad = 0, eight_slot = 0;  // padded columns a row reads; EightLanes ring floats a row
   int64_t epw = 1, words = 0, wq = 0, ldw = 0, phase_words = 0, slot_words = 0, er = 1, ldq = 0;
   int64_t band = 1, bands = 1, items = 0;
   size_t lease_bytes = 0, w_bytes = 0;
@@ -327,8 +327,7 @@ void pack_weights(const Shape& s, const void* w, DType w_dt, const NarrowPlan& p
           for (int64_t m = 0; m < g.co; ++m)
             for (int64_t i = 0; i < g.ci; ++i) {
               // [out][in] for the ring's tiles, [in][out] for EightLanes
-              const int64_t e = (((f * g.r + r) * g.s + t) * g.co + m) * g.ci + i;
-              const int64_t at = p.eight ? e - m * g.ci - i + i * g.co + m : e;
+              const int64_t at = (((f * g.r + r) * g.s + t) * g.co * g.ci) + (p.eight ? i * g.co + m : m * g.ci + i);
               // HWIO: w[r][t][c in the group][k]
               const int64_t idx = flip ? (((g.r - 1 - r) * s.s + g.s - 1 - t) * s.cg() + m) * s.k + f * s.kg() + i
                                        : ((r * s.s + t) * s.cg() + i) * s.k + f * s.kg() + m;

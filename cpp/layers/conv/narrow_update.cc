@@ -286,9 +286,10 @@ UpdatePlan::UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads)
   // FMA's rate per instruction, two products a lane); fp32 lanes elsewhere.
   dot = s.dt == DType::bf16 && isa == Isa::avx512 && dp.bf16_multiply == DType::bf16;
   eight = s.dt == DType::f32 && isa == Isa::avx2 && kg == 8;
-  // its blocks: x's and dz's rows within 256 KiB (L2)
-  const int64_t row_bytes = (s.sh * s.w * s.c + Q * s.k) * 4;
-  rb = std::clamp<int64_t>(((256 << 10) - (s.er() - 1) * s.w * s.c * 4) / row_bytes, 1, P);
+  if (eight) {  // its blocks: x's and dz's rows within 256 KiB (L2)
+    const int64_t row_bytes = (s.sh * s.w * s.c + Q * s.k) * 4;
+    rb = std::clamp<int64_t>(((256 << 10) - (s.er() - 1) * s.w * s.c * 4) / row_bytes, 1, P);
+  }
   tiles = pick_tiles(isa, dot, &lanes);
   nv = ceil_div(Q, lanes);
   ldz = nv * lanes;
