@@ -9,8 +9,8 @@ the conv weight gradient over N * H * W. The error is max |out - ref| / max |ref
     python bench/accuracy.py --scale 0.1
 
 Then each precision= (float32, and the bf16 emulation of ops/emulation.py forced: six, three
-and one bfloat16 product) on unit-normal reductions of 10^3 to 10^6 products and a dense
-layer's, beside stock XLA's fp32.
+and one bfloat16 product) on unit-normal reductions of 10^3 to 10^6 products, a dense
+layer's and a 3x3 convolution's, beside stock XLA's fp32.
 """
 
 from __future__ import annotations
@@ -82,21 +82,35 @@ PRECISIONS = {"float32": None, "bf16_6x": "BF16_BF16_F32_X6", "bf16_3x": "BF16_B
 
 def precision_rows(rng, scale):
     """Each precision's error (the bf16 emulation forced, ops/emulation.py) beside stock
-    XLA's fp32, on unit-normal reductions of 10^3 to 10^6 products and a dense layer."""
+    XLA's fp32, on unit-normal reductions of 10^3 to 10^6 products, a dense and a conv layer."""
     precision.EMULATE = True
-    shapes = [(f"brgemm K={k:,}", (1, 8, k), (1, k, 8)) for k in (10 ** 3, 10 ** 4, 10 ** 5, int(10 ** 6 * scale))]
-    shapes.append(("dense 256x1024 @ 1024x1024", (1, 256, 1024), (1, 1024, 1024)))
     rows = []
     print("\n| reduction | " + " | ".join(PRECISIONS) + " | XLA fp32 |\n|---|---|---|---|---|---|")
+
+    def row(name, ours, stock, a, b, ref):  # ours(a, b, precision), stock(a, b)
+        errs = {p: rel_error(jax.jit(lambda a, b, v=v: ours(a, b, v))(a, b), ref) for p, v in PRECISIONS.items()}
+        errs["xla"] = rel_error(jax.jit(stock)(a, b), ref)
+        rows.append({"case": name, "error": errs})
+        print(f"| {name} | " + " | ".join(f"{errs[p]:.1e}" for p in (*PRECISIONS, "xla")) + " |")
+
+    shapes = [(f"brgemm K={k:,}", (1, 8, k), (1, k, 8)) for k in (10 ** 3, 10 ** 4, 10 ** 5, int(10 ** 6 * scale))]
+    shapes.append(("dense 256x1024 @ 1024x1024", (1, 256, 1024), (1, 1024, 1024)))
     for name, a_shape, b_shape in shapes:
         a = rng.standard_normal(a_shape, dtype=np.float32)
         b = rng.standard_normal(b_shape, dtype=np.float32)
         ref = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
-        errs = {p: rel_error(jax.jit(lambda a, b, v=v: jb.brgemm(a, b, precision=v))(a, b), ref)
-                for p, v in PRECISIONS.items()}
-        errs["xla"] = rel_error(jax.jit(lambda a, b: jnp.einsum("bmk,bkn->mn", a, b))(a, b), ref)
-        rows.append({"case": name, "error": errs})
-        print(f"| {name} | " + " | ".join(f"{errs[p]:.1e}" for p in (*PRECISIONS, "xla")) + " |")
+        row(name, lambda a, b, v: jb.brgemm(a, b, precision=v),
+            lambda a, b: jnp.einsum("bmk,bkn->mn", a, b), a, b, ref)
+    # a ResNet 3x3 layer's forward: 576 products per output, the parts along the channels
+    x = rng.standard_normal((8, 28, 28, 64), dtype=np.float32)
+    w = rng.standard_normal((3, 3, 64, 64), dtype=np.float32)
+
+    def stock_conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    with jax.enable_x64(True):
+        ref = np.asarray(stock_conv(x.astype(np.float64), w.astype(np.float64)))
+    row("conv 3x3 64->64 (8, 28, 28)", lambda x, w, v: jb.conv2d(x, w, precision=v), stock_conv, x, w, ref)
     return rows
 
 

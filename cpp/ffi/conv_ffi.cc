@@ -5,6 +5,7 @@
 //   jb_conv_fwd  x (.., N, H, W, C), w (.., R, S, C/G, K), bias (.., K) or (.., 0)
 //                -> y (.., N, P, Q, K), z (.., N, P, Q, K) for gelu else empty
 //   jb_conv_bwd  dz (.., N, P, Q, K), w (.., R, S, C/G, K) -> dx (.., N, H, W, C)
+//   (y, z and dx in x's / dz's dtype, or float32 from bfloat16 operands: emulation.py)
 //   jb_conv_upd  x (.., N, H, W, C), dz (.., N, P, Q, K) -> dw (.., R, S, C/G, K), db (.., K) or (.., 0)
 //
 // Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr, kernel dilations dh, dw and
@@ -25,6 +26,14 @@ namespace {
 
 namespace ffi = xla::ffi;
 using namespace ffi_util;
+
+// Whether the output is fp32 from bf16 operands (the precision emulation's products); a
+// bf16 output from fp32 operands is an error.
+ffi::ErrorOr<bool> wider_output(const char* op, const char* out, DType dt, DType out_dt) {
+  if (out_dt == dt) return false;
+  if (out_dt == DType::f32) return true;
+  return ffi::Unexpected(invalid(std::string(op) + ": " + out + " must be float32 with float32 operands"));
+}
 
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
@@ -55,12 +64,15 @@ ffi::Error conv_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
                     int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_fwd";
-  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}}));
+  JB_TRY(out_dt, kernel_dtype(op, {{"y", y->element_type()}, {"z", z->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
   JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
+  JB_TRY(f32_out, wider_output(op, "y and z", dt, out_dt));
+  s.f32_out = f32_out;
   s.act = act;
   const auto yd = y->dimensions();
   if (yd.size() < 4 || bias.dimensions().size() < 1)
@@ -94,11 +106,14 @@ ffi::Error conv_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Re
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
                     int64_t dil_h, int64_t dil_w, int64_t groups) {
   const char* op = "jb_conv_bwd";
-  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
+  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}}));
+  JB_TRY(out_dt, kernel_dtype(op, {{"dx", dx->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
+  JB_TRY(f32_out, wider_output(op, "dx", dt, out_dt));
+  s.f32_out = f32_out;
   const Items items = items_of(dx->dimensions(), 4);
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
   JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.cg(), s.k}, items));

@@ -39,11 +39,13 @@ std::string name(const Case& c, DType dt) {
          " g" + std::to_string(c.g) + (dt == DType::bf16 ? " bf16" : " f32");
 }
 
+// f32_out: y, z and dx in fp32 from bf16 operands (the precision emulation's passes), held
+// to fp32's tolerance: the products of bf16 values are exact.
 void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, int64_t threads,
-              const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch()) {
-  const std::string tag = name(cs, dt);
+              const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch(), bool f32_out = false) {
+  const std::string tag = name(cs, dt) + (f32_out ? " f32 out" : "");
   conv::Shape s{cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.s, cs.sh, cs.sw, cs.pt, cs.pb, cs.pl, cs.pr, dt, act};
-  s.dil_h = cs.dh, s.dil_w = cs.dw, s.groups = cs.g;
+  s.dil_h = cs.dh, s.dil_w = cs.dw, s.groups = cs.g, s.f32_out = f32_out;
   const int64_t cg = s.cg(), kg = s.kg();  // a group's channels
   const int64_t P = s.p(), Q = s.q();
   std::mt19937 rng(unsigned(cs.n * 7 + cs.h * 131 + cs.c * 17 + cs.k + cs.r * 1000));
@@ -87,10 +89,10 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
     }
   });
   for (size_t i = 0; i < z_ref.size(); ++i) y_ref[i] = act_ref(act, z_ref[i]);
-  Tensor y(dt, s.n * P * Q * s.k), z(dt, s.n * P * Q * s.k);
+  Tensor y(s.out_dt(), s.n * P * Q * s.k), z(s.out_dt(), s.n * P * Q * s.k);
   conv::forward(ex, dp, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
                 act == Activation::gelu ? z.data() : nullptr, force);
-  const double tol = dt == DType::bf16 ? 2e-2 : 1e-4;
+  const double tol = s.out_dt() == DType::bf16 ? 2e-2 : 1e-4;
   close(y, y_ref, tol, tag + " y");
 
   // backward by data, from dz = dy (the layer's own act_grad is element-wise, tested by fc)
@@ -103,7 +105,7 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
       dx_ref[size_t(xi(n, ih, iw, c))] += acc;
     }
   });
-  Tensor dx(dt, s.n * s.h * s.w * s.c);
+  Tensor dx(s.out_dt(), s.n * s.h * s.w * s.c);
   for (size_t i = 0; i < dx.f.size(); ++i) dx.set(i, 12345.0f);  // every element must be written
   conv::backward(ex, dp, s, dy.data(), w.data(), w_dt, dx.data(), force);
   close(dx, dx_ref, tol, tag + " dx");
@@ -268,6 +270,19 @@ TEST(conv_every_isa) {
     const jb::Dispatch dp = jb::make_dispatch(isa, "");
     for (DType dt : {DType::f32, DType::bf16})
       for (int i : {0, 3, 5, 11}) run_case(kCases[i], dt, dt, Activation::relu, true, 2, nullptr, dp);
+  }
+}
+
+// fp32 outputs from bf16 operands: the direct skeleton for every kind (depthwise and
+// grouped ones included), every ISA, a fused activation and gelu's two outputs.
+TEST(conv_f32_outputs_from_bf16) {
+  const Case depthwise{2, 9, 10, 6, 6, 3, 3, 1, 2, 1, 1, 1, 1, 1, 1, 6};
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    const jb::Dispatch dp = jb::make_dispatch(isa, "");
+    for (const Case& c : {kCases[0], kCases[3], kCases[11], kDilated[1], kGrouped[17], depthwise})
+      for (Activation act : {Activation::none, Activation::gelu})
+        run_case(c, DType::bf16, DType::bf16, act, true, 2, nullptr, dp, true);
   }
 }
 

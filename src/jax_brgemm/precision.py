@@ -18,9 +18,10 @@ BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32 (
 
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
-precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm`` and ``jb.dense``
-compute the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32
-(``ops/emulation.py``). That can only pay with AMX, whose bfloat16 products run 6-14x the
+precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm``, ``jb.dense``,
+``jb.conv2d`` and ``jb.conv3d`` (every convolution kind, and the modules and ``accelerate()``
+through them) compute the ``bf16_*`` accuracies as asked instead, from bfloat16 products
+summed in float32 (``ops/emulation.py``); attention and the LSTM compute exact float32. That can only pay with AMX, whose bfloat16 products run 6-14x the
 float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
 1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
 there.

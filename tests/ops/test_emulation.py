@@ -134,3 +134,94 @@ def test_without_the_switch_every_request_is_exact_float32():
     a = jnp.ones((1, 3, 8))
     lowered = jax.jit(lambda a: jb.brgemm(a, a.swapaxes(-1, -2), precision="high")).lower(a).as_text()
     assert "bf16" not in lowered
+
+
+def stock_conv(x, w, b, *, ldil=(1, 1), dil=(1, 1), groups=1, pads=((1, 1), (1, 1)), precision=None):
+    """lax's convolution (+ bias, gelu) in the inputs' dtype, what jb.conv2d computes."""
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), pads, lhs_dilation=ldil, rhs_dilation=dil,
+                                     feature_group_count=groups, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     precision=precision)
+    return jax.nn.gelu(y + b)  # the tanh form, as jb's (and flax's) gelu
+
+
+def conv_and_grads(f, x, w, b, cot):
+    return (f(x, w, b),) + jax.grad(lambda *p: jnp.sum(f(*p) * cot), argnums=(0, 1, 2))(x, w, b)
+
+
+@pytest.mark.parametrize("accuracy", ["bf16_3x", "bf16_6x"])
+def test_conv_and_its_gradients_are_emulated(emulate, accuracy):
+    # every reduction over 288 products: forward 3x3x32, dx 3x3x32, dw 2x12x12
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 12, 12, 32)).astype(np.float32)
+    w = (rng.standard_normal((3, 3, 32, 32)) / 17).astype(np.float32)
+    b = rng.standard_normal(32).astype(np.float32)
+    cot = rng.standard_normal((2, 12, 12, 32)).astype(np.float32)
+    conv = lambda p: lambda x, w, b: jb.conv2d(x, w, b, activation="gelu", precision=p)  # noqa: E731
+    assert "bf16" in jax.jit(conv(PRESET[accuracy])).lower(x, w, b).as_text()
+    got = conv_and_grads(jax.jit(conv(PRESET[accuracy])), x, w, b, cot)
+    exact = conv_and_grads(jax.jit(conv(None)), x, w, b, cot)
+    stock = conv_and_grads(jax.jit(stock_conv), x, w, b, cot)
+    with jax.enable_x64(True):
+        want = conv_and_grads(stock_conv, *(a.astype(np.float64) for a in (x, w, b, cot)))
+    # float32's error: ours, or stock's where its sums are longer (our dw sums in chunks)
+    for g, e, st, ref in zip(got, exact, stock, want, strict=True):
+        assert rel_error(g, ref) <= BOUND[accuracy] * max(rel_error(e, ref), rel_error(st, ref))
+
+
+CONV_KINDS = {  # kind -> (x shape, kernel shape, stock_conv's geometry)
+    "grouped": ((2, 9, 10, 12), (3, 3, 3, 8), dict(groups=4)),
+    "depthwise": ((2, 9, 10, 6), (3, 3, 1, 6), dict(groups=6)),
+    "dilated": ((1, 11, 9, 5), (3, 2, 5, 7), dict(dil=(2, 3), pads=((2, 2), (0, 3)))),
+    "transposed": ((2, 5, 6, 4), (3, 3, 4, 3), dict(ldil=(2, 2), pads=((2, 2), (1, 2)))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONV_KINDS))
+@pytest.mark.parametrize("accuracy", ["bf16", "bf16_3x", "bf16_6x"])
+def test_every_conv_kind_is_emulated(emulate, kind, accuracy):
+    """Grouped, depthwise, dilated and transposed convolutions stack the parts per group, in
+    the forward and both gradients: one bfloat16 product has bfloat16's error, three about
+    2^-16's, six float32's (the stock float32 reference's own error is ~1e-6)."""
+    xs, ws, geo = CONV_KINDS[kind]
+    rng = np.random.default_rng(6)
+    x, w = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+    b = rng.standard_normal(ws[-1]).astype(np.float32)
+    f = jax.jit(lambda x, w, b: jb.conv2d(x, w, b, activation="gelu", padding=geo.get("pads", "SAME"),
+                                          rhs_dilation=geo.get("dil", 1), lhs_dilation=geo.get("ldil", 1),
+                                          feature_group_count=geo.get("groups", 1), precision=PRESET[accuracy]))
+    cot = rng.standard_normal(f(x, w, b).shape).astype(np.float32)
+    got = conv_and_grads(f, x, w, b, cot)
+    want = conv_and_grads(lambda *p: stock_conv(*p, **geo, precision="highest"), x, w, b, cot)
+    for g, ref in zip(got, want, strict=True):
+        err = rel_error(g, ref)
+        assert {"bf16": 1e-5 < err < 2e-2, "bf16_3x": err < 5e-5, "bf16_6x": err < 5e-6}[accuracy], err
+
+
+def test_emulated_conv3d_and_vmap(emulate):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 1, 4, 5, 6, 8)).astype(np.float32)
+    w = rng.standard_normal((2, 3, 3, 8, 4)).astype(np.float32)
+    f = jax.vmap(lambda x: jb.conv3d(x, w, precision="high"))
+    want = jax.vmap(lambda x: jax.lax.conv_general_dilated(
+        x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest"))(x)
+    assert "bf16" in jax.jit(f).lower(x).as_text()
+    assert rel_error(f(x), want) < 3e-5
+
+
+def test_a_stock_conv_layer_under_accelerate_follows_its_precision(emulate):
+    """flax's Conv(precision=HIGH) under accelerate() runs the emulated passes; the same
+    layer without a precision runs the exact float32 ones."""
+    import flax.linen as nn
+
+    x = np.random.default_rng(8).standard_normal((2, 8, 8, 16)).astype(np.float32)
+    for prec, emulated in [("high", True), (None, False)]:
+        layer = nn.Conv(16, (3, 3), feature_group_count=2, precision=prec)
+        params = layer.init(jax.random.key(0), x)
+        loss = lambda p: jnp.sum(jnp.sin(layer.apply(p, x)))  # noqa: E731
+        with jb.accelerate():
+            text = jax.jit(jax.grad(loss)).lower(params).as_text()
+            grads = jax.grad(loss)(params)
+        assert "jb_conv_upd" in text and ("bf16" in text) == emulated
+        want = jax.grad(loss)(params)
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+            assert rel_error(g, w) < 5e-5

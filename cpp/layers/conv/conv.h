@@ -16,7 +16,8 @@
 // With feature groups, group g's outputs k in [g * k / groups, (g + 1) * k / groups) reduce over
 // its inputs c in [g * c / groups, ...) only, with w[r, s, c mod (c / groups), k].
 // dtype `dt` is the compute dtype of x, y, z, dy, dz and dx; accumulation is always fp32,
-// the bias and db are fp32, w and dw are fp32 or bf16.
+// the bias and db are fp32, w and dw are fp32 or bf16. With f32_out, y, z and dx are fp32
+// whatever dt: bf16 products summed in fp32 (the precision emulation, ops/emulation.py).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,9 @@ struct Shape {
   Activation act = Activation::none;
   int64_t dil_h = 1, dil_w = 1;        // kernel (rhs) dilation: tap r reads row r * dil_h
   int64_t groups = 1;                  // feature groups: c and k split in as many; w is (r, s, c / groups, k)
+  bool f32_out = false;                // y, z (forward) and dx (backward) in fp32 whatever dt
+
+  DType out_dt() const { return f32_out ? DType::f32 : dt; }
 
   int64_t cg() const { return c / groups; }  // input / output channels of one group
   int64_t kg() const { return k / groups; }

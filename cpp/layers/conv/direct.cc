@@ -142,7 +142,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
     }
 
   // The kernels of every (row class, pixel block), full and last channel block.
-  BrgemmDesc desc = MultiplyPath::desc(bi, w.in_step() * ldi, bo, w.out_step() * ldo, d.dt);
+  BrgemmDesc desc = MultiplyPath::desc(bi, w.in_step() * ldi, bo, w.out_step() * ldo, d.out_dt);
   desc.bias = d.bias;
   desc.act = d.act;
   std::map<std::pair<int64_t, int64_t>, int64_t> made;

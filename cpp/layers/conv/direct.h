@@ -96,7 +96,8 @@ struct Dims {
   int64_t n, ci, co;  // input and output channels of one feature group
   int64_t groups = 1;
   Axis h, w;  // h.in, h.out: input and output rows; w likewise for columns
-  DType dt = DType::f32;  // dtype of input and output
+  DType dt = DType::f32;  // dtype of the input
+  DType out_dt = DType::f32;  // and of the output
   bool bias = false;
   Activation act = Activation::none;  // in the epilogue (gelu: none, applied after)
 };
@@ -190,10 +191,10 @@ inline bool pointwise(const Shape& s) {
 
 // The cache key of a pass: everything its plan depends on. `extra` is the pass's own (the
 // forward's bias, the update's dw dtype).
-using PlanKey = std::array<int64_t, 25>;
+using PlanKey = std::array<int64_t, 26>;
 inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
   return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, s.dil_h, s.dil_w, s.groups,
-          int64_t(s.dt), int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
+          int64_t(s.dt), int64_t(s.f32_out), int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
           force ? force->rows : -1, force ? force->cols : -1, force ? force->red : -1};
 }
 

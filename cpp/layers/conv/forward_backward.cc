@@ -23,6 +23,7 @@ Dims forward_dims(const Shape& s, bool bias, Activation act) {
   d.w = Axis{pw ? s.n * s.h * s.w : s.w, pw ? s.n * s.h * s.w : s.q(), s.s, s.sw, s.pl, false, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
+  d.out_dt = s.out_dt();
   d.bias = bias;
   d.act = act;
   return d;
@@ -39,12 +40,13 @@ Dims backward_dims(const Shape& s) {
   d.w = Axis{pw ? s.n * s.h * s.w : s.q(), pw ? s.n * s.h * s.w : s.w, s.s, s.sw, s.pl, true, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
+  d.out_dt = s.out_dt();
   d.bias = false;
   d.act = Activation::none;
   return d;
 }
 
-PlanCache<25, DirectPlan> forward_plans, backward_plans;
+PlanCache<26, DirectPlan> forward_plans, backward_plans;
 
 }  // namespace
 
@@ -85,11 +87,12 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   job.name = "conv_fwd";
   if (s.n == 0) return job;
   job.flops = flops(s);
-  if (depthwise(s)) {
+  // fp32 outputs from bf16 operands take the direct skeleton only
+  if (depthwise(s) && !s.f32_out) {
     depthwise_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
     return job;
   }
-  if (!force && narrow_forward_fits(s, dp)) {
+  if (!force && !s.f32_out && narrow_forward_fits(s, dp)) {
     narrow_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
     return job;
   }
@@ -99,7 +102,7 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   });
   const DirectPlan* p = plan.get();
   job.keep.push_back(plan);
-  const size_t es = dtype_size(s.dt);
+  const size_t es = dtype_size(s.out_dt());
   char* out = static_cast<char*>(gelu ? z : y);
   p->add(
       job, x, s.dt,
@@ -111,7 +114,7 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
         if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
           for (int64_t i = 0; i < pixels; ++i)
-            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off + i * s.k),
+            eltwise::activate(Activation::gelu, s.out_dt(), at(z, s.out_dt(), off + i * s.k),
                               static_cast<char*>(y) + (off + i * s.k) * es, cols, p->isa);
       });
   return job;
@@ -136,11 +139,11 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   job.name = "conv_bwd";
   if (s.n == 0) return job;
   job.flops = flops(s);
-  if (depthwise(s)) {
+  if (depthwise(s) && !s.f32_out) {
     depthwise_backward(job, threads, dp, s, dz, w, w_dt, dx);
     return job;
   }
-  if (!force && narrow_backward_fits(s, dp)) {
+  if (!force && !s.f32_out && narrow_backward_fits(s, dp)) {
     narrow_backward(job, threads, dp, s, dz, w, w_dt, dx);
     return job;
   }
@@ -149,7 +152,7 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   });
   const DirectPlan* p = plan.get();
   job.keep.push_back(plan);
-  const size_t es = dtype_size(s.dt);
+  const size_t es = dtype_size(s.out_dt());
   p->add(
       job, dz, s.dt,
       [p, s, w, w_dt](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {

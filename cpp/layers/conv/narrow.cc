@@ -84,7 +84,7 @@ struct NarrowPlan : MultiplyPath {
   std::optional<Brgemm> kern;
 };
 
-PlanCache<25, NarrowPlan> forward_plans, backward_plans;
+PlanCache<26, NarrowPlan> forward_plans, backward_plans;
 
 // The output tile (fp32 [channel][pixel], ldq) into an NHWC row of T with the bias added.
 template <class T>

@@ -321,7 +321,7 @@ UpdatePlan::UpdatePlan(const Shape& s0, const Dispatch& dp, int64_t threads)
   lease_bytes = Scratch::aligned(size_t(ub * (xunit + zunit) + 4 * (ldx + ldz)) * size_t(eb)) + size_t(tmp) * 4;
 }
 
-PlanCache<25, UpdatePlan> plans;
+PlanCache<26, UpdatePlan> plans;
 
 // A block of transposed rows into the lease: fp32 as it is, or narrowed to bf16 (exact: the
 // values came from bf16), on AVX-512 (the only ISA of the bf16 path).

@@ -110,7 +110,7 @@ struct UpdatePlan : MultiplyNarrow {
   size_t xt_bytes = 0, dz_bytes = 0, part_bytes = 0;
 };
 
-PlanCache<25, UpdatePlan> update_plans;
+PlanCache<26, UpdatePlan> update_plans;
 
 }  // namespace
 

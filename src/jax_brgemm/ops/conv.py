@@ -27,7 +27,7 @@ from jax import lax
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import fc_passes
+from jax_brgemm.ops import emulation, fc_passes
 
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
@@ -71,8 +71,10 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
         G = C), as in lax.
       precision: the accuracy asked of the products, as ``lax.conv_general_dilated`` takes
         it (a ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None
-        follows ``jax.default_matmul_precision``); every one is met by exact float32
-        products (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
+        follows ``jax.default_matmul_precision``), met as ``jax_brgemm.precision`` says:
+        exact float32 products, or with ``JAX_BRGEMM_EMULATE=1`` and float32 ``dtype``
+        bfloat16 ones summed in float32 (``ops/emulation.py``), in every pass. An algorithm
+        outside its table is a ValueError.
 
     Returns:
       ``(N, P, Q, K)`` in ``dtype``.
@@ -86,7 +88,7 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     if bias is not None:
         bias = check.array(bias, "bias", _OP, check.OP_DTYPES)
     act = check.activation(activation, _OP)
-    _precision.accuracy(precision, _OP)
+    computed = _precision.computed(_precision.accuracy(precision, _OP))
     check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
     check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
     r, s, cg, k = kernel.shape
@@ -106,7 +108,8 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     pads = resolve_padding(padding, dilated, ((r - 1) * dil[0] + 1, (s - 1) * dil[1] + 1), st)
     dtype = check.compute_dtype(_OP, dtype, x, kernel, bias, dtypes=check.OP_DTYPES)
     x = x.astype(dtype)
-    cfg = (act, st, pads, dil, groups)
+    # (activation, strides, pads, dilations, groups, the accuracy computed: ops/emulation.py)
+    cfg = (act, st, pads, dil, groups, computed if dtype == jnp.float32 else "float32")
     out = _out_shape((n,) + dilated + (c,), kernel.shape, cfg)
     # an empty input with padding can still have output pixels (all padding)
     if min(out + (h, w, c)) < 1 or dtype not in check.KERNEL_DTYPES:
@@ -124,7 +127,7 @@ def _input_dilated(x, kernel, bias, activation, cfg, ldil, out):
     convolution it transposes: strides ldil, the kernel flipped with its channels swapped
     (per group), pads (R - 1) * dh - pad. Output rows beyond the kernel's reach (a pad larger
     than that) are zeros, added around; bias and activation follow in XLA."""
-    _, _, pads, dil, groups = cfg
+    pads, dil, groups = cfg[2:5]
     r, s, cg, k = kernel.shape
     n, _, _, c = x.shape
     reach = ((r - 1) * dil[0], (s - 1) * dil[1])
@@ -136,7 +139,7 @@ def _input_dilated(x, kernel, bias, activation, cfg, ldil, out):
     # w_t[r, s, j, g * cg + i] = w[R - 1 - r, S - 1 - s, i, g * kg + j]
     w_t = kernel[::-1, ::-1].reshape(r, s, cg, groups, k // groups).transpose(0, 1, 4, 3, 2)
     w_t = w_t.reshape(r, s, k // groups, c)
-    y = _conv_bwd_pass(x, w_t, (n,) + core + (k,), (fc_passes.NONE, ldil, tpads, dil, groups))
+    y = _conv_bwd_pass(x, w_t, (n,) + core + (k,), (fc_passes.NONE, ldil, tpads, dil, groups, cfg[5]))
     if any(v for pair in zeros for v in pair):
         y = jnp.pad(y, ((0, 0),) + tuple(zeros) + ((0, 0),))
     if bias is None and activation is None:
@@ -148,7 +151,7 @@ def _input_dilated(x, kernel, bias, activation, cfg, ldil, out):
 def _conv_xla(x, kernel, bias, activation, cfg, dtype, ldil=(1, 1)):
     """What the kernels compute, in XLA: for sizes they do not take (0, or no output
     pixels), for float64 and for input dilation with strides."""
-    _, strides, pads, dil, groups = cfg
+    strides, pads, dil, groups = cfg[1:5]
     acc = jnp.promote_types(dtype, jnp.float32)
     y = lax.conv_general_dilated(x, kernel.astype(dtype), strides, pads, lhs_dilation=ldil, rhs_dilation=dil,
                                  feature_group_count=groups,
@@ -233,37 +236,53 @@ def spatial_ints(value, name, rank, below_one=ValueError, op=_OP):
 
 
 def _geometry(cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), groups = cfg
+    (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), groups = cfg[1:5]
     return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb),
                 pl=np.int64(pl), pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw), g=np.int64(groups))
 
 
 def _out_shape(x_shape, k_shape, cfg):
-    _, (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), _ = cfg
+    (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg[1:4]
     n, h, w, _ = x_shape
     r, s, _, k = k_shape
     return (n, (h + pt + pb - (r - 1) * dh - 1) // sh + 1, (w + pl + pr - (s - 1) * dw - 1) // sw + 1, k)
 
 
+# With an emulated accuracy (cfg[5]) each pass multiplies the operands' bfloat16 parts,
+# stacked along what it reduces over, into float32 outputs (ops/emulation.py).
+
+
 def _forward(x, kernel, bias, cfg):
-    act = cfg[0]
+    act, emulated = cfg[0], cfg[5] != "float32"
     shape = _out_shape(x.shape, kernel.shape, cfg)
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    y = jax.ShapeDtypeStruct(shape, x.dtype)
-    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), x.dtype)
+    if emulated:  # the parts side by side in each group's input channels
+        x, kernel = emulation.stack(x, cfg[5], 0, -1, cfg[4]), emulation.stack(kernel, cfg[5], 1, -2)
+    out = jnp.float32 if emulated else x.dtype
+    y = jax.ShapeDtypeStruct(shape, out)
+    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), out)
     return jax.ffi.ffi_call("jb_conv_fwd", (y, z), vmap_method="expand_dims")(
         x, kernel, b, act=np.int32(act), **_geometry(cfg))
 
 
 def _backward(dz, kernel, x_shape, cfg):
     out = jax.ShapeDtypeStruct(x_shape, dz.dtype)
+    if cfg[5] != "float32":  # in each group's output channels
+        dz, kernel = emulation.stack(dz, cfg[5], 0, -1, cfg[4]), emulation.stack(kernel, cfg[5], 1, -1, cfg[4])
     return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_geometry(cfg))
 
 
 def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
+    emulated = cfg[5] != "float32"
     dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias else 0,), jnp.float32)
-    return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
+    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias and not emulated else 0,), jnp.float32)
+    if not emulated:
+        return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
+    # along the mini-batch; db sums dz itself, not its parts
+    sums = jnp.sum(dz, axis=(0, 1, 2), dtype=jnp.float32) if with_bias else jnp.zeros((0,), jnp.float32)
+    x, dz = emulation.stack(x, cfg[5], 0, 0), emulation.stack(dz, cfg[5], 1, 0)
+    dw, _ = jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
+    return dw, sums
 
 
 # --- the differentiable passes -------------------------------------------------------------

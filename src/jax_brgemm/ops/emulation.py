@@ -38,6 +38,19 @@ def split(x, parts: int):
     return out
 
 
+def stack(x, accuracy: str, side: int, axis: int, groups: int = 1):
+    """The bfloat16 parts of ``x`` that ``TERMS[accuracy]`` multiplies on ``side`` (0: the
+    left operand, 1: the right), side by side along ``axis`` and within each of ``groups``
+    equal groups of it: ``(..., G * T * Cg, ...)``, part ``t`` of channel ``c`` of group
+    ``g`` at ``(g * T + t) * Cg + c``."""
+    terms = TERMS[accuracy]
+    parts = split(x, 1 + max(max(t) for t in terms))
+    axis %= x.ndim
+    head, size, tail = x.shape[:axis], x.shape[axis], x.shape[axis + 1:]
+    grouped = [parts[t[side]].reshape(head + (groups, size // groups) + tail) for t in terms]
+    return jnp.stack(grouped, axis=axis + 1).reshape(head + (len(terms) * size,) + tail)
+
+
 def brgemm(a, b, accuracy: str):
     """``sum_i a[..., i, :, :] @ b[..., i, :, :]`` in float32 (``jb.brgemm``'s layouts,
     float32 operands) from the bfloat16 products ``TERMS[accuracy]``, smallest first."""
