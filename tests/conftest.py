@@ -5,9 +5,12 @@ compute; on some CPUs the policy leaves float32 dense layers stock), except thos
 ``policy``.
 
 The quick tier (``-m "not slow"``, the README's and CI's run) takes one case in three of a
-parametrized test with four or more; the full run takes every case. All tests share one
-persistent compilation cache that starts empty each run: the same stock references and
-kernels compile once for the run's workers rather than once per test.
+parametrized test with four or more; the full run takes every case. The tests compile far
+more than they run: all share one persistent compilation cache that starts empty each run
+(the same stock references and kernels compile once for the run's workers rather than once
+per test), and XLA's LLVM passes run at level 0 (``--xla_backend_optimization_level=0``
+unless ``XLA_FLAGS`` sets a level; without fast-math either way, the numerics are the
+same), which halves the suite's time.
 
 ``tiny``: the train tests' tiny benchmark (tests/train/tiny_benchmark.py) in a directory
 of the test module's own: its data, checker rules and an empty reference directory.
@@ -31,6 +34,9 @@ _CACHE_ENV = "JAX_BRGEMM_TEST_COMPILATION_CACHE"
 
 
 def pytest_configure(config):
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     # The controller (or a lone process) makes the directory; xdist workers, started after,
     # inherit its name.
     if _CACHE_ENV not in os.environ:

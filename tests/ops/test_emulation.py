@@ -201,11 +201,15 @@ def test_emulated_conv3d_and_vmap(emulate):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 1, 4, 5, 6, 8)).astype(np.float32)
     w = rng.standard_normal((2, 3, 3, 8, 4)).astype(np.float32)
-    f = jax.vmap(lambda x: jb.conv3d(x, w, precision="high"))
-    want = jax.vmap(lambda x: jax.lax.conv_general_dilated(
-        x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest"))(x)
-    assert "bf16" in jax.jit(f).lower(x).as_text()
-    assert rel_error(f(x), want) < 3e-5
+    ours = jax.vmap(lambda x, w: jb.conv3d(x, w, precision="high"), in_axes=(0, None))
+    stock = jax.vmap(lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), precision="highest"),
+        in_axes=(0, None))
+    assert "bf16" in jax.jit(ours).lower(x, w).as_text()
+    cot = rng.standard_normal(x.shape[:-1] + (4,)).astype(np.float32)
+    for f in (lambda f: f, lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), argnums=(0, 1))):
+        for g, want in zip(jax.tree.leaves(f(ours)(x, w)), jax.tree.leaves(f(stock)(x, w)), strict=True):
+            assert rel_error(g, want) < 3e-5
 
 
 def test_a_stock_conv_layer_under_accelerate_follows_its_precision(emulate):

@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_custom_calls_run_per_shard_without_all_gather():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -143,7 +143,7 @@ ATTENTION_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow  # 18 s; the quick tier shards the other custom calls in the test above
 def test_attention_runs_per_batch_shard():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     proc = subprocess.run([sys.executable, "-c", ATTENTION_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
