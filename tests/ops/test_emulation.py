@@ -229,3 +229,35 @@ def test_a_stock_conv_layer_under_accelerate_follows_its_precision(emulate):
         want = jax.grad(loss)(params)
         for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
             assert rel_error(g, w) < 5e-5
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
+    """accelerate(report=True) names the accuracy a layer asked and the one computed: the
+    emulation where it is on (dense and convolutions), exact float32 otherwise and for the
+    LSTM; a layer without a precision says nothing."""
+    import flax.linen as nn
+
+    monkeypatch.setattr(precision, "EMULATE", emulated)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(8, (3,), precision="high")(x)
+            x = nn.RNN(nn.OptimizedLSTMCell(8))(x)
+            return nn.Dense(4)(x)
+
+    x = jnp.ones((2, 5, 3))
+    params = Model().init(jax.random.key(0), x)
+    with jax.default_matmul_precision("BF16_BF16_F32_X6"):  # the LSTM's and the Dense's
+        with jb.accelerate() as acc:
+            Model().apply(params, x)
+    report = {c.layer: c.precision for c in acc.calls}
+    assert all(c.accelerated for c in acc.calls), acc.summary()
+    assert report["Conv"] == f"precision bf16_3x, computed {'bf16_3x' if emulated else 'float32'}"
+    assert report["Dense"] == f"precision bf16_6x, computed {'bf16_6x' if emulated else 'float32'}"
+    assert report["RNN"] == "precision bf16_6x, computed float32"
+    assert "computed" in acc.summary()
+    with jb.accelerate() as acc:
+        Model().apply(params, x)
+    assert {c.layer: c.precision for c in acc.calls}["Dense"] == ""

@@ -30,9 +30,12 @@ class Call:
     # the stock recurrent scan (or cell call) this call is one time step of, "" if none:
     # such a layer runs on the kernels once per step, the recurrence itself stays stock
     step_of: str = ""
+    # on the kernels with a precision other than float32: what it asked and what ran
+    precision: str = ""
 
     def __str__(self):
-        how = "brgemm" if self.accelerated else f"stock ({self.reason})"
+        how = ("brgemm" + (f", {self.precision}" if self.precision else "") if self.accelerated
+               else f"stock ({self.reason})")
         step = f", per step of {self.step_of}" if self.step_of else ""
         return f"{self.path or '<top>'} [{self.layer}]: {how}{step}"
 
@@ -158,7 +161,9 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     runs every call the kernels take on them.
 
     ``report=True`` prints, on exit, which calls ran on the kernels and why the others did
-    not (also in ``.calls``; NNX layers, which have no path, by class and sizes); it warns
+    not (also in ``.calls``; NNX layers, which have no path, by class and sizes), and for a
+    call whose ``precision`` (or ``jax.default_matmul_precision``) asks other than float32,
+    the accuracy computed (``jax_brgemm.precision``: exact float32 unless emulated); it warns
     when the context saw no layer call at all. A recurrent cell run step by step (a stock
     ``nn.scan`` over a cell or a method, a stock RNN fallback, a loop) is listed with its
     reason, and the layers inside it, which run on the kernels once per time step, say so.
@@ -181,9 +186,10 @@ _NOTHING_SEEN = (
     "it ran in another thread, or the model has no flax Dense / Linear, Conv or RNN layers.")
 
 
-def record(path: str, layer: str, reason: str) -> None:
+def record(path: str, layer: str, reason: str, precision: str = "") -> None:
     """Adds a call to the report of this thread's innermost context (once)."""
-    call = Call(path, layer, not reason, reason, state.stock_scans[-1] if state.stock_scans else "")
+    call = Call(path, layer, not reason, reason, state.stock_scans[-1] if state.stock_scans else "",
+                "" if reason else precision)
     calls = state.contexts[-1].calls
     if call not in calls:
         calls.append(call)

@@ -10,6 +10,7 @@ from flax.nnx.nn import attention as nnx_attention
 from flax.nnx.nn import linear as nnx_linear
 from flax.nnx.nn import recurrent as nnx_recurrent
 
+from jax_brgemm import precision as jb_precision
 from jax_brgemm.accelerate import attention, recurrent, rules
 from jax_brgemm.accelerate.context import in_stock_scan, options, record, stock_scan
 
@@ -50,11 +51,13 @@ NNX_CLASSES = (*NNX_RULES, *NNX_CELLS)
 def _run(rule, module, where: str, layer: str, args, kwargs, next_call, scan: str = ""):
     """The call's result by ``rule``, recorded at ``where`` as ``layer``; the stock call where
     the rule leaves it, marked as the stock scan ``scan`` when one is named."""
+    # attention's and the LSTM's products are exact float32 whatever the precision
+    note = _precision(module, exact=rule in _RUN_STOCK or bool(scan))
     if rule in _RUN_STOCK:
-        decision = rule(module, args, kwargs, next_call, lambda why: record(where, layer, why))
+        decision = rule(module, args, kwargs, next_call, lambda why: record(where, layer, why, note))
     else:
         decision = rule(module, args, kwargs)
-        record(where, layer, decision.reason)
+        record(where, layer, decision.reason, note)
     if decision is None:  # an enclosing call of the same module decides
         return next_call(*args, **kwargs)
     if decision.value is not None:
@@ -63,6 +66,18 @@ def _run(rule, module, where: str, layer: str, args, kwargs, next_call, scan: st
         with stock_scan(f"{where or '<top>'} [{scan}]", decision.reason):
             return next_call(*args, **kwargs)
     return next_call(*args, **kwargs)
+
+
+def _precision(module, exact: bool) -> str:
+    """For the report: the accuracy the layer's ``precision`` (or
+    ``jax.default_matmul_precision``) asks and the one its kernels compute, unless float32."""
+    try:
+        asked = jb_precision.accuracy(getattr(module, "precision", None), "")
+    except ValueError:  # the rule leaves the call stock, saying why
+        return ""
+    if asked == "float32":
+        return ""
+    return f"precision {asked}, computed {'float32' if exact else jb_precision.computed(asked)}"
 
 
 def _step_by_step(where: str, scan: str, layer: str, fused: str, next_call, args, kwargs):
