@@ -261,3 +261,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     with jb.accelerate() as acc:
         Model().apply(params, x)
     assert {c.layer: c.precision for c in acc.calls}["Dense"] == ""
+    conv = nn.Conv(8, (3,), precision="high", dtype=jnp.bfloat16)  # bf16 products are exact
+    with jb.accelerate() as acc:
+        conv.apply(conv.init(jax.random.key(0), x), x)
+    assert acc.calls[0].precision == "precision bf16_3x, computed float32"
