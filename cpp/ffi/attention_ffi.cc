@@ -7,7 +7,8 @@
 //   jb_attention_bwd  q, k, v, bias, mask as above, o, stats, dout (o's shape)
 //                     -> dq (q's shape), dk, dv (.., S, K, H), dbias (.., N, T, S) f32 or
 //                        empty (not wanted)
-//   attrs scale (f32), causal (bool)
+//   attrs scale (f32), causal (bool), products (i64: fp32 emulated from that many bf16
+//         products, 0 exact; attention.h's Shape::products)
 //
 // The output's leading dims (..) are the items (the batch, and vmap's dims under
 // vmap_method="expand_dims"); every operand's leading dims broadcast to them, and bias and
@@ -76,7 +77,8 @@ ffi::Error broadcast(const char* op, const char* name, const Buffer& b, const De
 
 // Checks q, k, v, bias and mask against the output's items (`out`, shaped like q).
 ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const F32& bias,
-                  ffi::AnyBuffer mask, ffi::AnyBuffer::Dimensions out, float scale, bool causal, Decoded* dec) {
+                  ffi::AnyBuffer mask, ffi::AnyBuffer::Dimensions out, float scale, bool causal, int64_t products,
+                  Decoded* dec) {
   JB_TRY(dt, kernel_dtype(op, {{"q", q.element_type()}, {"k", k.element_type()}, {"v", v.element_type()}}));
   dec->s.dt = dt;
   if (mask.element_count() && mask.element_type() != ffi::DataType::PRED && mask.element_type() != ffi::DataType::U8)
@@ -93,6 +95,10 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   d.s.kv_heads = kd[kd.size() - 2];
   d.s.scale = scale;
   d.s.causal = causal;
+  d.s.products = products;
+  if (products && dt != DType::f32)
+    return invalid(std::string(op) + ": emulated products (products = " + std::to_string(products) +
+                   ") take float32 q, k and v");
   if (d.s.kv_heads < 1 || d.s.heads % d.s.kv_heads != 0)
     return invalid(std::string(op) + ": the key/value heads K = " + std::to_string(d.s.kv_heads) +
                    " must divide the query heads N = " + std::to_string(d.s.heads));
@@ -110,11 +116,12 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
 }
 
 ffi::Error attention_fwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
-                         ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale, bool causal) {
+                         ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale, bool causal,
+                         int64_t products) {
   const char* op = "jb_attention_fwd";
   auto decoded = std::make_shared<Decoded>();  // its offset arrays live as long as the job
   Decoded& d = *decoded;
-  JB_CHECK(decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, &d));
+  JB_CHECK(decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, products, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o->element_type()}}));
   JB_CHECK(expect_dims(op, "stats", stats->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, 2})));
   if (o->element_count() == 0) {  // H = 0: nothing to attend with
@@ -131,11 +138,12 @@ ffi::Error attention_fwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                          ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal) {
+                         ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal,
+                         int64_t products) {
   const char* op = "jb_attention_bwd";
   auto decoded = std::make_shared<Decoded>();
   Decoded& d = *decoded;
-  JB_CHECK(decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, &d));
+  JB_CHECK(decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, products, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o.element_type()}, {"dout", dout.element_type()},
                                                {"dq", dq->element_type()}, {"dk", dk->element_type()},
                                                {"dv", dv->element_type()}}));
@@ -164,24 +172,26 @@ ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 // Asynchronous where the work is large enough to split (ffi_common.h's Launch).
 ffi::Future attention_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                                 ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale,
-                                bool causal) {
+                                bool causal, int64_t products) {
   Launch launch(pool);
-  return launch.finish(attention_fwd(launch, q, k, v, bias, mask, o, stats, scale, causal));
+  return launch.finish(attention_fwd(launch, q, k, v, bias, mask, o, stats, scale, causal, products));
 }
 
 ffi::Future attention_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                                 ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
                                 ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                                ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal) {
+                                ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal,
+                                int64_t products) {
   Launch launch(pool);
-  return launch.finish(attention_bwd(launch, q, k, v, bias, mask, o, stats, dout, dq, dk, dv, dbias, scale, causal));
+  return launch.finish(
+      attention_bwd(launch, q, k, v, bias, mask, o, stats, dout, dq, dk, dv, dbias, scale, causal, products));
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd_async,
-                              ffi_util::bind(attention_fwd_async, "scale", "causal"));
+                              ffi_util::bind(attention_fwd_async, "scale", "causal", "products"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd_async,
-                              ffi_util::bind(attention_bwd_async, "scale", "causal"));
+                              ffi_util::bind(attention_bwd_async, "scale", "causal", "products"));
 
 }  // namespace jb

@@ -30,6 +30,7 @@ struct Case {
   bool shared_kv = false;        // k and v broadcast over the items
   int64_t threads = 2;
   at::Blocks force{};
+  int64_t products = 0;  // fp32 emulated from bf16 products (0: exact)
 };
 
 // |got - want| <= tol * (1 + max |want|), reporting the first few mismatches.
@@ -77,7 +78,7 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
 
   at::Shape s;
   s.items = c.items, s.t = c.t, s.s = c.s, s.heads = c.heads, s.kv_heads = c.kv, s.h = c.h, s.dt = c.dt;
-  s.scale = 1.0f / std::sqrt(float(c.h)), s.causal = c.causal;
+  s.scale = 1.0f / std::sqrt(float(c.h)), s.causal = c.causal, s.products = c.products;
   const size_t ni = size_t(c.items);
   std::vector<int64_t> q_offs(ni), k_offs(ni), b_offs(ni), m_offs(ni);
   for (int64_t i = 0; i < c.items; ++i) {
@@ -151,8 +152,10 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   Tensor o(c.dt, c.items * qn);
   std::vector<float> stats(size_t(c.items * c.heads * c.t * 2));
   at::forward(ex, dp, s, in, o.data(), stats.data(), force);
-  const bool bf16 = c.dt == DType::bf16;
-  close(o, o_ref, bf16 ? 2e-2 : 2e-5, "o");
+  // One bf16 product is bf16's accuracy, three about 2^-16 of a product, six fp32's.
+  const bool bf16 = c.dt == DType::bf16 || c.products == 1;
+  const double three = c.products == 3 ? 4 : 1;
+  close(o, o_ref, bf16 ? 2e-2 : 2e-5 * three, "o");
 
   std::vector<int64_t> dense(size_t(c.items)), st_offs(size_t(c.items));
   for (int64_t i = 0; i < c.items; ++i) dense[size_t(i)] = i * qn, st_offs[size_t(i)] = i * c.heads * c.t * 2;
@@ -162,7 +165,7 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   Tensor dq(c.dt, c.items * qn), dk(c.dt, c.items * kn), dv(c.dt, c.items * kn);
   Tensor db(DType::f32, c.items * c.heads * c.t * c.s);
   at::backward(ex, dp, s, in, sv, dq.data(), dk.data(), dv.data(), has_bias ? db.f.data() : nullptr, force);
-  const double gt = bf16 ? 4e-2 : 5e-5;
+  const double gt = bf16 ? 4e-2 : 5e-5 * three;
   close(dq, dq_ref, gt, "dq");
   close(dk, dk_ref, gt, "dk");
   close(dv, dv_ref, gt, "dv");
@@ -237,6 +240,25 @@ TEST(attention_every_isa_and_bf16_path) {
   }
 }
 
+// fp32 from 1, 3 and 6 bf16 products: P and dS split where they are made, over several
+// key chunks and query blocks (the online softmax's rescaling), a causal mask and a bias.
+TEST(attention_emulated_products) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    for (const char* mode : {"dot", "fp32"}) {
+      const jb::Dispatch dp = jb::make_dispatch(isa, mode);
+      for (int64_t products : {1, 3, 6}) {
+        Case c{2, 37, 70, 4, 2, 20, DType::f32, true, {2, 1, 37, 70}, {}};
+        c.force = {16, 32}, c.products = products;
+        run(c, dp);
+        Case d{1, 9, 5, 2, 1, 33, DType::f32, false, {}, {1, 2, 9, 5}, true};
+        d.products = products;
+        run(d, dp);
+      }
+    }
+  }
+}
+
 TEST(attention_nan_propagates) {
   TestPool pool;
   const jb::Executor ex = pool.executor(2);
@@ -259,6 +281,14 @@ TEST(attention_rejects_bad_sizes) {
   at::Shape s;
   s.items = 1, s.t = 2, s.s = 2, s.heads = 3, s.kv_heads = 2, s.h = 4;
   bool threw = false;
+  try {
+    at::forward(pool.executor(1), jb::dispatch(), s, at::Inputs{}, nullptr, nullptr);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  s.heads = 2, s.dt = DType::bf16, s.products = 3;  // emulation takes fp32 operands
+  threw = false;
   try {
     at::forward(pool.executor(1), jb::dispatch(), s, at::Inputs{}, nullptr, nullptr);
   } catch (const std::invalid_argument&) {

@@ -19,9 +19,11 @@ BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32 (
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
 precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm``, ``jb.dense``,
-``jb.conv2d`` and ``jb.conv3d`` (every convolution kind, and the modules and ``accelerate()``
-through them) compute the ``bf16_*`` accuracies as asked instead, from bfloat16 products
-summed in float32 (``ops/emulation.py``); attention and the LSTM compute exact float32. That can only pay with AMX, whose bfloat16 products run 6-14x the
+``jb.conv2d``, ``jb.conv3d`` (every convolution kind) and ``jb.dot_product_attention``, and
+the modules and ``accelerate()`` through them, compute the ``bf16_*`` accuracies as asked
+instead, from bfloat16 products summed in float32 (``ops/emulation.py``; attention's kernel
+splits the probabilities and their gradient into parts where it makes them); the LSTM
+computes exact float32. That can only pay with AMX, whose bfloat16 products run 6-14x the
 float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
 1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
 there.
@@ -92,6 +94,10 @@ def accuracy(precision, op: str, name: str = "precision") -> str:
 #: The harness's --precision names -> the jax.default_matmul_precision its steps trace under.
 HARNESS = {"float32": None, "bf16_3x": "BF16_BF16_F32_X3", "bf16_6x": "BF16_BF16_F32_X6",
            "bf16": "BF16_BF16_F32"}
+
+
+#: accuracy -> the bfloat16 products each float32 product is computed from (0: exact).
+PRODUCTS = {"float32": 0, "bf16": 1, "bf16_3x": 3, "bf16_6x": 6}
 
 
 def computed(requested: str) -> str:

@@ -231,11 +231,41 @@ def test_a_stock_conv_layer_under_accelerate_follows_its_precision(emulate):
             assert rel_error(g, w) < 5e-5
 
 
+def attention_and_grads(f, q, k, v, cot):
+    return (f(q, k, v),) + jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("accuracy", ["bf16", "bf16_3x", "bf16_6x"])
+def test_attention_and_its_gradients_are_emulated(emulate, accuracy):
+    """The kernel splits P and dS into parts where it makes them: over two key chunks (the
+    online softmax's rescaling), two query blocks, grouped heads, a causal mask and a bias,
+    one bfloat16 product has bfloat16's error, three about 2^-16's, six float32's (within 2x
+    of exact float32's, ours or stock XLA's)."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 70, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 600, 2, 16)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((4, 70, 600)).astype(np.float32)
+    cot = rng.standard_normal(q.shape).astype(np.float32)
+    ours = lambda p: jax.jit(lambda q, k, v: jb.dot_product_attention(  # noqa: E731
+        q, k, v, bias, is_causal=True, precision=p))
+    stock = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, is_causal=True)  # noqa: E731
+    assert f"products = {precision.PRODUCTS[accuracy]}" in ours(PRESET[accuracy]).lower(q, k, v).as_text()
+    got = attention_and_grads(ours(PRESET[accuracy]), q, k, v, cot)
+    exact = attention_and_grads(ours(None), q, k, v, cot)
+    xla = attention_and_grads(jax.jit(stock), q, k, v, cot)
+    with jax.enable_x64(True):
+        want = attention_and_grads(stock, *(a.astype(np.float64) for a in (q, k, v, cot)))
+    for g, e, x, ref in zip(got, exact, xla, want, strict=True):
+        err, fp32 = rel_error(g, ref), max(rel_error(e, ref), rel_error(x, ref))
+        assert {"bf16": 1e-4 < err < 2e-2, "bf16_3x": 2 * fp32 < err < 5e-5,
+                "bf16_6x": err <= 2 * fp32}[accuracy], (err, fp32)
+
+
 @pytest.mark.parametrize("emulated", [False, True])
 def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     """accelerate(report=True) names the accuracy a layer asked and the one computed: the
-    emulation where it is on (dense and convolutions), exact float32 otherwise and for the
-    LSTM; a layer without a precision says nothing."""
+    emulation where it is on (dense, convolutions, attention), exact float32 otherwise and for
+    the LSTM; a layer without a precision says nothing."""
     import flax.linen as nn
 
     monkeypatch.setattr(precision, "EMULATE", emulated)
@@ -245,6 +275,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
         def __call__(self, x):
             x = nn.Conv(8, (3,), precision="high")(x)
             x = nn.RNN(nn.OptimizedLSTMCell(8))(x)
+            x = nn.MultiHeadDotProductAttention(2)(x)
             return nn.Dense(4)(x)
 
     x = jnp.ones((2, 5, 3))
@@ -256,6 +287,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     assert all(c.accelerated for c in acc.calls), acc.summary()
     assert report["Conv"] == f"precision bf16_3x, computed {'bf16_3x' if emulated else 'float32'}"
     assert report["Dense"] == f"precision bf16_6x, computed {'bf16_6x' if emulated else 'float32'}"
+    assert report["MultiHeadDotProductAttention"] == report["Dense"]
     assert report["RNN"] == "precision bf16_6x, computed float32"
     assert "computed" in acc.summary()
     with jb.accelerate() as acc:

@@ -18,7 +18,8 @@
 //
 // dtype `dt` (fp32 or bf16) is that of q, k, v, o, dO and the gradients; bf16 operands are
 // multiplied in the dispatch's bf16 multiply dtype with fp32 accumulation; the softmax and
-// every statistic are fp32.
+// every statistic are fp32. fp32 operands may ask for their products to be emulated from
+// bf16 ones (Shape::products).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,9 @@ struct Shape {
   DType dt = DType::f32;
   float scale = 1.0f;
   bool causal = false;  // query i attends to keys j <= i (jax's tril mask)
+  // fp32 only: every product from this many bf16 products of the operands' parts (1, 3 or
+  // 6: layers/common/emulation.h; P and dS are split where they are made), 0: exact.
+  int64_t products = 0;
 };
 
 // An optional operand broadcast to (items, N, T, S): element (item, n, i, j) at

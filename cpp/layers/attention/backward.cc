@@ -10,6 +10,7 @@
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
 #include "layers/attention/rows.h"
+#include "layers/common/emulation.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
 #include "layers/common/work.h"
@@ -94,14 +95,16 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inpu
     auto* m = reinterpret_cast<float*>(w + p.m);
     auto* inv_l = reinterpret_cast<float*>(w + p.l);
     auto* d = reinterpret_cast<float*>(w + p.d);
+    auto* tmp = reinterpret_cast<float*>(w + p.tmp);
     const auto [dkt, dvt] = accumulators(it, w);
     std::fill(dkt, dkt + s.h * p.sp, 0.0f);
     std::fill(dvt, dvt + s.h * p.sp, 0.0f);
     const char* kp = bytes(in.k, in.k_offs[first.item] + first.kvh * s.h, es);
     const char* vp = bytes(in.v, in.v_offs[first.item] + first.kvh * s.h, es);
-    reblock::pack(kp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, kt, p.isa);
-    reblock::pack(vp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, vt, p.isa);
-    reblock::pack(kp, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, kb, p.isa);
+    const emulation::Terms& tm = p.terms;
+    emulation::pack(tm, 1, kp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, kt, p.kt_step, p.isa, tmp);
+    emulation::pack(tm, 1, vp, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp, p.kd, p.vnni, vt, p.kt_step, p.isa, tmp);
+    emulation::pack(tm, 1, kp, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h, p.kd, p.vnni, kb, p.kv_step, p.isa, tmp);
     if (!p.split) {  // dK and dV's rows, written at the end of the item
       const int64_t off = (first.item * s.s * kv_ld + first.kvh * s.h) * es;
       prefetch_rows_for_write(static_cast<char*>(dk) + off, s.s, s.h * es, kv_ld * es);
@@ -117,12 +120,15 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inpu
       const char* gp = bytes(saved.dout, saved.dout_offs[b.item] + at, es);
       const char *qa = qp, *ga = gp;
       if (!p.q_in_place) {
-        reblock::pack(qp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.isa);
-        reblock::pack(gp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, dot, p.isa);
+        emulation::pack(tm, 0, qp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.q_step, p.isa,
+                        tmp);
+        emulation::pack(tm, 0, gp, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, dot, p.q_step, p.isa,
+                        tmp);
         qa = qt, ga = dot;
       }
-      reblock::pack(qp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, q_t, p.isa);
-      reblock::pack(gp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, do_t, p.isa);
+      emulation::pack(tm, 0, qp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, q_t, p.qt_step, p.isa, tmp);
+      emulation::pack(tm, 0, gp, s.dt, q_ld, true, s.h, b.rows, s.h, p.bmp, p.kd, false, do_t, p.qt_step, p.isa,
+                      tmp);
       if (blk + 1 < p.groups.last(it)) {  // the next block's rows of q, dO and O
         const Block nb = p.block(it, blk + 1, s.kv_heads);
         const int64_t nat = nb.i0 * q_ld + nb.n * s.h;
@@ -146,24 +152,34 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inpu
       for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
         const int64_t width = std::min(p.bn, end - c0);
         const Brgemm& qk = p.qk(b.last, width);
-        qk.strided(qa, 0, kt + c0 * b_cols * ks, 0, 1, st);
-        qk.strided(ga, 0, vt + c0 * b_cols * ks, 0, 1, dpt);
+        emulation::multiply(qk, tm, qa, p.q_step, kt + c0 * b_cols * ks, p.kt_step, st);
+        emulation::multiply(qk, tm, ga, p.q_step, vt + c0 * b_cols * ks, p.kt_step, dpt);
         float* db = dbias ? dbias + ((b.item * s.heads + b.n) * s.t + b.i0) * s.s + c0 : nullptr;
         softmax_backward(score_tile(s, in, p, b, st, c0, width), dpt, p.bn, m, inv_l, d, db, s.s, p.isa);
         // dQ += dS K, dK^T += Q^T dS, dV^T += dO^T P: fp32 tiles are the operands as they
-        // are; bf16 ones are rounded, and packed in VNNI pairs of rows where they are B.
+        // are; bf16 ones are rounded (or split), and packed in VNNI pairs of rows where they
+        // are B.
         const void *ds_a = dpt, *ds_b = dpt, *p_b = st;
-        if (p.vnni) {
+        if (tm.split) {
+          const int64_t bcols = p.vnni ? width : p.bn;  // the B tiles' row length
+          emulation::pack(tm, 0, dpt, DType::f32, p.bn, false, b.rows, width, b.rows, p.bn, p.kd, false, w + p.dsa,
+                          p.pa_step, p.isa, tmp);
+          emulation::pack(tm, 1, dpt, DType::f32, p.bn, false, b.rows, width, rp, bcols, p.kd, p.vnni, w + p.dsv,
+                          p.pb_step, p.isa, tmp);
+          emulation::pack(tm, 1, st, DType::f32, p.bn, false, b.rows, width, rp, bcols, p.kd, p.vnni, w + p.pvn,
+                          p.pb_step, p.isa, tmp);
+          ds_a = w + p.dsa, ds_b = w + p.dsv, p_b = w + p.pvn;
+        } else if (p.vnni) {
           auto* dsa = reinterpret_cast<uint16_t*>(w + p.dsa);
           store_rows(dpt, p.bn, nullptr, b.rows, width, dsa, p.bn, DType::bf16, p.isa);
           reblock::pack(dpt, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.dsv, p.isa);
           reblock::pack(st, DType::f32, p.bn, false, b.rows, width, rp, width, DType::bf16, true, w + p.pvn, p.isa);
           ds_a = dsa, ds_b = w + p.dsv, p_b = w + p.pvn;
         }
-        p.pv(b.last, width).strided(ds_a, 0, kb + c0 * s.h * ks, 0, 1, acc);
+        emulation::multiply(p.pv(b.last, width), tm, ds_a, p.pa_step, kb + c0 * s.h * ks, p.kv_step, acc);
         const Brgemm& kv = p.kv(b.last, width);
-        kv.strided(q_t, 0, ds_b, 0, 1, dkt + c0);
-        kv.strided(do_t, 0, p_b, 0, 1, dvt + c0);
+        emulation::multiply(kv, tm, q_t, p.qt_step, ds_b, p.pb_step, dkt + c0);
+        emulation::multiply(kv, tm, do_t, p.qt_step, p_b, p.pb_step, dvt + c0);
       }
       store_rows(acc, s.h, nullptr, b.rows, s.h, dq_out, q_ld, s.dt, p.isa);
     }

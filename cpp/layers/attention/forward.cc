@@ -9,7 +9,7 @@
 #include "layers/attention/attention.h"
 #include "layers/attention/plan.h"
 #include "layers/attention/rows.h"
-#include "layers/common/reblock.h"
+#include "layers/common/emulation.h"
 #include "layers/common/scratch.h"
 #include "layers/common/work.h"
 #include "parallel/job.h"
@@ -45,21 +45,25 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Input
     char* w = lease.data;
     char *kt = w + p.kt, *vv = w + p.vv, *qt = w + p.qt;
     auto* st = reinterpret_cast<float*>(w + p.st);
-    void* pt = p.kd == DType::f32 ? static_cast<void*>(st) : w + p.pt;
+    // P in the multiply dtype: the score tile itself (fp32), or rounded or split from it.
+    void* pt = p.kd == DType::f32 && !p.terms.split ? static_cast<void*>(st) : w + p.pt;
+    auto* tmp = reinterpret_cast<float*>(w + p.tmp);
     auto* acc = reinterpret_cast<float*>(w + p.acc);
     auto* m = reinterpret_cast<float*>(w + p.m);
     auto* l = reinterpret_cast<float*>(w + p.l);
     auto* alpha = reinterpret_cast<float*>(w + p.alpha);
-    reblock::pack(kb_ + (in.k_offs[first.item] + first.kvh * s.h) * es, s.dt, kv_ld, true, s.h, s.s, p.hp, p.sp,
-                  p.kd, p.vnni, kt, p.isa);
-    reblock::pack(vb_ + (in.v_offs[first.item] + first.kvh * s.h) * es, s.dt, kv_ld, false, s.s, s.h, p.sp, s.h,
-                  p.kd, p.vnni, vv, p.isa);
+    emulation::pack(p.terms, 1, kb_ + (in.k_offs[first.item] + first.kvh * s.h) * es, s.dt, kv_ld, true, s.h, s.s,
+                    p.hp, p.sp, p.kd, p.vnni, kt, p.kt_step, p.isa, tmp);
+    emulation::pack(p.terms, 1, vb_ + (in.v_offs[first.item] + first.kvh * s.h) * es, s.dt, kv_ld, false, s.s, s.h,
+                    p.sp, s.h, p.kd, p.vnni, vv, p.kv_step, p.isa, tmp);
 
     for (int64_t blk = p.groups.first(it); blk < p.groups.last(it); ++blk) {
       const Block b = p.block(it, blk, s.kv_heads);
       const char* q_in = qb_ + (in.q_offs[b.item] + b.i0 * q_ld + b.n * s.h) * es;
       const char* qa = p.q_in_place ? q_in : qt;
-      if (!p.q_in_place) reblock::pack(q_in, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.isa);
+      if (!p.q_in_place)
+        emulation::pack(p.terms, 0, q_in, s.dt, q_ld, false, b.rows, s.h, b.rows, p.hp, p.kd, false, qt, p.q_step,
+                        p.isa, tmp);
       // The output's rows, read for ownership while the block computes (the forward does not
       // gain from reading its next inputs ahead).
       const int64_t o_off = (b.item * s.t + b.i0) * q_ld + b.n * s.h;
@@ -70,13 +74,20 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Input
       const int64_t end = p.keys_end(b.qb);
       for (int64_t c0 = 0; c0 < end; c0 += p.bn) {
         const int64_t width = std::min(p.bn, end - c0);
-        p.qk(b.last, width).strided(qa, 0, kt + c0 * b_cols * ks, 0, 1, st);
-        softmax_forward(score_tile(s, in, p, b, st, c0, width), m, l, alpha, pt, p.bn, p.kd, p.isa);
+        emulation::multiply(p.qk(b.last, width), p.terms, qa, p.q_step, kt + c0 * b_cols * ks, p.kt_step, st);
+        const ScoreTile tile = score_tile(s, in, p, b, st, c0, width);
+        if (p.terms.split) {  // P in fp32 over the scores, then its parts
+          softmax_forward(tile, m, l, alpha, st, p.bn, DType::f32, p.isa);
+          emulation::pack(p.terms, 0, st, DType::f32, p.bn, false, b.rows, width, b.rows, p.bn, p.kd, false, pt,
+                          p.pa_step, p.isa, tmp);
+        } else {
+          softmax_forward(tile, m, l, alpha, pt, p.bn, p.kd, p.isa);
+        }
         if (c0 > 0)  // rows whose max grew: their earlier sum is rescaled
           for (int64_t r = 0; r < b.rows; ++r)
             if (alpha[r] != 1.0f)
               for (int64_t j = 0; j < s.h; ++j) acc[r * s.h + j] *= alpha[r];
-        p.pv(b.last, width).strided(pt, 0, vv + c0 * s.h * ks, 0, 1, acc);
+        emulation::multiply(p.pv(b.last, width), p.terms, pt, p.pa_step, vv + c0 * s.h * ks, p.kv_step, acc);
       }
       float* st_out = stats + ((b.item * s.heads + b.n) * s.t + b.i0) * 2;
       for (int64_t r = 0; r < b.rows; ++r) st_out[2 * r] = m[r], st_out[2 * r + 1] = l[r], l[r] = 1.0f / l[r];

@@ -1,6 +1,7 @@
 #include "layers/attention/plan.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <stdexcept>
 
 #include "layers/common/plan_cache.h"
@@ -35,12 +36,16 @@ void check_shape(const Shape& s) {
   if (s.items < 0 || s.t < 0 || s.s < 1 || s.heads < 0 || s.kv_heads < 1 || s.h < 1 ||
       s.heads % s.kv_heads != 0)
     throw std::invalid_argument("attention: T, N and the batch must be >= 0, S, K and H >= 1, and K must divide N");
+  emulation::terms(s.products);  // throws for a count it does not know
+  if (s.products && s.dt != DType::f32)
+    throw std::invalid_argument("attention: emulated products take float32 operands");
 }
 
 Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t threads, const Blocks* force,
            bool backward)
     : isa(dp.isa),
-      kd(multiply_dtype(sh.dt, dp)),
+      terms(emulation::terms(sh.products)),
+      kd(multiply_dtype(terms.split ? DType::bf16 : sh.dt, dp)),
       vnni(kd == DType::bf16),
       ks(dtype_size(kd)),
       t(sh.t),
@@ -62,7 +67,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   bmp = round_up(bm, kpad);
   last_rp = round_up(last_rows, kpad);
   split = backward && groups.items() > sh.items * sh.kv_heads;
-  q_in_place = kd == sh.dt && hp == h;
+  q_in_place = kd == sh.dt && hp == h && !terms.split;
 
   const bool has_last = last_rows != bm;
   BrgemmDesc base;
@@ -82,16 +87,23 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   }, isa);
 
   const size_t f4 = sizeof(float);
+  // Each packed operand holds the parts its side multiplies (one block, unless emulated).
+  const int64_t pa = terms.parts[0], pb = terms.parts[1];
+  kt_step = hp * sp, kv_step = sp * h, q_step = bm * hp, qt_step = h * bmp, pa_step = bm * bn, pb_step = bmp * bn;
+  const auto tmp_for = [&](std::initializer_list<int64_t> blocks) {
+    if (terms.split) tmp = lease.add(2 * size_t(std::max(blocks)) * f4);
+  };
   if (!backward) {
-    kt = lease.add(size_t(hp * sp) * ks);
-    vv = lease.add(size_t(sp * h) * ks);
-    if (!q_in_place) qt = lease.add(size_t(bm * hp) * ks);
+    kt = lease.add(size_t(kt_step * pb) * ks);
+    vv = lease.add(size_t(kv_step * pb) * ks);
+    if (!q_in_place) qt = lease.add(size_t(q_step * pa) * ks);
     st = lease.add(size_t(bm * bn) * f4);
-    if (kd != DType::f32) pt = lease.add(size_t(bm * bn) * ks);
+    if (kd != DType::f32 || terms.split) pt = lease.add(size_t(pa_step * pa) * ks);
     acc = lease.add(size_t(bm * h) * f4);
     m = lease.add(size_t(bm) * f4);
     l = lease.add(size_t(bm) * f4);
     alpha = lease.add(size_t(bm) * f4);
+    tmp_for({kt_step, kv_step, q_step, pa_step});
     return;
   }
   kv = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
@@ -100,21 +112,21 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
     q.lda = bmp, q.ldb = vnni ? 2 * w : bn, q.ldc = sp, q.accumulate = true;
     return q;
   }, isa);
-  kt = lease.add(size_t(hp * sp) * ks);  // K^T
-  vv = lease.add(size_t(hp * sp) * ks);  // V^T
-  kb = lease.add(size_t(sp * h) * ks);  // K
+  kt = lease.add(size_t(kt_step * pb) * ks);  // K^T
+  vv = lease.add(size_t(kt_step * pb) * ks);  // V^T
+  kb = lease.add(size_t(kv_step * pb) * ks);  // K
   if (!q_in_place) {
-    qt = lease.add(size_t(bm * hp) * ks);
-    dot = lease.add(size_t(bm * hp) * ks);
+    qt = lease.add(size_t(q_step * pa) * ks);
+    dot = lease.add(size_t(q_step * pa) * ks);
   }
-  q_t = lease.add(size_t(h * bmp) * ks);
-  do_t = lease.add(size_t(h * bmp) * ks);
+  q_t = lease.add(size_t(qt_step * pa) * ks);
+  do_t = lease.add(size_t(qt_step * pa) * ks);
   st = lease.add(size_t(bm * bn) * f4);
   dpt = lease.add(size_t(bm * bn) * f4);
-  if (kd != DType::f32) {
-    pvn = lease.add(size_t(bmp * bn) * ks);
-    dsv = lease.add(size_t(bmp * bn) * ks);
-    dsa = lease.add(size_t(bm * bn) * ks);
+  if (kd != DType::f32 || terms.split) {
+    pvn = lease.add(size_t(pb_step * pb) * ks);
+    dsv = lease.add(size_t(pb_step * pb) * ks);
+    dsa = lease.add(size_t(pa_step * pa) * ks);
   }
   acc = lease.add(size_t(bm * h) * f4);
   m = lease.add(size_t(bm) * f4);
@@ -126,6 +138,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
     dkt = lease.add(size_t(h * sp) * f4);
     dvt = lease.add(size_t(h * sp) * f4);
   }
+  tmp_for({kt_step, kv_step, q_step, qt_step, pb_step});
 }
 
 ScoreTile score_tile(const Shape& s, const Inputs& in, const Plan& p, const Block& b, float* st, int64_t c0,
@@ -153,8 +166,8 @@ int64_t Plan::keys_end(int64_t qb) const {
 
 std::shared_ptr<const Plan> plan_for(const Dispatch& dp, const Shape& s, bool bias, bool mask,
                                      int64_t threads, const Blocks* force, bool backward) {
-  static PlanCache<16, Plan> plans;
-  return plans.get({s.items, s.t, s.s, s.heads, s.kv_heads, s.h, int64_t(s.dt), s.causal, bias, mask, threads,
+  static PlanCache<17, Plan> plans;
+  return plans.get({s.items, s.t, s.s, s.heads, s.kv_heads, s.h, int64_t(s.dt), s.causal, bias, mask, threads, s.products,
                     int64_t(dp.isa), int64_t(dp.bf16_multiply), force ? force->rows : -1,
                     force ? force->keys : -1, backward},
                    [&] { return Plan(dp, s, bias, mask, threads, force, backward); });

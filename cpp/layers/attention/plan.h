@@ -14,6 +14,7 @@
 #include "layers/attention/attention.h"
 #include "layers/attention/rows.h"
 #include "layers/common/blocking.h"
+#include "layers/common/emulation.h"
 #include "layers/common/work.h"
 
 namespace jb::attention {
@@ -69,6 +70,7 @@ struct Plan {
   }
 
   Isa isa;
+  emulation::Terms terms;  // the products of every multiplication (one, unless emulated)
   DType kd;     // the multiply dtype
   bool vnni;    // bf16 multiplies: B operands in VNNI-2 pairs
   size_t ks;    // bytes of a kd element
@@ -89,12 +91,17 @@ struct Plan {
   // dV^T += dO^T P).
   KernelTable qk, pv, kv;
 
-  // Work item scratch (byte offsets): packed K^T, V (or V^T), K; the per-block tiles.
+  // Elements between the parts of a packed operand (emulation): K^T and V^T, V and K, a
+  // Q or dO block, its transpose, a P or dS tile as A, as B.
+  int64_t kt_step = 0, kv_step = 0, q_step = 0, qt_step = 0, pa_step = 0, pb_step = 0;
+
+  // Work item scratch (byte offsets): packed K^T, V (or V^T), K; the per-block tiles; tmp,
+  // the fp32 blocks the emulation splits from.
   Layout lease;
   size_t kt = 0, vv = 0, kb = 0;
   size_t qt = 0, dot = 0, q_t = 0, do_t = 0;
   size_t st = 0, dpt = 0, pt = 0, pvn = 0, dsv = 0, dsa = 0;
-  size_t acc = 0, m = 0, l = 0, alpha = 0, d = 0;
+  size_t acc = 0, m = 0, l = 0, alpha = 0, d = 0, tmp = 0;
   size_t dkt = 0, dvt = 0;     // in the lease when the panel is not split
   size_t kv_out = 0;           // dK or dV transposed, before its copy into the output
   size_t part_bytes = 0;       // one item's dK^T and dV^T parts (split panels)

@@ -27,8 +27,8 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
     The kernels take float32 or bfloat16 computations without attention dropout, without
     custom einsums or ``einsum_dot_general``, and without a ``module`` to sow the attention
     weights into (the kernels never form them). The softmax is always float32 (Flax's is in
-    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is met by exact
-    float32 products (``jax_brgemm.precision``).
+    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is computed as
+    ``jax_brgemm.precision`` says.
     """
     del broadcast_dropout, dropout_rng, force_fp32_for_softmax
     why = _adapt.precision_why(precision)

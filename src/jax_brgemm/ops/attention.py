@@ -54,8 +54,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       is_causal: query ``i`` attends to keys ``j <= i`` only.
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
-        ``jax.default_matmul_precision``); every one is met by exact float32 products
-        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
+        ``jax.default_matmul_precision``), computed as ``jax_brgemm.precision`` says: exact
+        float32, or with ``JAX_BRGEMM_EMULATE=1`` from bfloat16 products (the kernel splits
+        the probabilities and their gradient where it makes them). An algorithm outside its
+        table is a ValueError.
 
     Returns:
       query's shape and dtype. A fully masked row attends uniformly to every key, as in jax.
@@ -72,7 +74,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(f"{op}: {name} must be (B, {'T' if name == 'query' else 'S'}, heads, H) or "
                              f"unbatched without B (rank 3 or 4), got shape {tuple(a.shape)}")
     check.same_dtype(op, query=query, key=key, value=value)
-    _precision.accuracy(precision, op)
+    computed = _precision.computed(_precision.accuracy(precision, op))
     q, k, v = (a if a.ndim == 4 else a[None] for a in (query, key, value))
     b, t, n, h = q.shape
     if k.shape != v.shape:
@@ -98,7 +100,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if 0 in (b, t, n, h, s) or np.dtype(q.dtype) == np.dtype(np.float64):
         return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=causal)
     bias4 = None if bias is None else bias.astype(jnp.float32)
-    o, _ = _attention(q, k, v, bias4, mask, scale, causal)
+    # bfloat16 inputs are exact in one product whatever the precision
+    products = _precision.PRODUCTS[computed] if q.dtype == jnp.float32 else 0
+    o, _ = _attention(q, k, v, bias4, mask, scale, (causal, products))
     return o.reshape(query.shape)
 
 
@@ -134,21 +138,28 @@ def _or_empty(a, dtype):
     return jnp.zeros((0,), dtype) if a is None else a
 
 
-def _forward_ffi(q, k, v, bias, mask, *, scale, causal):
+def _forward_ffi(q, k, v, bias, mask, *, scale, kind):
     b, t, n, _ = q.shape
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t, 2), jnp.float32))
     return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs, vmap_method="expand_dims")(
-        q, k, v, bias, mask, scale=np.float32(scale), causal=bool(causal)))
+        q, k, v, bias, mask, scale=np.float32(scale), **_attrs(kind)))
 
 
-def _backward_ffi(q, k, v, bias, mask, o, stats, do, *, scale, causal, want_dbias):
+def _attrs(kind):
+    """The FFI attributes of ``kind``: (is_causal, the bfloat16 products each product is
+    emulated from, 0: exact float32)."""
+    causal, products = kind
+    return {"causal": bool(causal), "products": np.int64(products)}
+
+
+def _backward_ffi(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
     b, t, n, _ = q.shape
     full = (b, n, t, k.shape[1])
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(full if want_dbias else (0,), jnp.float32))
     dq, dk, dv, dbias = jax.ffi.ffi_call("jb_attention_bwd", outs, vmap_method="expand_dims")(
-        q, k, v, bias, mask, o, stats, do, scale=np.float32(scale), causal=bool(causal))
+        q, k, v, bias, mask, o, stats, do, scale=np.float32(scale), **_attrs(kind))
     if want_dbias:  # back to the bias's shape: summed over the dims it broadcasts along
         axes = tuple(i for i, (d, f) in enumerate(zip(bias.shape, full)) if d == 1 and f != 1)
         dbias = jnp.sum(dbias, axis=axes, keepdims=True) if axes else dbias
@@ -164,63 +175,63 @@ def _batch_kind(a, b):
 
 
 @partitioning.cached
-def _forward_target(scale, causal, bias_kind, mask_kind):
-    return partitioning.rows(partial(_forward_ffi, scale=scale, causal=causal),
+def _forward_target(scale, kind, bias_kind, mask_kind):
+    return partitioning.rows(partial(_forward_ffi, scale=scale, kind=kind),
                              (_R, _R, _R, bias_kind, mask_kind), (_R, _R))
 
 
 @partitioning.cached
-def _backward_target(scale, causal, want_dbias, bias_kind, mask_kind):
+def _backward_target(scale, kind, want_dbias, bias_kind, mask_kind):
     # A bias shared by the batch gets every shard's contribution to its gradient: a sum.
     return partitioning.rows(
-        partial(_backward_ffi, scale=scale, causal=causal, want_dbias=want_dbias),
+        partial(_backward_ffi, scale=scale, kind=kind, want_dbias=want_dbias),
         (_R, _R, _R, bias_kind, mask_kind, _R, _R, _R), (_R, _R, _R, bias_kind or _SUM))
 
 
-def _forward_call(q, k, v, bias, mask, scale, causal):
+def _forward_call(q, k, v, bias, mask, scale, kind):
     b = q.shape[0]
-    target = _forward_target(scale, causal, _batch_kind(bias, b), _batch_kind(mask, b))
+    target = _forward_target(scale, kind, _batch_kind(bias, b), _batch_kind(mask, b))
     return target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_))
 
 
-def _backward_call(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias):
+def _backward_call(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
     b = q.shape[0]
-    target = _backward_target(scale, causal, want_dbias, _batch_kind(bias, b), _batch_kind(mask, b))
+    target = _backward_target(scale, kind, want_dbias, _batch_kind(bias, b), _batch_kind(mask, b))
     dq, dk, dv, dbias = target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_),
                                o, stats, do)
     return dq, dk, dv, dbias if want_dbias else None
 
 
-def _reference(q, k, v, bias, mask, scale, causal):
-    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=causal)
+def _reference(q, k, v, bias, mask, scale, kind):
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=kind[0])
 
 
 # --- the differentiable functions ----------------------------------------------------------
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, bias, mask, scale, causal):
+def _attention(q, k, v, bias, mask, scale, kind):
     """(o, stats): the attention and its rows' softmax statistics."""
-    return _forward_call(q, k, v, bias, mask, scale, causal)
+    return _forward_call(q, k, v, bias, mask, scale, kind)
 
 
-def _attention_fwd(q, k, v, bias, mask, scale, causal):
+def _attention_fwd(q, k, v, bias, mask, scale, kind):
     # symbolic_zeros: arguments come as CustomVJPPrimal(value, perturbed). The bias gradient
     # (a full (B, N, T, S) array before its reduction) is computed only when it is needed.
     want_dbias = bias is not None and bias.perturbed
     q, k, v = q.value, k.value, v.value
     bias = None if bias is None else bias.value
     mask = None if mask is None else mask.value
-    o, stats = _attention(q, k, v, bias, mask, scale, causal)  # differentiable for an outer grad
+    o, stats = _attention(q, k, v, bias, mask, scale, kind)  # differentiable for an outer grad
     return (o, stats), (q, k, v, bias, mask, o, stats, () if want_dbias else None)
 
 
-def _attention_bwd(scale, causal, res, cotangents):
+def _attention_bwd(scale, kind, res, cotangents):
     q, k, v, bias, mask, o, stats, want = res
     do = cotangents[0]  # the statistics are internal: nothing differentiates them
     if isinstance(do, SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
-    dq, dk, dv, dbias = _grads(q, k, v, bias, mask, o, stats, do.astype(o.dtype), scale, causal,
+    dq, dk, dv, dbias = _grads(q, k, v, bias, mask, o, stats, do.astype(o.dtype), scale, kind,
                                want is not None)
     return dq, dk, dv, dbias, None
 
@@ -229,25 +240,25 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _grads(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias):
+def _grads(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
     """(dq, dk, dv, dbias or None) of the attention at (q, k, v, bias) for the cotangent do;
     o and stats are the forward's results there."""
-    return _backward_call(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias)
+    return _backward_call(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias)
 
 
-def _grads_fwd(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias):
-    out = _grads(q, k, v, bias, mask, o, stats, do, scale, causal, want_dbias)
+def _grads_fwd(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
+    out = _grads(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias)
     return out, (q, k, v, bias, mask, o, stats, do)
 
 
-def _grads_bwd(scale, causal, want_dbias, res, cotangents):
+def _grads_bwd(scale, kind, want_dbias, res, cotangents):
     # The derivative of the gradients, from the stock formula's VJP. o and stats are functions
     # of (q, k, v, bias): their dependence is inside the derivative taken here, so they get 0.
     q, k, v, bias, mask, o, stats, do = res
     gq, gk, gv, gbias = cotangents
 
     def first_order(q, k, v, bias, do):
-        _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, causal), q, k, v, bias)
+        _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind), q, k, v, bias)
         return vjp(do)
 
     _, vjp2 = jax.vjp(first_order, q, k, v, bias, do)

@@ -1,0 +1,46 @@
+// float32 products from bfloat16 ones inside a layer (jax_brgemm.precision's bf16_*
+// accuracies; ops/emulation.py splits the operands of the plain products in Python, this
+// splits those a layer makes itself, like attention's P and dS or the LSTM's h).
+//
+// A float32 operand x is split into bfloat16 parts, largest first: hi = bf16(x),
+// mid = bf16(x - hi), lo = bf16(x - hi - mid). A product of two parts is exact in float32,
+// so A B is approximated by the sum of the large part products, the `terms`: one batch-reduce
+// over them accumulates every product of a tile into the same float32 accumulators. The
+// parts are made when an operand is re-blocked: each distinct part into its own block of the
+// packed operand, `step` elements apart.
+#pragma once
+
+#include <cstdint>
+
+#include "brgemm/brgemm.h"
+
+namespace jb::emulation {
+
+struct Terms {
+  int count = 1;           // products summed
+  int parts[2] = {1, 1};   // distinct parts of A (side 0) and B (side 1)
+  int8_t of[2][6] = {};    // term i multiplies part of[0][i] of A by part of[1][i] of B
+  bool split = false;      // false: exact, the operands as they are (one product)
+};
+
+// The terms of `products` bf16 products: 0 (exact, no split), 1, 3 or 6 (ops/emulation.py's
+// TERMS, smallest first). Throws std::invalid_argument for another count.
+Terms terms(int64_t products);
+
+// Packs like reblock::pack into `kd` (bf16, or fp32 holding bf16-exact values where the CPU
+// multiplies bf16 in fp32); with terms.split, the parts of the fp32 source that `side`
+// multiplies, part p at dst + p * step elements. tmp: 2 * prows * pcols floats.
+void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, bool trans, int64_t rows,
+          int64_t cols, int64_t prows, int64_t pcols, DType kd, bool vnni, void* dst, int64_t step, Isa isa,
+          float* tmp);
+
+// C (+)= the sum over the terms of (part of A) x (part of B), parts a_step and b_step
+// elements apart; without a split, one product of a and b.
+inline void multiply(const Brgemm& k, const Terms& t, const void* a, int64_t a_step, const void* b, int64_t b_step,
+                     void* c) {
+  int64_t oa[6], ob[6];
+  for (int i = 0; i < t.count; ++i) oa[i] = t.of[0][i] * a_step, ob[i] = t.of[1][i] * b_step;
+  k.offsets(a, oa, b, ob, t.count, c);
+}
+
+}  // namespace jb::emulation
