@@ -10,7 +10,8 @@ the conv weight gradient over N * H * W. The error is max |out - ref| / max |ref
 
 Then each precision= (float32, and the bf16 emulation of ops/emulation.py forced: six, three
 and one bfloat16 product) on unit-normal reductions of 10^3 to 10^6 products, a dense
-layer's and a 3x3 convolution's, beside stock XLA's fp32.
+layer's, a 3x3 convolution's, attention's and an LSTM layer's outputs, beside stock XLA's
+fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 import jax_brgemm as jb
 from jax_brgemm import precision
+from jax_brgemm.ops.lstm import reference as lstm_reference
 from common import arg_parser, write_results
 
 
@@ -81,8 +83,8 @@ PRECISIONS = {"float32": None, "bf16_6x": "BF16_BF16_F32_X6", "bf16_3x": "BF16_B
 
 
 def precision_rows(rng, scale):
-    """Each precision's error (the bf16 emulation forced, ops/emulation.py) beside stock
-    XLA's fp32, on unit-normal reductions of 10^3 to 10^6 products, a dense and a conv layer."""
+    """Each precision's error (the bf16 emulation forced) beside stock XLA's fp32, on
+    unit-normal reductions of 10^3 to 10^6 products and on layers."""
     precision.EMULATE = True
     rows = []
     print("\n| reduction | " + " | ".join(PRECISIONS) + " | XLA fp32 |\n|---|---|---|---|---|---|")
@@ -111,6 +113,22 @@ def precision_rows(rng, scale):
     with jax.enable_x64(True):
         ref = np.asarray(stock_conv(x.astype(np.float64), w.astype(np.float64)))
     row("conv 3x3 64->64 (8, 28, 28)", lambda x, w, v: jb.conv2d(x, w, precision=v), stock_conv, x, w, ref)
+    # attention (ViT-S heads) and an LSTM layer: the kernels split what they make themselves
+    q, k, v = (rng.standard_normal((4, 256, 6, 64), dtype=np.float32) for _ in range(3))
+    with jax.enable_x64(True):
+        ref = np.asarray(jax.nn.dot_product_attention(*(a.astype(np.float64) for a in (q, k, v))))
+    row("attention (4, 256, 6 heads, 64)", lambda q, kv, p: jb.dot_product_attention(q, *kv, precision=p),
+        lambda q, kv: jax.nn.dot_product_attention(q, *kv), q, (k, v), ref)
+    x = rng.standard_normal((32, 50, 256), dtype=np.float32)
+    w = tuple(rng.standard_normal(shape, dtype=np.float32) / 16 for shape in ((256, 1024), (256, 1024), (1024,)))
+
+    def stock_lstm(x, w):
+        zeros = jnp.zeros((x.shape[0], 256), x.dtype)
+        return lstm_reference(x, *w, zeros, zeros, False)[1]
+
+    with jax.enable_x64(True):
+        ref = np.asarray(stock_lstm(x.astype(np.float64), tuple(a.astype(np.float64) for a in w)))
+    row("LSTM 256->256, 50 steps (32 rows)", lambda x, w, p: jb.lstm(x, *w, precision=p)[1], stock_lstm, x, w, ref)
     return rows
 
 

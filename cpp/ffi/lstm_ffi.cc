@@ -8,12 +8,13 @@
 //                    gates (T, ceil(K / B), N, 4B, x's dtype; B = lstm::gate_block),
 //                    cs (T, N, K) f32 and xh (x's layout,
 //                    lstm::saved_width features, x's dtype) when training, else (0,) each
-//                 attrs time_major, variant (0 automatic or 1 fused: the same forward)
+//                 attrs time_major, variant (0 automatic or 1 fused: the same forward),
+//                 products (fp32 emulated from that many bf16 products, 0 exact; lstm.h)
 //   jb_lstm_bptt  r (K, 4K), gates, cs, c0, dy (y's shape), dc_T (N, K) f32, dh_T (N, K),
 //                 last_step (N,) s32 or (0,): where row n's dc_T, dh_T enter (else T-1)
 //                 -> da (x's layout, lstm::da_width features: the first 4K, then padding),
 //                    db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
-//                 attr time_major
+//                 attrs time_major, products
 // x, y, h, dy, dh and da share the compute dtype (float32 or bfloat16); w and r are
 // float32 or bfloat16 (cast inside the call).
 #include <string>
@@ -52,7 +53,7 @@ std::vector<int64_t> gate_dims(const lstm::Shape& s) {
 ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer r, F32 bias, F32 c0,
                     ffi::AnyBuffer h0, ffi::Buffer<ffi::S32> last_step, ffi::Result<ffi::AnyBuffer> y, F32Out c_last,
                     ffi::Result<ffi::AnyBuffer> h_last, ffi::Result<ffi::AnyBuffer> gates, F32Out cs,
-                    ffi::Result<ffi::AnyBuffer> xh, bool time_major, int32_t variant) {
+                    ffi::Result<ffi::AnyBuffer> xh, bool time_major, int32_t variant, int64_t products) {
   const char* op = "jb_lstm_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}, {"r", r.element_type()}}));
@@ -73,7 +74,7 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   JB_CHECK(expect_dims(op, "c_last", c_last->dimensions(), {n, k}));
   JB_CHECK(expect_dims(op, "h_last", h_last->dimensions(), {n, k}));
   const bool save = gates->element_count() != 0 || cs->element_count() != 0 || xh->element_count() != 0;
-  const lstm::Shape s{t, n, c, k, dt, time_major};
+  const lstm::Shape s{t, n, c, k, dt, time_major, products};
   if (save) {
     JB_CHECK(expect_dims(op, "gates", gates->dimensions(), gate_dims(s)));
     JB_CHECK(expect_dims(op, "cs", cs->dimensions(), {t, n, k}));
@@ -104,7 +105,8 @@ ffi::Error lstm_fwd(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, F32 cs, F32 c0,
                      ffi::AnyBuffer dy, F32 dc_last, ffi::AnyBuffer dh_last, ffi::Buffer<ffi::S32> last_step,
                      ffi::Result<ffi::AnyBuffer> da,
-                     F32Out db, F32Out dc0, ffi::Result<ffi::AnyBuffer> dh0, bool time_major) {
+                     F32Out db, F32Out dc0, ffi::Result<ffi::AnyBuffer> dh0, bool time_major,
+                     int64_t products) {
   const char* op = "jb_lstm_bptt";
   JB_TRY(dt, kernel_dtype(op, {{"dy", dy.element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"r", r.element_type()}}));
@@ -114,7 +116,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   const int64_t t = time_major ? yd[0] : yd[1], n = time_major ? yd[1] : yd[0];
   JB_CHECK(expect_dims(op, "r", rd, {k, g}));
   JB_CHECK(expect_dims(op, "dy", yd, seq_dims(time_major, t, n, k)));
-  const lstm::Shape s{t, n, 0, k, dt, time_major};
+  const lstm::Shape s{t, n, 0, k, dt, time_major, products};
   JB_CHECK(expect_dims(op, "gates", gates.dimensions(), gate_dims(s)));
   JB_CHECK(expect_dims(op, "cs", cs.dimensions(), {t, n, k}));
   JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
@@ -148,7 +150,7 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd, ffi_util::bind(lstm_fwd, "time_major", "variant"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt, ffi_util::bind(lstm_bptt, "time_major"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd, ffi_util::bind(lstm_fwd, "time_major", "variant", "products"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt, ffi_util::bind(lstm_bptt, "time_major", "products"));
 
 }  // namespace jb

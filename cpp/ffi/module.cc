@@ -38,15 +38,20 @@ NB_MODULE(_jax_brgemm, m) {
 #undef JB_REGISTER
     return targets;
   });
-  m.def("lstm_saved_width", [](int64_t t, int64_t n, int64_t c, int64_t k, bool bf16, bool time_major) {
-    return jb::lstm::saved_width({t, n, c, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major},
+  m.def("lstm_saved_width", [](int64_t t, int64_t n, int64_t c, int64_t k, bool bf16, bool time_major,
+                               int64_t products) {
+    return jb::lstm::saved_width({t, n, c, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major, products},
                                  jb::dispatch());
-  }, "Columns of jb_lstm_fwd's saved xh for a shape and compute dtype (float32 or bfloat16).");
-  m.def("lstm_saved_gates_shape", [](int64_t t, int64_t n, int64_t k, bool bf16) {
-    const auto d = jb::lstm::saved_gate_dims({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, false},
-                                             jb::dispatch());
+  }, nb::arg("t"), nb::arg("n"), nb::arg("c"), nb::arg("k"), nb::arg("bf16"), nb::arg("time_major"),
+     nb::arg("products") = 0,
+     "Columns of jb_lstm_fwd's saved xh for a shape, compute dtype (float32 or bfloat16) and "
+     "emulated product count.");
+  m.def("lstm_saved_gates_shape", [](int64_t t, int64_t n, int64_t k, bool bf16, int64_t products) {
+    const auto d = jb::lstm::saved_gate_dims(
+        {t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, false, products}, jb::dispatch());
     return nb::make_tuple(d[0], d[1], d[2], d[3]);
-  }, "Shape of jb_lstm_fwd's saved gates: (T, K-blocks, N, 4 x block).");
+  }, nb::arg("t"), nb::arg("n"), nb::arg("k"), nb::arg("bf16"), nb::arg("products") = 0,
+     "Shape of jb_lstm_fwd's saved gates: (T, K-blocks, N, 4 x block).");
   m.def("lstm_da_width", [](int64_t t, int64_t n, int64_t k, bool bf16, bool time_major) {
     return jb::lstm::da_width({t, n, 0, k, bf16 ? jb::DType::bf16 : jb::DType::f32, time_major});
   }, "Columns of jb_lstm_bptt's da (4K, padded) for a shape and compute dtype.");

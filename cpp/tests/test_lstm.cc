@@ -159,6 +159,7 @@ struct Opts {
   jb::Dispatch dp = jb::dispatch();
   bool no_carry_grads = false;  // bptt gets null dc_last / dh_last (meaning zeros)
   bool row_steps = false;       // each row's own last step (the first row's T-1, the second's 0)
+  int64_t products = 0;         // fp32 emulated from bf16 products (0: exact)
 };
 
 // Last steps for N rows of T steps: T-1, 0, then a spread over every step.
@@ -207,8 +208,9 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
 
   TestPool pool;
   const jb::Executor ex = pool.executor(o.threads);
-  const lstm::Shape s{T, N, C, K, o.dt, tm};
-  const double tol = o.dt == DType::bf16 ? 3e-2 : 2e-4;
+  const lstm::Shape s{T, N, C, K, o.dt, tm, o.products};
+  const bool bf16 = o.dt == DType::bf16 || o.products == 1;  // one bf16 product: bf16's accuracy
+  const double tol = bf16 ? 3e-2 : 2e-4;
 
   // Inference forward (nothing saved) and training forward (gates and cell states saved).
   for (bool save : {false, true}) {
@@ -266,7 +268,7 @@ void run_case(int64_t T, int64_t N, int64_t C, int64_t K, bool tm, const Opts& o
     ba.dc0 = dc0.f.data();
     ba.dh0 = {dh0.data(), o.dt};
     lstm::bptt(ex, o.dp, s, ba, o.force);
-    const double gtol = o.dt == DType::bf16 ? 5e-2 : 5e-4;
+    const double gtol = bf16 ? 5e-2 : 5e-4;
     close(db, ref.db, gtol, "db", ctx);
     close(dc0, ref.dc0, gtol, "dc0", ctx);
     close(dh0, ref.dh0, gtol, "dh0", ctx);
@@ -415,6 +417,27 @@ TEST(lstm_every_isa) {
       run_case(3, 14, 23, 35, false, o);
     }
   }
+}
+
+// fp32 from 1, 3 and 6 bf16 products, h_t and da_t split where the steps make them: every
+// ISA up to the host's and both bf16 multiply paths, and reduction blocks straddling W and R.
+TEST(lstm_emulated_products) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    for (const char* mode : {"dot", "fp32"})
+      for (int64_t products : {1, 3, 6}) {
+        Opts o;
+        o.dp = jb::make_dispatch(isa, mode);
+        o.products = products;
+        run_case(3, 13, 37, 33, products == 3, o);
+      }
+  }
+  const jb::Blocking bl{5, 96, 0};
+  Opts o;
+  o.force = &bl;
+  o.products = 3;
+  o.row_steps = true;
+  run_case(2, 9, 150, 130, true, o);
 }
 
 TEST(lstm_bptt_without_final_carry_gradients) {

@@ -18,12 +18,13 @@ BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32 (
 
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
-precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), ``jb.brgemm``, ``jb.dense``,
-``jb.conv2d``, ``jb.conv3d`` (every convolution kind) and ``jb.dot_product_attention``, and
-the modules and ``accelerate()`` through them, compute the ``bf16_*`` accuracies as asked
-instead, from bfloat16 products summed in float32 (``ops/emulation.py``; attention's kernel
-splits the probabilities and their gradient into parts where it makes them); the LSTM
-computes exact float32. That can only pay with AMX, whose bfloat16 products run 6-14x the
+precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), every op (``jb.brgemm``,
+``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every convolution kind,
+``jb.dot_product_attention``, ``jb.lstm``), and the modules and ``accelerate()`` through them,
+computes the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32:
+the parts of an operand stacked in XLA (``ops/emulation.py``), or split by the kernel where
+it makes the operand (attention's probabilities and their gradient, the LSTM's h and gate
+gradient of each step; ``cpp/layers/common/emulation.h``). That can only pay with AMX, whose bfloat16 products run 6-14x the
 float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
 1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
 there.

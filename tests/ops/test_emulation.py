@@ -261,11 +261,47 @@ def test_attention_and_its_gradients_are_emulated(emulate, accuracy):
                 "bf16_6x": err <= 2 * fp32}[accuracy], (err, fp32)
 
 
+@pytest.mark.parametrize("accuracy", ["bf16", "bf16_3x", "bf16_6x"])
+def test_lstm_and_its_gradients_are_emulated(emulate, accuracy):
+    """The kernels split each step's h and gate gradient into parts where they make them
+    (the weight gradients stack theirs in XLA): y and the gradients of x, both kernels and
+    the bias through 13 steps, as for attention."""
+    from jax_brgemm.ops.lstm import reference
+
+    rng = np.random.default_rng(10)
+    n, t, c, k = 5, 13, 37, 40
+    x = rng.standard_normal((n, t, c)).astype(np.float32)
+    wi = (rng.standard_normal((c, 4 * k)) / np.sqrt(c)).astype(np.float32)
+    wh = (rng.standard_normal((k, 4 * k)) / np.sqrt(k)).astype(np.float32)
+    b = (rng.standard_normal(4 * k) / 10).astype(np.float32)
+    cot = rng.standard_normal((n, t, k)).astype(np.float32)
+
+    def with_grads(f, *args):
+        loss = lambda *a: jnp.sum(f(*a)[1] * cot) + jnp.sum(f(*a)[0][0])  # noqa: E731
+        return (f(*args)[1],) + jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    def stock(x, wi, wh, b):
+        zeros = jnp.zeros((n, k), x.dtype)
+        return reference(x, wi, wh, b, zeros, zeros, False)
+
+    ours = lambda p: jax.jit(lambda *a: jb.lstm(*a, precision=p))  # noqa: E731
+    assert f"products = {precision.PRODUCTS[accuracy]}" in ours(PRESET[accuracy]).lower(x, wi, wh, b).as_text()
+    got = with_grads(ours(PRESET[accuracy]), x, wi, wh, b)
+    exact = with_grads(ours(None), x, wi, wh, b)
+    xla = with_grads(jax.jit(stock), x, wi, wh, b)
+    with jax.enable_x64(True):
+        want = with_grads(stock, *(a.astype(np.float64) for a in (x, wi, wh, b)))
+    for g, e, xl, ref in zip(got, exact, xla, want, strict=True):
+        err, fp32 = rel_error(g, ref), max(rel_error(e, ref), rel_error(xl, ref))
+        assert {"bf16": 1e-4 < err < 2e-2, "bf16_3x": 2 * fp32 < err < 5e-5,
+                "bf16_6x": err <= 2 * fp32}[accuracy], (err, fp32)
+
+
 @pytest.mark.parametrize("emulated", [False, True])
 def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     """accelerate(report=True) names the accuracy a layer asked and the one computed: the
-    emulation where it is on (dense, convolutions, attention), exact float32 otherwise and for
-    the LSTM; a layer without a precision says nothing."""
+    emulation where it is on, exact float32 otherwise and for bfloat16 computations; a layer
+    without a precision says nothing."""
     import flax.linen as nn
 
     monkeypatch.setattr(precision, "EMULATE", emulated)
@@ -280,7 +316,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
 
     x = jnp.ones((2, 5, 3))
     params = Model().init(jax.random.key(0), x)
-    with jax.default_matmul_precision("BF16_BF16_F32_X6"):  # the LSTM's and the Dense's
+    with jax.default_matmul_precision("BF16_BF16_F32_X6"):  # all but the Conv's
         with jb.accelerate() as acc:
             Model().apply(params, x)
     report = {c.layer: c.precision for c in acc.calls}
@@ -288,7 +324,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     assert report["Conv"] == f"precision bf16_3x, computed {'bf16_3x' if emulated else 'float32'}"
     assert report["Dense"] == f"precision bf16_6x, computed {'bf16_6x' if emulated else 'float32'}"
     assert report["MultiHeadDotProductAttention"] == report["Dense"]
-    assert report["RNN"] == "precision bf16_6x, computed float32"
+    assert report["RNN"] == report["Dense"]
     assert "computed" in acc.summary()
     with jb.accelerate() as acc:
         Model().apply(params, x)

@@ -1,5 +1,6 @@
 #include "layers/common/emulation.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -40,6 +41,25 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
     }
     reblock::pack(part, DType::f32, pcols, false, prows, pcols, prows, pcols, kd, vnni,
                   out + p * step * int64_t(dtype_size(kd)), isa);
+  }
+}
+
+void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
+                int64_t step, int64_t rows, int64_t cols, int64_t zero_to) {
+  const int64_t es = int64_t(dtype_size(kd));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    for (int p = 0; p < t.parts[side]; ++p) {
+      char* d = static_cast<char*>(dst) + (p * step + r * ldd) * es;
+      for (int64_t j = 0; j < cols; ++j) {
+        float rest = s[j];  // what parts 0 .. p - 1 leave
+        for (int q = 0; q < p; ++q) rest -= bf16_to_f32(f32_to_bf16(rest));
+        const uint16_t part = f32_to_bf16(rest);
+        if (kd == DType::bf16) reinterpret_cast<uint16_t*>(d)[j] = part;
+        else reinterpret_cast<float*>(d)[j] = bf16_to_f32(part);
+      }
+      if (zero_to > cols) std::memset(d + cols * es, 0, size_t(zero_to - cols) * size_t(es));
+    }
   }
 }
 

@@ -34,6 +34,11 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
           int64_t cols, int64_t prows, int64_t pcols, DType kd, bool vnni, void* dst, int64_t step, Isa isa,
           float* tmp);
 
+// The parts of `rows` rows of `cols` fp32 values (lds apart) that `side` multiplies, in kd,
+// rows ldd apart, part p at dst + p * step elements; columns [cols, zero_to) of each row 0.
+void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
+                int64_t step, int64_t rows, int64_t cols, int64_t zero_to);
+
 // C (+)= the sum over the terms of (part of A) x (part of B), parts a_step and b_step
 // elements apart; without a split, one product of a and b.
 inline void multiply(const Brgemm& k, const Terms& t, const void* a, int64_t a_step, const void* b, int64_t b_step,

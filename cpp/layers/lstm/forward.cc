@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "layers/common/emulation.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
 #include "layers/lstm/plan.h"
@@ -15,17 +16,20 @@ namespace {
 
 // Packs rows [r0, r0 + depth) of the stacked weights [W; R; 0] (W: rows [0, h_col), R: rows
 // [h_col, h_col + k)), columns [col, col + cols) of both (leading dimension ld), into one
-// batch element. A block straddling W and R is staged contiguously first, in `stage`
-// (kMaxDepth x kMaxCols elements of the weights' dtype).
+// batch element (its parts `part` elements apart, emulating). A block straddling W and R is
+// staged contiguously first, in `stage` (kMaxDepth x kMaxCols elements of the weights'
+// dtype; then, emulating, 2 x kMaxDepth x kMaxCols floats for the split).
 void pack_stacked(InView w, InView r, int64_t h_col, int64_t k, int64_t ld, int64_t col, int64_t r0, int64_t depth,
-                  int64_t cols, int64_t sub_width, DType mul_dt, bool vnni, char* dst, char* stage, Isa isa) {
+                  int64_t cols, int64_t sub_width, DType mul_dt, bool vnni, char* dst, char* stage, Isa isa,
+                  const emulation::Terms& terms, int64_t part) {
+  float* tmp = reinterpret_cast<float*>(stage + kMaxDepth * kMaxCols * int64_t(dtype_size(w.dt)));
   const int64_t r1 = r0 + depth;
   if (r1 <= h_col || r0 >= h_col) {  // all from W, or all from R and its zero pad
     const bool from_w = r1 <= h_col;
     const int64_t src_row = from_w ? r0 : r0 - h_col;
     const int64_t rows = std::max<int64_t>(0, std::min(depth, (from_w ? h_col : k) - src_row));
-    reblock::pack((from_w ? w : r).at(src_row * ld + col), w.dt, ld, false, rows, cols, depth, sub_width, mul_dt,
-                  vnni, dst, isa);
+    emulation::pack(terms, 1, (from_w ? w : r).at(src_row * ld + col), w.dt, ld, false, rows, cols, depth, sub_width,
+                    mul_dt, vnni, dst, part, isa, tmp);
     return;
   }
   const size_t ws = dtype_size(w.dt);
@@ -34,7 +38,8 @@ void pack_stacked(InView w, InView r, int64_t h_col, int64_t k, int64_t ld, int6
     std::memcpy(stage + q * cols * int64_t(ws), w.at((r0 + q) * ld + col), size_t(cols) * ws);
   for (int64_t q = 0; q < r_rows; ++q)
     std::memcpy(stage + (w_rows + q) * cols * int64_t(ws), r.at(q * ld + col), size_t(cols) * ws);
-  reblock::pack(stage, w.dt, cols, false, w_rows + r_rows, cols, depth, sub_width, mul_dt, vnni, dst, isa);
+  emulation::pack(terms, 1, stage, w.dt, cols, false, w_rows + r_rows, cols, depth, sub_width, mul_dt, vnni, dst, part,
+                  isa, tmp);
 }
 
 void check_dtypes(const Shape& s, const ForwardArgs& a) {
@@ -45,6 +50,7 @@ void check_dtypes(const Shape& s, const ForwardArgs& a) {
   if (a.w.dt != a.r.dt) throw std::invalid_argument("lstm forward: w and r must share a dtype");
   if (saved != bool(a.saved.xh) || saved != (a.saved.cs != nullptr))
     throw std::invalid_argument("lstm forward: the saves are all set or all null");
+  check_products(s, "lstm forward");
 }
 
 }  // namespace
@@ -66,15 +72,16 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
   const size_t ks = p.mul_bytes;
   // A is the saved xh itself when training in the multiply dtype; otherwise xh is filled
   // from x and y after the loop.
-  const bool a_is_xh = a.saved.xh && s.dt == p.mul_dt;
+  const emulation::Terms& tm = p.terms;
+  const bool a_is_xh = a.saved.xh && s.dt == p.mul_dt && !tm.split;
 
   // Scratch: the weight panels, A, the stages of pack_stacked and the gate tiles (one of
   // each per item running at once). The BRGEMMs write an item's gates to its own tile, hot
   // in L2, from which the cell reads them and saves them when training: fp32 streamed to
   // memory as they are, bf16 as bf16 copies.
-  const size_t panels = size_t(kGates * p.k_blocks * p.subpanels * p.depth_blocks * p.block_elems) * ks;
-  const size_t a_bytes = a_is_xh ? 0 : size_t(T * N * p.a_ld) * ks;
-  const size_t stage = size_t(kMaxDepth * kMaxCols) * dtype_size(a.w.dt);
+  const size_t panels = size_t(p.w_part * tm.parts[1]) * ks;
+  const size_t a_bytes = a_is_xh ? 0 : size_t(p.a_part * tm.parts[0]) * ks;
+  const size_t stage = size_t(kMaxDepth * kMaxCols) * (dtype_size(a.w.dt) + (tm.split ? 2 * sizeof(float) : 0));
   const int64_t stages = std::max<int64_t>(1, ex.num_threads);
   const size_t tile = size_t(b.rows * p.tile_ld) * sizeof(float);
   // Selecting each row's carry without saving the cell states: c runs in a buffer of its own.
@@ -106,12 +113,23 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
         char* dst = weights + p.panel(gate, kb, j) * ks;
         for (int64_t d = 0; d < p.depth_blocks; ++d)
           pack_stacked(a.w, a.r, p.h_col, K, G4, col, d * p.depth, p.depth, w_cols, p.sub_width, p.mul_dt, p.vnni,
-                       dst + d * p.block_elems * ks, st.data, p.isa);
+                       dst + d * p.block_elems * ks, st.data, p.isa, tm, p.w_part);
       }
       return;
     }
     const int64_t t = i - weight_items;  // step t's A: [x_t | h0 (t = 0) | 0]
     char* dst = a_step(t);
+    if (tm.split) {  // each part's, from fp32 x and h0 (emulation takes fp32 only)
+      emulation::split_rows(tm, 0, reinterpret_cast<const float*>(a.x.at(row_of(s, t, 0) * s.c)), row_step(s) * s.c, dst,
+                            p.mul_dt, p.a_stride, p.a_part, N, s.c, s.c);
+      for (int q = 0; q < tm.parts[0]; ++q)
+        for (int64_t n = 0; n < N; ++n)  // the h part's padding, and for t = 0 h0 (below)
+          std::memset(dst + (q * p.a_part + n * p.a_stride + s.c) * ks, 0, size_t(p.a_ld - s.c) * ks);
+      if (t == 0)
+        emulation::split_rows(tm, 0, static_cast<const float*>(a.h0.data), K, dst + s.c * ks, p.mul_dt, p.a_stride,
+                              p.a_part, N, K, K);
+      return;
+    }
     copy_rows(a.x.at(row_of(s, t, 0) * s.c), s.dt, row_step(s) * s.c, dst, p.mul_dt, p.a_stride, N, s.c, s.c);
     if (t == 0) {
       copy_rows(a.h0.data, s.dt, K, dst + s.c * ks, p.mul_dt, p.a_stride, N, K, p.a_ld - s.c);
@@ -133,18 +151,28 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
       for (int64_t nb = p.groups.first(i); nb < p.groups.last(i); ++nb) {
         const int64_t n0 = nb * b.rows, rows = std::min(b.rows, N - n0);
         for (int q = 0; q < kGates; ++q)
-          for (int64_t j = 0; j * p.sub_width < cols; ++j)
-            (*p.gate_kernels[q])(rows, std::min(p.sub_width, cols - j * p.sub_width))
-                .strided(a_t + n0 * p.a_stride * ks, p.depth, weights + p.panel(q, kb, j) * ks, p.block_elems,
-                         p.depth_blocks, gates + q * b.cols + j * p.sub_width, a.bias + q * K + k0 + j * p.sub_width);
+          for (int64_t j = 0; j * p.sub_width < cols; ++j) {
+            const Brgemm& kernel = (*p.gate_kernels[q])(rows, std::min(p.sub_width, cols - j * p.sub_width));
+            const char* at = a_t + n0 * p.a_stride * ks;
+            const char* panel = weights + p.panel(q, kb, j) * ks;
+            float* out = gates + q * b.cols + j * p.sub_width;
+            const float* bias = a.bias + q * K + k0 + j * p.sub_width;
+            if (tm.split)  // the batch over (term, block)
+              kernel.offsets(at, p.a_offs.data(), panel, p.w_offs.data(), int64_t(p.a_offs.size()), out, bias);
+            else
+              kernel.strided(at, p.depth, panel, p.block_elems, p.depth_blocks, out, bias);
+          }
         // The cell per piece of the tile within one block of the saved gates.
         for_pieces(k0, cols, save ? p.saved_gates.block : K, [&](int64_t k, int64_t w) {
           CellForward c{rows, w, gates + (k - k0), p.tile_ld, b.cols, c_prev + n0 * K + k, c_next + n0 * K + k, K,
                         a.y.at(row_of(s, t, n0) * K + k), row_step(s) * K,
-                        h_next ? h_next + (n0 * p.a_stride + k) * ks : nullptr, p.a_stride,
+                        h_next && !tm.split ? h_next + (n0 * p.a_stride + k) * ks : nullptr, p.a_stride,
                         save ? a.saved.gates.at(p.saved_gates.at(t, n0, k)) : nullptr, p.saved_gates.row(),
                         p.saved_gates.block};
           p.cell(c);
+          if (h_next && tm.split)  // h_t's parts into the next step's A, from y (fp32)
+            emulation::split_rows(tm, 0, static_cast<const float*>(c.y), c.y_ld, h_next + (n0 * p.a_stride + k) * ks,
+                                  p.mul_dt, p.a_stride, p.a_part, rows, w, w);
         });
         // The carry of the rows whose last step this is, while their pieces are hot.
         if (a.last_step)

@@ -27,7 +27,8 @@
 // read and written in place. Cell states and their gradients are fp32; x, h, y and their
 // gradients are in the compute dtype dt; W and R in fp32 or bf16 (cast while re-blocked);
 // bf16 multiplies as multiply_dtype(dt, dp), accumulation, the cell state and all
-// element-wise math in fp32.
+// element-wise math in fp32. fp32 operands may ask for their products to be emulated from
+// bf16 ones (Shape::products).
 #pragma once
 
 #include <array>
@@ -44,7 +45,15 @@ struct Shape {
   int64_t t = 0, n = 0, c = 0, k = 0;  // steps, mini-batch, input and hidden features
   DType dt = DType::f32;               // compute dtype
   bool time_major = false;             // x is (T, N, C), else (N, T, C)
+  // fp32 only: every product from this many bf16 products of the operands' parts (1, 3 or
+  // 6: layers/common/emulation.h; h_t and da_t are split where the steps make them), 0: exact.
+  int64_t products = 0;
 };
+
+// The dtype the passes multiply in: the bf16 multiply dtype when emulating.
+inline DType mul_dtype(const Shape& s, const Dispatch& dp) {
+  return multiply_dtype(s.products ? DType::bf16 : s.dt, dp);
+}
 
 // What the forward saves for the backward: all three when training, all null otherwise.
 struct ForwardSaves {

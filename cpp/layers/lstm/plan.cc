@@ -20,7 +20,7 @@ constexpr Activation kGateAct[kGates] = {Activation::sigmoid, Activation::sigmoi
 // Bytes per element of the weight panels a pass streams: bf16 multiplied on AMX tiles counts
 // as bf16 (bf16 by vdpbf16ps measured best at fp32's widths on an AMD Zen 4).
 int64_t panel_elem_bytes(const Shape& s, const Dispatch& dp) {
-  return dp.isa == Isa::amx && multiply_dtype(s.dt, dp) == DType::bf16 ? 2 : int64_t(sizeof(float));
+  return dp.isa == Isa::amx && mul_dtype(s, dp) == DType::bf16 ? 2 : int64_t(sizeof(float));
 }
 
 GateLayout gate_layout(const Shape& s, const Dispatch& dp) {
@@ -29,14 +29,14 @@ GateLayout gate_layout(const Shape& s, const Dispatch& dp) {
 }
 
 // Everything a plan depends on.
-using PlanKey = std::array<int64_t, 11>;
+using PlanKey = std::array<int64_t, 12>;
 PlanKey key_of(const Shape& s, int64_t threads, const Dispatch& dp, const Blocking* force) {
   return {s.t, s.n, s.c, s.k, int64_t(s.dt), s.time_major, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
-          force ? force->rows : -1, force ? force->cols : -1};
+          force ? force->rows : -1, force ? force->cols : -1, s.products};
 }
 
-PlanCache<11, ForwardPlan> forward_plans;
-PlanCache<11, BpttPlan> bptt_plans;
+PlanCache<12, ForwardPlan> forward_plans;
+PlanCache<12, BpttPlan> bptt_plans;
 
 }  // namespace
 
@@ -59,7 +59,7 @@ Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
 // 32 (experimentally selected on an AMD Zen 4 and an Intel Xeon; docs/lstm.md).
 Blocking bptt_blocking(const Shape& s, int64_t threads, const Dispatch& dp) {
   const int64_t es = panel_elem_bytes(s, dp);
-  const bool wide = multiply_dtype(s.dt, dp) == DType::f32 || es == 2;
+  const bool wide = mul_dtype(s, dp) == DType::f32 || es == 2;
   const bool fits = kGates * s.k * kMaxCols * es <= l2_bytes();
   Blocking b;
   b.cols = std::min(s.k, wide && fits ? kMaxCols : kCols);
@@ -82,7 +82,7 @@ std::array<int64_t, 4> saved_gate_dims(const Shape& s, const Dispatch& dp) {
 int64_t da_width(const Shape& s) { return padded_ld(kGates * s.k, dtype_size(s.dt)); }
 
 int64_t saved_width(const Shape& s, const Dispatch& dp) {
-  const DType mul_dt = multiply_dtype(s.dt, dp);
+  const DType mul_dt = mul_dtype(s, dp);
   const int64_t depth = padded_block(s.c + s.k, mul_dt == DType::bf16 ? 2 : 1, kMaxDepth);
   return padded_ld(round_up(s.c + s.k, depth), dtype_size(mul_dt), row_step(s));
 }
@@ -116,6 +116,12 @@ void check_last_step(const Shape& s, const int32_t* last_step, const char* pass)
                                   std::to_string(last_step[n]) + " is not a step in [0, " + std::to_string(s.t) + ")");
 }
 
+void check_products(const Shape& s, const char* pass) {
+  emulation::terms(s.products);  // throws for a count it does not know
+  if (s.products && s.dt != DType::f32)
+    throw std::invalid_argument(std::string(pass) + ": emulated products take float32 operands");
+}
+
 void add_row(const void* src, DType from, float* dst, int64_t cols) {
   if (from == DType::bf16) {
     const uint16_t* sh = static_cast<const uint16_t*>(src);
@@ -127,7 +133,8 @@ void add_row(const void* src, DType from, float* dst, int64_t cols) {
 }
 
 StepPlan::StepPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
-    : MultiplyPath(s.dt, dp),
+    : MultiplyPath(s.products ? DType::bf16 : s.dt, dp),
+      terms(emulation::terms(s.products)),
       s(s),
       b(clamped(chosen, s.n, s.k)),
       k_blocks(ceil_div(s.k, b.cols)),
@@ -147,6 +154,9 @@ ForwardPlan::ForwardPlan(const Dispatch& dp, const Shape& s, Blocking chosen, in
   a_stride = row_step(s) * a_ld;
   block_elems = reblock::block_elems(depth, sub_width, vnni);
   tile_ld = padded_ld(kGates * b.cols, sizeof(float));
+  a_part = s.t * s.n * a_ld;
+  w_part = kGates * k_blocks * subpanels * depth_blocks * block_elems;
+  term_offsets(terms, depth_blocks, a_part, depth, w_part, block_elems, &a_offs, &w_offs);
   for (int q = 0; q < kGates; ++q) {
     BrgemmDesc d = desc(depth, a_stride, sub_width, tile_ld);
     d.bias = true;
@@ -163,7 +173,21 @@ BpttPlan::BpttPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t 
       da_ld(da_width(s)),
       copy_ld(padded_ld(kGates * s.k, mul_bytes)),
       kernels(desc(depth, copy_ld, sub_width, s.k), s.n, s.k, b.rows, sub_width, dp.isa),
-      cell(cell_backward(s.dt, mul_dt, dp.isa)) {}
+      cell(cell_backward(s.dt, mul_dt, dp.isa)),
+      da_part(s.n * copy_ld),
+      r_part(k_blocks * subpanels * depth_blocks * block_elems) {
+  term_offsets(terms, depth_blocks, da_part, depth, r_part, block_elems, &da_offs, &r_offs);
+}
+
+void term_offsets(const emulation::Terms& t, int64_t blocks, int64_t a_part, int64_t a_block, int64_t b_part,
+                  int64_t b_block, std::vector<int64_t>* a_offs, std::vector<int64_t>* b_offs) {
+  if (!t.split) return;
+  for (int q = 0; q < t.count; ++q)
+    for (int64_t i = 0; i < blocks; ++i) {
+      a_offs->push_back(t.of[0][q] * a_part + i * a_block);
+      b_offs->push_back(t.of[1][q] * b_part + i * b_block);
+    }
+}
 
 std::shared_ptr<const ForwardPlan> forward_plan(const Dispatch& dp, const Shape& s, int64_t threads,
                                                 const Blocking* force) {

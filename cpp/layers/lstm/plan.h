@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
+#include "layers/common/emulation.h"
 #include "layers/common/kernels.h"
 #include "layers/common/work.h"
 #include "layers/lstm/cell.h"
@@ -55,6 +57,9 @@ void copy_rows(const void* src, DType from, int64_t lds, void* dst, DType to, in
 // Throws std::invalid_argument unless every last_step[n] is a step, in [0, T) (null: none).
 void check_last_step(const Shape& s, const int32_t* last_step, const char* pass);
 
+// Throws std::invalid_argument unless s.products is 0, or 1, 3 or 6 with fp32 operands.
+void check_products(const Shape& s, const char* pass);
+
 // dst[j] += src[j] for `cols` values of src in dtype `from` (fp32 or bf16).
 void add_row(const void* src, DType from, float* dst, int64_t cols);
 
@@ -64,6 +69,7 @@ void add_row(const void* src, DType from, float* dst, int64_t cols);
 struct StepPlan : MultiplyPath {
   StepPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads);
 
+  const emulation::Terms terms;  // the products of every multiplication (one, unless emulated)
   const Shape s;
   const Blocking b;  // rows: the N-block, cols: the K-block
   const int64_t k_blocks, n_blocks;
@@ -95,6 +101,10 @@ struct ForwardPlan : StepPlan {
   int64_t tile_ld = 0;       // the gate tile's: rows of four K-blocks
   // Gate q's block into an item's gate tile, bias and activation in the epilogue.
   std::optional<KernelSet> gate_kernels[kGates];
+  // Emulation: elements between the parts of A and of the weight panels, and the gate
+  // BRGEMM's batch over (term, block): A's and the panel's offsets.
+  int64_t a_part = 0, w_part = 0;
+  std::vector<int64_t> a_offs, w_offs;
 };
 
 // The backward through time: R^T re-blocked [K-block][sub-panel][4K / depth][depth][sub]
@@ -108,7 +118,16 @@ struct BpttPlan : StepPlan {
   const int64_t da_ld, copy_ld;  // the rows of da and of its copies
   const KernelSet kernels;
   const CellBackwardFn cell;
+  // Emulation: elements between the parts of a da copy and of R^T, and the dh BRGEMM's
+  // batch over (term, block): the copy's and R^T's offsets.
+  int64_t da_part = 0, r_part = 0;
+  std::vector<int64_t> da_offs, r_offs;
 };
+
+// The (term, block) batch of an emulated BRGEMM over `blocks` batch elements: A's block i of
+// part p at p * a_part + i * a_block, likewise for B.
+void term_offsets(const emulation::Terms& t, int64_t blocks, int64_t a_part, int64_t a_block, int64_t b_part,
+                  int64_t b_block, std::vector<int64_t>* a_offs, std::vector<int64_t>* b_offs);
 
 // The plans for a call (`force`: the tests' blocking, else the heuristic's).
 std::shared_ptr<const ForwardPlan> forward_plan(const Dispatch& dp, const Shape& s, int64_t threads,

@@ -52,10 +52,9 @@ NNX_CLASSES = (*NNX_RULES, *NNX_CELLS)
 def _run(rule, module, where: str, layer: str, args, kwargs, next_call, scan: str = ""):
     """The call's result by ``rule``, recorded at ``where`` as ``layer``; the stock call where
     the rule leaves it, marked as the stock scan ``scan`` when one is named."""
-    # the LSTM's products are exact float32 whatever the precision, and so are those of
-    # bfloat16 computations (their inputs are exact in one product)
+    # bfloat16 computations are exact float32 whatever the precision (one product is exact)
     dtype = getattr(module, "dtype", None) or getattr(args[0] if args else None, "dtype", None)
-    note = _precision(module, exact=bool(scan) or dtype == jnp.bfloat16)
+    note = _precision(module, exact=dtype == jnp.bfloat16)
     if rule in _RUN_STOCK:
         decision = rule(module, args, kwargs, next_call, lambda why: record(where, layer, why, note))
     else:

@@ -37,7 +37,7 @@ import numpy as np
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import fc_passes
+from jax_brgemm.ops import emulation, fc_passes
 
 # jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
 _AUTOMATIC = 0
@@ -72,8 +72,10 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
         1 - T) gets no gradient through its carry.
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
-        ``jax.default_matmul_precision``); every one is met by exact float32 products
-        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
+        ``jax.default_matmul_precision``), computed as ``jax_brgemm.precision`` says: exact
+        float32, or with ``JAX_BRGEMM_EMULATE=1`` from bfloat16 products (the kernels split
+        each step's h and gate gradient where they make them). An algorithm outside its
+        table is a ValueError.
 
     Returns:
       ``(carry, y)``: ``carry = (c_T, h_T)`` (or each row's with ``seq_lengths``) with
@@ -92,7 +94,7 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     kernel_i = check.array(kernel_i, "kernel_i", op, check.OP_DTYPES)
     kernel_h = check.array(kernel_h, "kernel_h", op, check.OP_DTYPES)
     bias = check.array(bias, "bias", op, check.OP_DTYPES)
-    _precision.accuracy(precision, op)
+    computed = _precision.computed(_precision.accuracy(precision, op))
     check.rank(x, "x", op, "(T, N, C)" if time_major else "(N, T, C)", exactly=3)
     check.rank(kernel_h, "kernel_h", op, "(K, 4K)", exactly=2)
     k = kernel_h.shape[0]
@@ -129,7 +131,9 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     if min(n, t, c, k) < 1 or dtype not in check.KERNEL_DTYPES:
         carry, y = reference(x, kernel_i, kernel_h, bias, c0, h0, bool(time_major), steps)
     else:
-        carry, y = _lstm(x, kernel_i, kernel_h, bias, c0, h0, steps, bool(time_major))
+        # bfloat16 computations are exact in one product whatever the precision
+        accuracy = computed if dtype == jnp.float32 else "float32"
+        carry, y = _lstm(x, kernel_i, kernel_h, bias, c0, h0, steps, bool(time_major), accuracy)
     if seq_lengths is not None:
         # the stock gather's gradient drops an index past either end (its value is clamped)
         index = jnp.asarray(seq_lengths) - 1
@@ -231,31 +235,34 @@ def _sequential(fn, args, in_batched, size):
     return jax.lax.map(one, [args[i] for i in idx])
 
 
-def forward_call(x, wi, wh, b, c0, h0, time_major, save, last_step=_NO_STEPS):
+def forward_call(x, wi, wh, b, c0, h0, time_major, save, last_step=_NO_STEPS, accuracy="float32"):
     """The forward over every step, one call (not differentiable): ``(y, c_T, h_T, gates,
     cell states, xh)``, the last three empty unless ``save`` (what the backward reads); with
-    ``last_step`` (int32 (N,)) the carry is row n's after step ``last_step[n]``."""
-    return _forward_vmappable(time_major, save)(x, wi, wh, b, c0, h0, jnp.asarray(last_step))
+    ``last_step`` (int32 (N,)) the carry is row n's after step ``last_step[n]``; float32
+    products emulated at ``accuracy`` (``jax_brgemm.precision``)."""
+    return _forward_vmappable(time_major, save, accuracy)(x, wi, wh, b, c0, h0, jnp.asarray(last_step))
 
 
-def _forward_ffi(x, wi, wh, b, c0, h0, steps, time_major, save):
+def _forward_ffi(x, wi, wh, b, c0, h0, steps, time_major, save, accuracy):
+    products = _precision.PRODUCTS[accuracy]
     t, n = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
     k = wh.shape[0]
     y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
     carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
     # The saved gates in the backward's K-blocks, each block's rows of four gates contiguous.
-    shape = _native.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16)
+    shape = _native.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16, products)
     gates = jax.ShapeDtypeStruct(tuple(shape) if save else (0,), x.dtype)
     cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
-    width = _native.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major)
+    width = _native.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major, products)
     xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
     return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs, xh), vmap_method="sequential")(
-        x, wi, wh, b, c0, h0, steps, time_major=time_major, variant=np.int32(_AUTOMATIC))
+        x, wi, wh, b, c0, h0, steps, time_major=time_major, variant=np.int32(_AUTOMATIC),
+        products=np.int64(products))
 
 
 @lru_cache(maxsize=None)
-def _forward_vmappable(time_major, save):
-    call = partial(_forward_ffi, time_major=time_major, save=save)
+def _forward_vmappable(time_major, save, accuracy):
+    call = partial(_forward_ffi, time_major=time_major, save=save, accuracy=accuracy)
 
     @jax.custom_batching.custom_vmap
     def fwd(x, wi, wh, b, c0, h0, steps):
@@ -280,14 +287,14 @@ def _forward_vmappable(time_major, save):
     return fwd
 
 
-def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major, last_step=_NO_STEPS):
+def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major, last_step=_NO_STEPS, accuracy="float32"):
     """Backward through time, one call (not differentiable): ``(da, db, dc0, dh0)``, ``da``
     every step's gate gradient in rows padded past 4K columns; ``dc_t``, ``dh_t`` are the
     gradients of the forward's carry (of the one ``last_step`` selected)."""
-    return _bptt_vmappable(time_major)(wh, gates, cs, c0, dy, dc_t, dh_t, jnp.asarray(last_step))
+    return _bptt_vmappable(time_major, accuracy)(wh, gates, cs, c0, dy, dc_t, dh_t, jnp.asarray(last_step))
 
 
-def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major):
+def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major, accuracy):
     n, k = c0.shape
     t = dy.shape[0] if time_major else dy.shape[1]
     # da's rows are padded (the first 4K columns are the gradient) away from a 4 KiB
@@ -297,12 +304,13 @@ def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major):
     outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), dy.dtype))
     return jax.ffi.ffi_call("jb_lstm_bptt", outs, vmap_method="sequential")(
-        wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major=time_major)
+        wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major=time_major,
+        products=np.int64(_precision.PRODUCTS[accuracy]))
 
 
 @lru_cache(maxsize=None)
-def _bptt_vmappable(time_major):
-    call = partial(_bptt_ffi, time_major=time_major)
+def _bptt_vmappable(time_major, accuracy):
+    call = partial(_bptt_ffi, time_major=time_major, accuracy=accuracy)
 
     @jax.custom_batching.custom_vmap
     def bptt(wh, gates, cs, c0, dy, dc_t, dh_t, steps):
@@ -340,74 +348,79 @@ def _bptt_vmappable(time_major):
 # derivative accounts for through the arguments themselves: their cotangents are zero.
 # Every fwd rule computes its outputs by calling its own custom_vjp function, so an outer
 # differentiation never meets a bare custom call. ``steps`` (each row's last step, or
-# empty) is an integer argument: no cotangent.
+# empty) is an integer argument: no cotangent. ``accuracy`` is the products' (precision.py).
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _lstm(x, wi, wh, b, c0, h0, steps, time_major):
-    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, False, steps)
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _lstm(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
+    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, False, steps, accuracy)
     return (c_t, h_t), y
 
 
-def _lstm_fwd(x, wi, wh, b, c0, h0, steps, time_major):
-    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major)
+def _lstm_fwd(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
+    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy)
     return ((c_t, h_t), y), (x, wi, wh, b, c0, h0, *saved, steps)
 
 
-def _lstm_bwd(time_major, res, g):
+def _lstm_bwd(time_major, accuracy, res, g):
     (dc_t, dh_t), dy = g
     *res, steps = res
-    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major), None)
+    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major, accuracy), None)
 
 
 _lstm.defvjp(_lstm_fwd, _lstm_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _forward_saving(x, wi, wh, b, c0, h0, steps, time_major):
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
     """``(y, c_T, h_T, gates, cell states, xh)``: the forward that saves for bptt."""
-    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, True, steps))
+    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, True, steps, accuracy))
 
 
-def _forward_saving_fwd(x, wi, wh, b, c0, h0, steps, time_major):
-    outs = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major)
+def _forward_saving_fwd(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
+    outs = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy)
     return outs, (x, wi, wh, b, c0, h0, *outs[3:], steps)
 
 
-def _forward_saving_bwd(time_major, res, g):
+def _forward_saving_bwd(time_major, accuracy, res, g):
     dy, dc_t, dh_t, *_ = g  # the saved tensors' cotangents are zero (see above)
     *res, steps = res
-    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major), None)
+    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major, accuracy), None)
 
 
 _forward_saving.defvjp(_forward_saving_fwd, _forward_saving_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(13,))
-def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major):
+@partial(jax.custom_vjp, nondiff_argnums=(13, 14))
+def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy):
     """The gradients of x, wi, wh, b, c0, h0 from the cotangents of the carry (c_T, h_T, or
     each row's after its step in ``steps``) and y."""
     dt = xh.dtype
     da, db, dc0, dh0 = bptt_call(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
-                                 dh_t.astype(dt), time_major, steps)
+                                 dh_t.astype(dt), time_major, steps, accuracy)
     c, k = wi.shape[0], wh.shape[0]
     rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
-    dx = fc_passes.backward_data_call(da2, wi).reshape(xh.shape[:2] + (c,))
-    # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
-    # every step, one GEMM reducing over all rows into C + K output rows; da is read once.
-    dwr = fc_passes.weight_update_call(xh.reshape(rows, xh.shape[2]), da2, (c + k, 4 * k),
-                                       wi.dtype, False)[0]
+    xh2 = xh.reshape(rows, xh.shape[2])
+    if accuracy != "float32":  # the part products stacked in XLA (ops/emulation.py)
+        da2, wi32 = da2[:, :4 * k], wi.astype(jnp.float32)
+        dx = emulation.brgemm(da2[None], wi32.T[None], accuracy).reshape(xh.shape[:2] + (c,))
+        dwr = emulation.brgemm(xh2[:, :c + k].T[None], da2[None], accuracy).astype(wi.dtype)
+    else:
+        dx = fc_passes.backward_data_call(da2, wi).reshape(xh.shape[:2] + (c,))
+        # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed
+        # over every step, one GEMM reducing over all rows into C + K output rows.
+        dwr = fc_passes.weight_update_call(xh2, da2, (c + k, 4 * k), wi.dtype, False)[0]
     return (dx.astype(x.dtype), dwr[:c], dwr[c:], db.astype(b.dtype), dc0.astype(c0.dtype),
             dh0.astype(h0.dtype))
 
 
-def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major):
-    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major)
+def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy):
+    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy)
     return grads, (x, wi, wh, b, c0, h0, dc_t, dh_t, dy, steps)
 
 
-def _backward_bwd(time_major, res, g):
+def _backward_bwd(time_major, accuracy, res, g):
     args, cotangents, steps = res[:6], res[6:9], res[9]
 
     def reference_vjp(args, cotangents):
