@@ -18,14 +18,17 @@ impl="brgemm" vs impl="xla" with the same parameters: N=256 784-1024-1024-1024-1
 with the same 1024-wide layers. "jax_brgemm_fused" is the brgemm model's step built by
 jax_brgemm.optim.train_step with the same optax optimizer marked (jax_brgemm.optim.sgd /
 adamw: optax's own transformation and state), its step fused into the weight updates.
---mlp-only skips the layer suite.
+--mlp-only skips the layer suite. --precisions bf16_3x ... adds, for float32, the brgemm
+layer and MLP traced under jax.default_matmul_precision of each (jax_brgemm.precision's
+names), its products emulated from bfloat16 ones ("jax_brgemm_bf16_3x", ...).
 
 GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
 `repeats` samples; ratios are taken round by round (pair by pair), median and min-max;
 the machine's peak is measured by the probe in the same run; the CPU is named by vendor,
 family, model and kernel ISA.
-Writes bench/results/<cpu-kind>/fc.json and fc.png (layer steps), fc_passes.png, fc_mlp.png.
+Writes bench/results/<cpu-kind>/fc.json (fc_precisions.json with --precisions) and fc.png
+(layer steps), fc_passes.png, fc_mlp.png.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import common  # noqa: E402
 import jax_brgemm as jb  # noqa: E402
 from jax_brgemm import models  # noqa: E402
 from jax_brgemm import optim as jbo  # noqa: E402
+from jax_brgemm import precision  # noqa: E402
 
 WIDTHS = (256, 512, 1024)
 BATCHES = (64, 256, 1024)
@@ -53,7 +57,15 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # --- the FC layer -------------------------------------------------------------------------
 
-def layer_contenders(n, c, dtype, torch):
+def under(accuracy, f):
+    """f traced under jax.default_matmul_precision of a harness accuracy name."""
+    def traced(*args):
+        with jax.default_matmul_precision(precision.HARNESS[accuracy]):
+            return f(*args)
+    return traced
+
+
+def layer_contenders(n, c, dtype, torch, accuracies=()):
     """{name: {pass: (fn, args)}} for one layer shape and dtype."""
     rng = np.random.default_rng(n + c)
     x = jnp.asarray(rng.standard_normal((n, c)), dtype)
@@ -69,7 +81,8 @@ def layer_contenders(n, c, dtype, torch):
     jb_layer = lambda x, p: jb.nn.Dense(c, activation="relu", dtype=dtype).apply(p, x)
     xla_layer = lambda x, p: jax.nn.relu(stock.apply(p, x))
     out = {}
-    for name, layer in (("jax_brgemm", jb_layer), ("flax", xla_layer)):
+    emulated = [(f"jax_brgemm_{a}", under(a, jb_layer)) for a in accuracies if dtype == jnp.float32]
+    for name, layer in (("jax_brgemm", jb_layer), *emulated, ("flax", xla_layer)):
         # The backward passes alone, given the forward's residuals: the vjp closure is a
         # pytree of them, passed into the jitted function. What a pass does not need is
         # dropped by XLA (dx alone: no weight update; the update alone: no dx).
@@ -118,7 +131,7 @@ def layer_contenders(n, c, dtype, torch):
 
 # --- the MLP training step ------------------------------------------------------------------
 
-def mlp_contenders(n, features, dtype, torch, opt_name="sgd"):
+def mlp_contenders(n, features, dtype, torch, opt_name="sgd", accuracies=()):
     rng = np.random.default_rng(n)
     x = jnp.asarray(rng.uniform(0, 1, (n, 28, 28)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, n))
@@ -143,6 +156,8 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd"):
         if impl == "brgemm":
             fused = jbo.train_step(loss, opt)
             out["jax_brgemm_fused"] = _chained(lambda p, s, fused=fused: fused(p, s)[:2], params, opt)
+            for a in accuracies if dtype == jnp.float32 else ():
+                out[f"jax_brgemm_{a}"] = _chained(under(a, step), params, opt)
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         layers, widths = [], (784, *features)
@@ -182,7 +197,10 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
     p.add_argument("--mlp-only", action="store_true", help="the MLP steps only")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    p.add_argument("--precisions", nargs="+", default=[], choices=[a for a in precision.HARNESS if a != "float32"],
+                   help="float32 contenders whose products are emulated from bfloat16 ones")
     args = p.parse_args(argv)
+    precision.EMULATE = precision.EMULATE or bool(args.precisions)  # as JAX_BRGEMM_EMULATE=1
     torch = common.torch_or_none()
 
     peak = common.measure_peak()
@@ -194,7 +212,7 @@ def main(argv=None):
     shapes = [] if args.mlp_only else [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
     for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
         for n, c in shapes:
-            cont = layer_contenders(n, c, dtype, torch)
+            cont = layer_contenders(n, c, dtype, torch, args.precisions)
             for pas in PASSES:
                 fns = {name: cont[name][pas][0] for name in cont}
                 fargs = {name: cont[name][pas][1] for name in cont}
@@ -213,7 +231,7 @@ def main(argv=None):
     mlp_rows = []
     for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
         for (n, features), opt_name in [(case, o) for case in MLP_CASES for o in OPTIMIZERS]:
-            cont = mlp_contenders(n, features, dtype, torch, opt_name)
+            cont = mlp_contenders(n, features, dtype, torch, opt_name, args.precisions)
             samples = common.interleaved({k: v[0] for k, v in cont.items()},
                                          {k: v[1] for k, v in cont.items()},
                                          repeats=args.repeats, min_time=args.min_time)
@@ -231,9 +249,12 @@ def main(argv=None):
                 + f"; fused {spread(row, 'flax', 'fused_')} flax"
                 + (f", {spread(row, 'torch', 'fused_')} torch" if "torch" in med else ""), flush=True)
 
-    common.write_results("fc_mlp" if args.mlp_only else "fc", {"peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time,
-                                "torch": bool(torch), "layer": layer_rows, "mlp": mlp_rows})
-    plots(layer_rows, mlp_rows, peak)
+    name = "fc_mlp" if args.mlp_only else "fc"
+    common.write_results(name + "_precisions" if args.precisions else name, {
+        "peak_gflops": peak, "repeats": args.repeats, "min_time": args.min_time, "precisions": args.precisions,
+        "torch": bool(torch), "layer": layer_rows, "mlp": mlp_rows})
+    if not args.precisions:  # the plots show the main suite
+        plots(layer_rows, mlp_rows, peak)
     print(markdown(layer_rows, mlp_rows, peak))
     print(f"(CPU: {common.cpu_name()})")
 

@@ -2,12 +2,13 @@
 // validate the buffers, then call cpp/layers/fc.
 //
 //   jb_fc_fwd       x (.., N, C), w (.., C, K), bias (.., K) or (.., 0)
-//                   -> y (.., N, K), z (.., N, K) for gelu else empty      attr act
+//                   -> y (.., N, K), z (.., N, K) for gelu else empty      attrs act, products
 //   jb_fc_act_grad  dy (.., N, K), saved (.., N, K) -> dz (.., N, K)       attr act
 //   jb_fc_bwd       dz (.., N, K'), w (.., C, K) -> dx (.., N, C);  K' >= K (dz's first K
-//                   columns)
+//                   columns)                                               attr products
 //   jb_fc_upd       x (.., N, C'), dz (.., N, K') -> dw (.., C, K), db (.., K) or (.., 0);
-//                   C' >= C, K' >= K (x's first C columns, dz's first K)
+//                   C' >= C, K' >= K (x's first C columns, dz's first K)  attr products
+//   products (i64): fp32 emulated from that many bf16 products (1, 3, 6), 0 exact; fc.h
 //   jb_fc_upd_sgd   x (N, C), dz (N, K), w (C, K), mw (C, K), b (K) or (0), mb like b,
 //                   lr (), after (any; not read) -> w, mw, b, mb, updated in place
 //                   (aliased to the inputs)
@@ -41,10 +42,21 @@ namespace {
 namespace ffi = xla::ffi;
 using namespace ffi_util;
 
+// Emulated products: 1, 3 or 6 of them, from fp32 operands (0: exact).
+ffi::Error check_products(const char* op, int64_t products, DType dt) {
+  if (products != 0 && products != 1 && products != 3 && products != 6)
+    return invalid(std::string(op) + ": products = " + std::to_string(products) + "; 0 (exact), 1, 3 or 6");
+  if (products && dt != DType::f32)
+    return invalid(std::string(op) + ": emulated products (products = " + std::to_string(products) +
+                   ") take float32 operands");
+  return ffi::Error::Success();
+}
+
 ffi::Error fc_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
-                  ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
+                  ffi::Result<ffi::AnyBuffer> z, int32_t act_code, int64_t products) {
   const char* op = "jb_fc_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
+  JB_CHECK(check_products(op, products, dt));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -66,7 +78,8 @@ ffi::Error fc_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, 
   return guarded(op, [&] {
     // Weights shared by every item: the items fold into the mini-batch.
     per_item(items, lw.shared && lb.shared && lx.dense, [&](int64_t count, int64_t i) {
-      launch(fc::forward_job(launch.threads(), dispatch(), {count * n, c, k, dt, act}, ptr(x, items.offset(lx, i)),
+      launch(fc::forward_job(launch.threads(), dispatch(), {count * n, c, k, dt, act, 0, 0, products},
+                             ptr(x, items.offset(lx, i)),
                              ptr(w, items.offset(lw, i)), w_dt,
                              has_bias ? bias.typed_data() + items.offset(lb, i) : nullptr, ptr(y, i * n * k),
                              gelu ? ptr(z, i * n * k) : nullptr));
@@ -104,9 +117,11 @@ ffi::ErrorOr<int64_t> dz_columns(const char* op, ffi::AnyBuffer::Dimensions dz, 
   return dz[dz.size() - 1];
 }
 
-ffi::Error fc_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Error fc_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                  int64_t products) {
   const char* op = "jb_fc_bwd";
   JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
+  JB_CHECK(check_products(op, products, dt));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   const auto xd = dx->dimensions(), wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2) return invalid("jb_fc_bwd: dx and w need rank >= 2");
@@ -119,16 +134,17 @@ ffi::Error fc_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Resu
   if (k == 0) return invalid("jb_fc_bwd: w has no output features (K = 0)");
   return guarded(op, [&] {
     per_item(items, lw.shared && lz.dense, [&](int64_t count, int64_t i) {
-      launch(fc::backward_job(launch.threads(), dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz},
+      launch(fc::backward_job(launch.threads(), dispatch(), {count * n, c, k, dt, Activation::none, 0, ldz, products},
                               ptr(dz, items.offset(lz, i)), ptr(w, items.offset(lw, i)), w_dt, ptr(dx, i * n * c)));
     });
   });
 }
 
 ffi::Error fc_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
-                  F32Out db) {
+                  F32Out db, int64_t products) {
   const char* op = "jb_fc_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  JB_CHECK(check_products(op, products, dt));
   JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
   const auto xd = x.dimensions(), wd = dw->dimensions();
   if (xd.size() < 2 || wd.size() < 2 || db->dimensions().size() < 1)
@@ -147,7 +163,7 @@ ffi::Error fc_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Resu
   const bool has_db = db->element_count() != 0;
   return guarded(op, [&] {
     for (int64_t i = 0; i < items.count; ++i)
-      launch(fc::update_job(launch.threads(), dispatch(), {n, c, k, dt, Activation::none, ldx, ldz},
+      launch(fc::update_job(launch.threads(), dispatch(), {n, c, k, dt, Activation::none, ldx, ldz, products},
                             ptr(x, items.offset(lx, i)), ptr(dz, items.offset(lz, i)), ptr(dw, i * c * k), w_dt,
                             has_db ? db->typed_data() + i * k : nullptr));
   });
@@ -228,9 +244,10 @@ ffi::Error fc_upd_adamw(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32
 // The handlers XLA calls: validate and build the passes' jobs, then return the future of
 // the ones worth running asynchronously (see Launch).
 ffi::Future fc_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code) {
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
+                         int64_t products) {
   Launch launch(pool);
-  return launch.finish(fc_fwd(launch, x, w, bias, y, z, act_code));
+  return launch.finish(fc_fwd(launch, x, w, bias, y, z, act_code, products));
 }
 
 ffi::Future fc_act_grad_async(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer saved,
@@ -239,15 +256,16 @@ ffi::Future fc_act_grad_async(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyB
   return launch.finish(fc_act_grad(launch, dy, saved, dz, act_code));
 }
 
-ffi::Future fc_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Future fc_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
+                         int64_t products) {
   Launch launch(pool);
-  return launch.finish(fc_bwd(launch, dz, w, dx));
+  return launch.finish(fc_bwd(launch, dz, w, dx, products));
 }
 
 ffi::Future fc_upd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
-                         F32Out db) {
+                         F32Out db, int64_t products) {
   Launch launch(pool);
-  return launch.finish(fc_upd(launch, x, dz, dw, db));
+  return launch.finish(fc_upd(launch, x, dz, dw, db, products));
 }
 
 ffi::Future fc_upd_sgd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, F32 w, F32 mw, F32 b,
@@ -272,10 +290,10 @@ ffi::Future fc_upd_adamw_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd_async, ffi_util::bind(fc_fwd_async, "act"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_fwd, fc_fwd_async, ffi_util::bind(fc_fwd_async, "act", "products"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_act_grad, fc_act_grad_async, ffi_util::bind(fc_act_grad_async, "act"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd_async, ffi_util::bind(fc_bwd_async));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd_async, ffi_util::bind(fc_upd_async));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_bwd, fc_bwd_async, ffi_util::bind(fc_bwd_async, "products"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd, fc_upd_async, ffi_util::bind(fc_upd_async, "products"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_fc_upd_sgd, fc_upd_sgd_async,
                               ffi_util::bind(fc_upd_sgd_async, "momentum", "weight_decay", "bias_weight_decay",
                                              "nesterov"));

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -412,6 +413,108 @@ TEST(fc_every_isa) {
     const jb::Blocking small{12, 16, 6};
     run_case(19, 35, 33, DType::bf16, DType::bf16, Activation::relu, true, 1, &small, dp);
   }
+}
+
+// --- fp32 from bf16 products (Shape::products) --------------------------------------
+
+namespace {
+
+// Part p of v: what parts 0 .. p - 1 leave, rounded to bf16 (ops/emulation.py's split).
+double part(float v, int p) {
+  float rest = v;
+  for (int q = 0; q < p; ++q) rest -= jb::bf16_to_f32(jb::f32_to_bf16(rest));
+  return jb::bf16_to_f32(jb::f32_to_bf16(rest));
+}
+
+// The (part of A, part of B) products summed for 1, 3 and 6 products.
+std::vector<std::pair<int, int>> terms_of(int64_t products) {
+  if (products == 1) return {{0, 0}};
+  if (products == 3) return {{0, 1}, {1, 0}, {0, 0}};
+  return {{1, 1}, {0, 2}, {2, 0}, {0, 1}, {1, 0}, {0, 0}};
+}
+
+// out[i, j] = sum_t sum_q part(a[i, q]) part(b[q, j]), a (rows x depth, element (i, q) at
+// a[i * as + q * aq]) and b (depth x cols, at b[q * bq + j * bs]), in double.
+std::vector<double> part_products(int64_t products, const float* a, int64_t as, int64_t aq, const float* b,
+                                  int64_t bq, int64_t bs, int64_t rows, int64_t depth, int64_t cols) {
+  std::vector<double> out(size_t(rows * cols), 0.0);
+  for (auto [ta, tb] : terms_of(products)) {
+    std::vector<double> pa(size_t(rows * depth)), pb(size_t(depth * cols));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t q = 0; q < depth; ++q) pa[size_t(i * depth + q)] = part(a[i * as + q * aq], ta);
+    for (int64_t q = 0; q < depth; ++q)
+      for (int64_t j = 0; j < cols; ++j) pb[size_t(q * cols + j)] = part(b[q * bq + j * bs], tb);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t q = 0; q < depth; ++q)
+        for (int64_t j = 0; j < cols; ++j) out[size_t(i * cols + j)] += pa[size_t(i * depth + q)] * pb[size_t(q * cols + j)];
+  }
+  return out;
+}
+
+// Every pass held to fp32's rounding of the sum of its operands' part products: it
+// multiplies exactly those parts (one bf16 product is ~1e-3 from the exact result, so a
+// pass that skipped the split, or a term, would fail by far).
+void emulated_case(int64_t n, int64_t c, int64_t k, int64_t products, Activation act, const jb::Dispatch& dp,
+                   const jb::Blocking* force = nullptr) {
+  std::mt19937 rng(unsigned(n * 7 + c * 3 + k + products));
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  const fc::Shape s{n, c, k, DType::f32, act, 0, 0, products};
+  Tensor x(DType::f32, n * c), w(DType::f32, c * k), dz(DType::f32, n * k);
+  x.fill(rng);
+  w.fill(rng, 1.0f / std::sqrt(float(c)));
+  dz.fill(rng);
+  std::vector<float> b(static_cast<size_t>(k));
+  for (auto& v : b) v = std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
+
+  std::vector<double> y_ref = part_products(products, x.f.data(), c, 1, w.f.data(), k, 1, n, c, k);
+  std::vector<double> z_ref = y_ref;
+  for (int64_t i = 0; i < n * k; ++i) z_ref[size_t(i)] += b[size_t(i % k)], y_ref[size_t(i)] = act_ref(act, z_ref[size_t(i)]);
+  Tensor y(DType::f32, n * k), z(DType::f32, n * k);
+  fc::forward(ex, dp, s, x.data(), w.data(), DType::f32, b.data(), y.data(),
+              act == Activation::gelu ? z.data() : nullptr, force);
+  close(y, y_ref, 1e-5, "emulated y");
+  if (act == Activation::gelu) close(z, z_ref, 1e-5, "emulated z");
+
+  Tensor dx(DType::f32, n * c);
+  fc::backward(ex, dp, s, dz.data(), w.data(), DType::f32, dx.data(), force);
+  close(dx, part_products(products, dz.f.data(), k, 1, w.f.data(), 1, k, n, k, c), 1e-5, "emulated dx");
+
+  Tensor dw(DType::f32, c * k);
+  fc::update(ex, dp, s, x.data(), dz.data(), dw.data(), DType::f32, nullptr, force);
+  close(dw, part_products(products, x.f.data(), 1, c, dz.f.data(), k, 1, c, n, k), 1e-5, "emulated dw");
+}
+
+}  // namespace
+
+TEST(fc_emulated_products) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    for (const char* mode : {"dot", "fp32"})
+      for (int64_t products : {1, 3, 6}) {
+        const jb::Dispatch dp = jb::make_dispatch(isa, mode);
+        emulated_case(29, 67, 75, products, products == 3 ? Activation::gelu : Activation::relu, dp);
+      }
+  }
+  // edge blocks of every pass; panels re-blocked first
+  const jb::Blocking small{12, 16, 6}, first{12, 32, 0, true};
+  emulated_case(19, 36, 33, 3, Activation::none, jb::dispatch(), &small);
+  emulated_case(50, 40, 70, 6, Activation::sigmoid, jb::dispatch(), &first);
+}
+
+TEST(fc_emulated_update_of_a_long_batch) {
+  // x^T split after its transpose, zero-padded to whole reduction blocks (n prime)
+  TestPool pool;
+  const jb::Executor ex = pool.executor(2);
+  const int64_t n = 60013, c = 16, k = 24;
+  const fc::Shape s{n, c, k, DType::f32, Activation::none, 0, 0, 3};
+  CHECK(fc::update_transposes(s, 2, jb::dispatch())) << "the batch is not long enough";
+  std::mt19937 rng{11};
+  Tensor x(DType::f32, n * c), dz(DType::f32, n * k), dw(DType::f32, c * k);
+  x.fill(rng);
+  dz.fill(rng);
+  fc::update(ex, jb::dispatch(), s, x.data(), dz.data(), dw.data(), DType::f32, nullptr);
+  close(dw, part_products(3, x.f.data(), 1, c, dz.f.data(), k, 1, c, n, k), 1e-4, "emulated dw");  // 60k terms
 }
 
 TEST(dispatch_rejects_bad_overrides) {

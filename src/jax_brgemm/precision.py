@@ -22,9 +22,9 @@ precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), every op (``jb.brgemm
 ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every convolution kind,
 ``jb.dot_product_attention``, ``jb.lstm``), and the modules and ``accelerate()`` through them,
 computes the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32:
-the parts of an operand stacked in XLA (``ops/emulation.py``), or split by the kernel where
-it makes the operand (attention's probabilities and their gradient, the LSTM's h and gate
-gradient of each step; ``cpp/layers/common/emulation.h``). That can only pay with AMX, whose bfloat16 products run 6-14x the
+the operands split into parts by the kernel as it re-blocks them or makes them (the dense
+passes, attention, the LSTM; ``cpp/layers/common/emulation.h``), or stacked in XLA
+(``jb.brgemm`` and the convolutions; ``ops/emulation.py``). That can only pay with AMX, whose bfloat16 products run 6-14x the
 float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
 1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
 there.

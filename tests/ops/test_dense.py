@@ -228,8 +228,28 @@ def test_ffi_handlers_validate(target, args, outs, match):
     structs = [jax.ShapeDtypeStruct(s, dt[d]) for s, d in outs]
     call = jax.ffi.ffi_call(target, structs if len(structs) > 1 else structs[0])
     with pytest.raises(Exception, match=match):
-        attrs = {"act": np.int32(0)} if target in ("jb_fc_fwd", "jb_fc_act_grad") else {}
-        jax.block_until_ready(call(*arrays, **attrs))
+        jax.block_until_ready(call(*arrays, **_attrs(target)))
+
+
+def _attrs(target, products=0):
+    act = {"act": np.int32(0)} if target in ("jb_fc_fwd", "jb_fc_act_grad") else {}
+    return act if target == "jb_fc_act_grad" else {**act, "products": np.int64(products)}
+
+
+@pytest.mark.parametrize("products,dtype,match", [(2, jnp.float32, "products = 2; 0"),
+                                                  (-1, jnp.float32, "products = -1; 0"),
+                                                  (3, jnp.bfloat16, "take float32 operands")])
+@pytest.mark.parametrize("target", ["jb_fc_fwd", "jb_fc_bwd", "jb_fc_upd"])
+def test_ffi_handlers_refuse_products_they_cannot_compute(target, products, dtype, match):
+    a, b = jnp.ones((4, 8), dtype), jnp.ones((8, 5) if target == "jb_fc_fwd" else (4, 5), dtype)
+    outs = {"jb_fc_fwd": [((4, 5), dtype), ((0,), dtype)], "jb_fc_bwd": [((4, 8), dtype)],
+            "jb_fc_upd": [((8, 5), jnp.float32), ((0,), jnp.float32)]}[target]
+    args = {"jb_fc_fwd": (a, b, jnp.zeros((0,), jnp.float32)), "jb_fc_bwd": (b, jnp.ones((8, 5), dtype)),
+            "jb_fc_upd": (a, b)}[target]
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in outs]
+    call = jax.ffi.ffi_call(target, structs if len(structs) > 1 else structs[0])
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(*args, **_attrs(target, products)))
 
 
 # --- sizes of zero ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include "brgemm/brgemm.h"
 #include "layers/common/blocking.h"
+#include "layers/common/emulation.h"
 
 namespace jb {
 
@@ -58,27 +59,37 @@ inline void add_column_sums(const void* src, DType dt, int64_t ld, int64_t rows,
 // BRGEMM: read in place when the kernel can, else copied once (in row chunks, the work
 // items of a parallel loop): widened from bf16 for fp32 multiplies, and packed with rows
 // padded by a cache line when their stride is a multiple of 4 KiB (the rows of a register
-// tile would all fall in one L1 set and evict each other).
+// tile would all fall in one L1 set and evict each other). With terms.split, the copy holds
+// the bf16 parts of the fp32 source that `side` multiplies, part p at p * step() elements.
 class ActivationOperand {
  public:
-  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols, int64_t ld = 0)
-      : from_(from), to_(to), rows_(rows), cols_(cols), src_ld_(ld ? ld : cols) {
+  ActivationOperand(DType from, DType to, int64_t rows, int64_t cols, int64_t ld = 0,
+                    const emulation::Terms& terms = {}, int side = 0)
+      : from_(from), to_(to), rows_(rows), cols_(cols), src_ld_(ld ? ld : cols), terms_(terms), side_(side) {
     const int64_t es = int64_t(dtype_size(to));
-    copy_ = from != to || padded_ld(src_ld_, size_t(es)) != src_ld_;
+    copy_ = terms.split || from != to || padded_ld(src_ld_, size_t(es)) != src_ld_;
     ld_ = copy_ ? padded_ld(cols, size_t(es)) : src_ld_;
     chunk_ = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols));
   }
   bool copied() const { return copy_; }
   int64_t ld() const { return ld_; }
-  size_t bytes() const { return copy_ ? size_t(rows_ * ld_) * dtype_size(to_) : 0; }
+  int64_t step() const { return rows_ * ld_; }  // elements from one part to the next
+  size_t bytes() const {
+    return copy_ ? size_t(rows_ * ld_ * (terms_.split ? terms_.parts[side_] : 1)) * dtype_size(to_) : 0;
+  }
   int64_t items() const { return copy_ ? ceil_div(rows_, chunk_) : 0; }
   // Copies row chunk i of src into dst (bytes() long).
   void copy(int64_t i, const void* src, char* dst) const {
-    const int64_t r1 = std::min(rows_, (i + 1) * chunk_);
-    const int64_t fs = int64_t(dtype_size(from_));
-    for (int64_t r = i * chunk_; r < r1; ++r) {
+    const int64_t r0 = i * chunk_, r1 = std::min(rows_, (i + 1) * chunk_);
+    const int64_t fs = int64_t(dtype_size(from_)), ts = int64_t(dtype_size(to_));
+    if (terms_.split) {
+      emulation::split_rows(terms_, side_, static_cast<const float*>(src) + r0 * src_ld_, src_ld_, dst + r0 * ld_ * ts,
+                            to_, ld_, step(), r1 - r0, cols_, cols_);
+      return;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
       const char* s = static_cast<const char*>(src) + r * src_ld_ * fs;
-      char* d = dst + r * ld_ * int64_t(dtype_size(to_));
+      char* d = dst + r * ld_ * ts;
       if (from_ == to_) {
         std::memcpy(d, s, size_t(cols_) * dtype_size(to_));
       } else {  // bf16 -> fp32
@@ -92,6 +103,8 @@ class ActivationOperand {
  private:
   DType from_, to_;
   int64_t rows_, cols_, src_ld_, ld_, chunk_;
+  emulation::Terms terms_;
+  int side_;
   bool copy_;
 };
 

@@ -15,6 +15,8 @@
 // written by exactly one item, so the batch reduction of the weight update needs no
 // atomics or partial sums. dtype `dt` is the compute dtype of x, y, z, dy, dz and dx;
 // accumulation is always fp32, the bias and db are fp32, w and dw are fp32 or bf16.
+// fp32 operands may ask for their products to be emulated from bf16 ones (Shape::products):
+// each pass then multiplies the operands' bf16 parts, one batch-reduce over all of them.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +34,13 @@ struct Shape {
   Activation act = Activation::none;
   int64_t ldx = 0;  // update only: x's leading dimension, >= c (0: c); extra columns are ignored
   int64_t ldz = 0;  // backward and update: dz's leading dimension, >= k (0: k); likewise
+  // fp32 only: every product from this many bf16 products of the operands' parts (1, 3 or
+  // 6; 0: exact), split as the operands are re-blocked (layers/common/emulation.h).
+  int64_t products = 0;
 };
+
+// The dtype the passes multiply in before the dispatch's choice: bf16 parts when emulated.
+inline DType operand_dtype(const Shape& s) { return s.products ? DType::bf16 : s.dt; }
 
 // What the forward leaves for the backward besides x and w: the output y when the
 // derivative is a function of it (relu, sigmoid, tanh), the pre-activation z for gelu,

@@ -18,7 +18,9 @@ namespace {
 // The rules' thresholds were experimentally selected on an Intel Xeon (docs/fc.md).
 Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, int64_t threads,
                              const Dispatch& dp) {
-  const DType mul_dt = multiply_dtype(s.dt, dp);
+  const DType mul_dt = multiply_dtype(operand_dtype(s), dp);
+  // a panel column's bytes: every part of it when emulated
+  const int64_t col_bytes = reduced * int64_t(dtype_size(mul_dt)) * emulation::terms(s.products).parts[1];
   Blocking b;
   b.cols = std::min(out_cols, kCols);
   // Too few rows to split: narrower panels, so that every thread still gets several items.
@@ -26,7 +28,7 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
     b.cols = std::min(out_cols, kCols / 2);
   // Every N-block of an item streams the item's whole panel (reduced x cols), so a long
   // reduction takes narrower panels, at most kPanelBytes.
-  while (b.cols > 32 && reduced * b.cols * int64_t(dtype_size(mul_dt)) > kPanelBytes) b.cols /= 2;
+  while (b.cols > 32 && b.cols * col_bytes > kPanelBytes) b.cols /= 2;
   b.rows = split_rows(s.n, ceil_div(out_cols, b.cols), threads);
   b.red = reduction_block(reduced, mul_dt == DType::bf16);
   // An item per panel streams all of the activations from memory, once per panel. When they
@@ -35,7 +37,7 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   // and an N-block's rows of x share L2. Not with few panels or few N-blocks per thread (the
   // last round leaves a thread idle), nor with AMX bf16 multiplies, where it did not pay.
   int64_t wf_cols = b.cols;
-  while (wf_cols > 32 && reduced * wf_cols * int64_t(dtype_size(mul_dt)) > kPanelBytes / 4) wf_cols /= 2;
+  while (wf_cols > 32 && wf_cols * col_bytes > kPanelBytes / 4) wf_cols /= 2;
   b.weights_first = mul_dt == DType::f32 && ceil_div(out_cols, wf_cols) >= 16 &&
                     ceil_div(s.n, b.rows) >= 2 * kItemsPerThread * threads &&
                     s.n * reduced * int64_t(dtype_size(mul_dt)) > kLargeBytes;
@@ -43,7 +45,7 @@ Blocking activation_blocking(const Shape& s, int64_t out_cols, int64_t reduced, 
   return b;
 }
 
-PlanCache<14, PanelPlan> forward_plans, backward_plans;
+PlanCache<15, PanelPlan> forward_plans, backward_plans;
 
 }  // namespace
 
@@ -89,9 +91,9 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   char* out = static_cast<char*>(gelu ? z : y);
   p->add(
       job, x,
-      [p, w, w_dt, s](int64_t k0, int64_t cols, int64_t cb, char* dst) {
-        reblock::pack(at(w, w_dt, cb * p->b.red * s.k + k0), w_dt, s.k, false, p->b.red, cols, p->b.red,
-                      p->b.cols, p->mul_dt, p->vnni, dst, p->isa);
+      [p, w, w_dt, s](int64_t k0, int64_t cols, int64_t cb, char* dst, float* tmp) {
+        emulation::pack(p->terms, 1, at(w, w_dt, cb * p->b.red * s.k + k0), w_dt, s.k, false, p->b.red, cols,
+                        p->b.red, p->b.cols, p->mul_dt, p->vnni, dst, p->part_step, p->isa, tmp);
       },
       [p, s, es, out, bias, gelu, y, z](int64_t n0, int64_t rows, int64_t k0, int64_t cols, auto&& multiply) {
         multiply(out + (n0 * s.k + k0) * es, bias ? bias + k0 : nullptr);
@@ -157,9 +159,9 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   const size_t es = dtype_size(s.dt);
   p->add(
       job, dz,
-      [p, w, w_dt, s](int64_t c0, int64_t cols, int64_t kb, char* dst) {
-        reblock::pack(at(w, w_dt, c0 * s.k + kb * p->b.red), w_dt, s.k, true, p->b.red, cols, p->b.red, p->b.cols,
-                      p->mul_dt, p->vnni, dst, p->isa);
+      [p, w, w_dt, s](int64_t c0, int64_t cols, int64_t kb, char* dst, float* tmp) {
+        emulation::pack(p->terms, 1, at(w, w_dt, c0 * s.k + kb * p->b.red), w_dt, s.k, true, p->b.red, cols,
+                        p->b.red, p->b.cols, p->mul_dt, p->vnni, dst, p->part_step, p->isa, tmp);
       },
       [s, es, dx](int64_t n0, int64_t, int64_t c0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + (n0 * s.c + c0) * es, nullptr);

@@ -7,12 +7,15 @@
 // are a weight panel of `cols` output columns, re-blocked by the item into a leased buffer
 // (reduced / red blocks of red x cols), and the group of N-blocks computed with it; or, with
 // weights_first, every panel is re-blocked by a first parallel loop and an item is one
-// N-block computed against all of them.
+// N-block computed against all of them. Emulated products (Shape::products) split A as it
+// is copied and each panel block as it is re-blocked; a tile's batch then walks every
+// (term, reduction block) pair.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "layers/common/kernels.h"
 #include "layers/common/operand.h"
@@ -35,31 +38,42 @@ constexpr int64_t kLargeBytes = int64_t(8) << 20;
 
 // The cache key of a pass: everything its plan depends on. `extra` is the pass's own
 // (the forward's bias, the update's dw dtype).
-using PlanKey = std::array<int64_t, 14>;
+using PlanKey = std::array<int64_t, 15>;
 inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
   return {s.n, s.c, s.k, s.ldz, int64_t(s.dt), int64_t(s.act), extra, threads, int64_t(dp.isa),
           int64_t(dp.bf16_multiply), force ? force->rows : -1, force ? force->cols : -1,
-          force ? force->red : -1, force ? force->weights_first : -1};
+          force ? force->red : -1, force ? force->weights_first : -1, s.products};
 }
 
 struct PanelPlan : MultiplyPath {
   // `act` is fused into the output (forward only).
   PanelPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t out_cols, int64_t reduced, int64_t lda,
             bool bias, Activation act, int64_t threads, DType out_dt)
-      : MultiplyPath(s.dt, dp),
+      : MultiplyPath(operand_dtype(s), dp),
+        terms(emulation::terms(s.products)),
         b(fixed(chosen, s.n, out_cols, reduced)),
         blk(reblock::block_elems(b.red, b.cols, vnni)),
         n(s.n),
         out_cols(out_cols),
         rblk(reduced / b.red),
-        aop(s.dt, mul_dt, s.n, reduced, lda),
+        part_step(rblk * blk),
+        aop(s.dt, mul_dt, s.n, reduced, lda, terms, 0),
         kernels(epilogue_desc(out_dt, out_cols, bias, act), s.n, out_cols, b.rows, b.cols, dp.isa),
         groups(ceil_div(out_cols, b.cols), ceil_div(s.n, b.rows), threads),
-        panel_bytes(Scratch::aligned(size_t(rblk * blk) * mul_bytes)) {}
+        tmp_offset(Scratch::aligned(size_t(part_step * terms.parts[1]) * mul_bytes)),
+        panel_bytes(tmp_offset + (terms.split ? Scratch::aligned(size_t(2 * b.red * b.cols) * sizeof(float)) : 0)) {
+    // term-major, as ops/emulation.py sums them: the small products first
+    for (int t = 0; terms.split && t < terms.count; ++t)
+      for (int64_t r = 0; r < rblk; ++r) {
+        a_offs.push_back(r * b.red + terms.of[0][t] * aop.step());
+        b_offs.push_back(r * blk + terms.of[1][t] * part_step);
+      }
+  }
 
   // Adds the pass on the A operand a_src to `job` (whose keep must hold this plan):
-  // pack(c0, cols, r, dst) re-blocks reduction block r of the panel of output columns
-  // [c0, c0 + cols) into dst; tile(n0, rows, c0, cols, multiply) computes one output block,
+  // pack(c0, cols, r, dst, tmp) re-blocks reduction block r of the panel of output columns
+  // [c0, c0 + cols) into dst (its parts part_step elements apart; tmp: 2 * b.red * b.cols
+  // floats for emulation::pack); tile(n0, rows, c0, cols, multiply) computes one output block,
   // where multiply(out, bias) is the block's BRGEMM call. Both are copied into the job.
   template <class Pack, class Tile>
   void add(Job& job, const void* a_src, Pack pack, Tile tile) const {
@@ -80,8 +94,8 @@ struct PanelPlan : MultiplyPath {
   }
 
   // add's phases, with the A operand laid out by the caller at `a` (rows aop.ld() apart, the
-  // multiply dtype, ready when the job's earlier phases are done) and scratch_bytes() of
-  // panel buffers at `panels`.
+  // multiply dtype, parts aop.step() apart, ready when the job's earlier phases are done)
+  // and scratch_bytes() of panel buffers at `panels`.
   template <class Pack, class Tile>
   void add_with(Job& job, const char* a, char* panels, Pack pack, Tile tile) const {
     const PanelPlan* p = this;
@@ -89,15 +103,20 @@ struct PanelPlan : MultiplyPath {
     auto block = [p, a, tile](int64_t n0, int64_t c0, const char* panel) {
       const int64_t rows = std::min(p->b.rows, p->n - n0), cols = std::min(p->b.cols, p->out_cols - c0);
       tile(n0, rows, c0, cols, [&](void* out, const float* bias) {
-        p->kernels(rows, cols).strided(a + n0 * p->aop.ld() * p->mul_bytes, p->b.red, panel, p->blk, p->rblk, out,
-                                       bias);
+        const char* an = a + n0 * p->aop.ld() * p->mul_bytes;
+        if (p->terms.split)
+          p->kernels(rows, cols).offsets(an, p->a_offs.data(), panel, p->b_offs.data(), int64_t(p->a_offs.size()),
+                                         out, bias);
+        else
+          p->kernels(rows, cols).strided(an, p->b.red, panel, p->blk, p->rblk, out, bias);
       });
     };
     if (b.weights_first) {
       job.add(npanels, [p, pack, panels](int64_t i) {
         const ReblockTimer timer;
         const int64_t c0 = i * p->b.cols, cols = std::min(p->b.cols, p->out_cols - c0);
-        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panels + i * p->panel_bytes + r * p->blk * p->mul_bytes);
+        char* panel = panels + i * p->panel_bytes;
+        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panel + r * p->blk * p->mul_bytes, p->tmp(panel));
       });
       job.add(ceil_div(n, b.rows), [p, block, npanels, panels](int64_t nb) {
         for (int64_t i = 0; i < npanels; ++i) block(nb * p->b.rows, i * p->b.cols, panels + i * p->panel_bytes);
@@ -112,19 +131,25 @@ struct PanelPlan : MultiplyPath {
       const PanelPool::Lease panel(*pp);
       {
         const ReblockTimer timer;
-        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panel.data + r * p->blk * p->mul_bytes);
+        for (int64_t r = 0; r < p->rblk; ++r) pack(c0, cols, r, panel.data + r * p->blk * p->mul_bytes, p->tmp(panel.data));
       }
       for (int64_t nb = p->groups.first(i); nb < p->groups.last(i); ++nb) block(nb * p->b.rows, c0, panel.data);
     });
   }
 
+  // emulation::pack's scratch, after a panel's blocks
+  float* tmp(char* panel) const { return reinterpret_cast<float*>(panel + tmp_offset); }
+
+  const emulation::Terms terms;  // the products of every multiplication (one, unless emulated)
   const Blocking b;  // the block of the reduced dimension divides it
   const int64_t blk;  // elements of one re-blocked reduction block
   const int64_t n, out_cols, rblk;
+  const int64_t part_step;  // elements from one part of a panel to the next
   const ActivationOperand aop;
   const KernelSet kernels;
   const WorkGroups groups;
-  const size_t panel_bytes;
+  const size_t tmp_offset, panel_bytes;
+  std::vector<int64_t> a_offs, b_offs;  // emulated: a tile's batch, (term, block) pairs
 
  private:
   static Blocking fixed(Blocking b, int64_t n, int64_t out_cols, int64_t reduced) {

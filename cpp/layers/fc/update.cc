@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "layers/common/plan_cache.h"
@@ -23,7 +24,7 @@ namespace {
 // remainder goes through the AVX-512 path); up to 256 long: fewer, longer batch elements per
 // register tile (experimentally selected on an Intel Xeon; docs/fc.md).
 int64_t batch_block(const Shape& s, const Dispatch& dp) {
-  return padded_block(s.n, multiply_dtype(s.dt, dp) == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256);
+  return padded_block(s.n, multiply_dtype(operand_dtype(s), dp) == DType::f32 ? 1 : dp.isa == Isa::amx ? 32 : 2, 256);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -31,11 +32,13 @@ int64_t batch_block(const Shape& s, const Dispatch& dp) {
 // (VNNI pairs of n for bf16), both zero-padded to whole N-blocks; (C-block, K-block) items
 // of dw, each computed as one BRGEMM per sub-panel (sub_cols). A register tile streams its B
 // contiguously across the whole batch. For a batch whose re-blocked operands outgrow
-// kLargeBytes and dw, see long_update.
+// kLargeBytes and dw, see long_update. Emulated products: each operand's parts follow each
+// other (a_step, b_step elements apart) and the batch walks every (term, N-block) pair.
 
 struct UpdatePlan : MultiplyPath {
   UpdatePlan(const Dispatch& dp, const Shape& s, Blocking chosen, DType dw_dt)
-      : MultiplyPath(s.dt, dp),
+      : MultiplyPath(operand_dtype(s), dp),
+        terms(emulation::terms(s.products)),
         b(fixed(chosen, s, vnni)),
         cblk(ceil_div(s.c, b.rows)),
         kblk(ceil_div(s.k, b.cols)),
@@ -44,28 +47,49 @@ struct UpdatePlan : MultiplyPath {
         sub(sub_cols(b.cols, isa, mul_dt)),
         nsub(ceil_div(b.cols, sub)),
         blk_sub(reblock::block_elems(b.red, sub, vnni)),
-        long_batch(nblk * b.red * (s.c + s.k) * int64_t(mul_bytes) >
+        a_step(cblk * nblk * blk_a),
+        b_step(kblk * nsub * nblk * blk_sub),
+        tmp_floats(2 * b.red * std::max(b.rows, sub)),
+        long_batch(nblk * b.red * (s.c * terms.parts[0] + s.k * terms.parts[1]) * int64_t(mul_bytes) >
                    std::max(kLargeBytes, s.c * s.k * int64_t(sizeof(float)))),
         // dw is stored straight from the register tiles, with plain stores: inside a training
         // step the optimizer reads it next, from cache (non-temporal stores were much slower).
         kernels(desc(b.red, b.red, sub, s.k, dw_dt), s.c, s.k, b.rows, sub, dp.isa),
-        tile(desc(b.red, b.red, sub, b.cols), s.c, s.k, b.rows, sub, dp.isa) {}
+        tile(desc(b.red, b.red, sub, b.cols), s.c, s.k, b.rows, sub, dp.isa) {
+    for (int t = 0; terms.split && t < terms.count; ++t)  // term-major, the small products first
+      for (int64_t nb = 0; nb < nblk; ++nb) {
+        a_offs.push_back(nb * blk_a + terms.of[0][t] * a_step);
+        b_offs.push_back(nb * blk_sub + terms.of[1][t] * b_step);
+      }
+  }
 
   // The item's block of dw (rows x cols at c), reduced over every N-block: one BRGEMM per
   // sub-panel, into c's columns (ldc and dtype as `kernels` were built).
   void run(const KernelSet& kernels, int64_t rows, int64_t cols, const char* a, const char* bb, char* c,
            size_t cs) const {
-    for (int64_t j = 0; j < cols; j += sub)
-      kernels(rows, std::min(sub, cols - j)).strided(a, blk_a, bb + j / sub * nblk * blk_sub * int64_t(mul_bytes), blk_sub,
-                                                     nblk, c + j * int64_t(cs));
+    for (int64_t j = 0; j < cols; j += sub) {
+      const Brgemm& k = kernels(rows, std::min(sub, cols - j));
+      const char* bj = bb + j / sub * nblk * blk_sub * int64_t(mul_bytes);
+      if (terms.split) k.offsets(a, a_offs.data(), bj, b_offs.data(), int64_t(a_offs.size()), c + j * int64_t(cs));
+      else k.strided(a, blk_a, bj, blk_sub, nblk, c + j * int64_t(cs));
+    }
   }
+
+  // Bytes of the re-blocked x^T and dz, every part of them.
+  size_t xt_bytes() const { return size_t(a_step * terms.parts[0]) * mul_bytes; }
+  size_t dz_bytes() const { return size_t(b_step * terms.parts[1]) * mul_bytes; }
+
+  const emulation::Terms terms;  // the products of every multiplication (one, unless emulated)
 
   const Blocking b;
   const int64_t cblk, kblk, nblk, blk_a;
   const int64_t sub, nsub, blk_sub;  // sub-panel width, sub-panels per K-block, one's block
+  const int64_t a_step, b_step;  // elements from one part of x^T (of dz) to the next
+  const int64_t tmp_floats;      // emulation::pack's scratch for one block
   const bool long_batch;  // re-blocked operands above kLargeBytes and dw: long_update's
   const KernelSet kernels;  // one block of dw, stored in dw's dtype
   const KernelSet tile;     // update_sgd's: one block of dw into a b.cols-wide tile
+  std::vector<int64_t> a_offs, b_offs;  // emulated: the batch, (term, N-block) pairs
 
  private:
   static Blocking fixed(Blocking b, const Shape& s, bool vnni) {
@@ -76,7 +100,7 @@ struct UpdatePlan : MultiplyPath {
   }
 };
 
-PlanCache<14, UpdatePlan> update_plans;
+PlanCache<15, UpdatePlan> update_plans;
 
 // ---------------------------------------------------------------------------------------
 // The update of a long batch (the LSTM's reduces over every step and row): dw = x^T dz as
@@ -88,12 +112,12 @@ PlanCache<14, UpdatePlan> update_plans;
 struct LongUpdatePlan {
   LongUpdatePlan(const Dispatch& dp, const Shape& s, DType dw_dt, int64_t threads)
       : red(batch_block(s, dp)),
-        xt{s.c, round_up(s.n, red), s.k, multiply_dtype(s.dt, dp)},
+        xt{s.c, round_up(s.n, red), s.k, multiply_dtype(operand_dtype(s), dp), Activation::none, 0, 0, s.products},
         ld(padded_ld(xt.c, dtype_size(xt.dt))),
         plan(dp, xt, blocking(dp, xt, red, threads), s.k, xt.c, ld, false, Activation::none, threads, dw_dt) {}
 
   const int64_t red;
-  const Shape xt;    // the forward's shape: x^T (C x padded N, the multiply dtype) times dz
+  const Shape xt;    // the forward's shape: x^T (C x padded N, the multiply dtype; its parts) times dz
   const int64_t ld;  // of x^T, whose rows are never a multiple of 4 KiB apart
   const PanelPlan plan;
 
@@ -105,7 +129,7 @@ struct LongUpdatePlan {
   }
 };
 
-PlanCache<14, LongUpdatePlan> long_update_plans;
+PlanCache<15, LongUpdatePlan> long_update_plans;
 
 // Rows of x^T a transposing item writes.
 constexpr int64_t kTransposeRows = 16;
@@ -120,20 +144,30 @@ void add_long_update(Job& job, int64_t threads, const Dispatch& dp, const Shape&
   const int64_t os = int64_t(dtype_size(dw_dt));
   const int64_t mul_bytes = int64_t(p->mul_bytes);
   const Isa isa = dp.isa;
-  const auto buf = job_scratch<2>(job, {size_t(s.c * lp->ld * mul_bytes), p->scratch_bytes()});
+  const bool split = p->terms.split;
+  const auto buf = job_scratch<3>(job, {size_t(p->aop.step() * mul_bytes * p->terms.parts[0]), p->scratch_bytes(),
+                                        split ? size_t(s.c * lp->ld) * sizeof(float) : 0});
   char* xt = buf[0];
+  float* xf = reinterpret_cast<float*>(buf[2]);
   job.add(ceil_div(s.c, kTransposeRows), [=](int64_t i) {
     const ReblockTimer timer;
     const int64_t c0 = i * kTransposeRows, rows = std::min(kTransposeRows, s.c - c0);
-    reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp->ld, p->mul_dt, false,
-                  xt + c0 * lp->ld * mul_bytes, isa);
+    char* dst = xt + c0 * lp->ld * mul_bytes;
+    if (!split) {
+      reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp->ld, p->mul_dt, false, dst, isa);
+      return;
+    }
+    // x^T in fp32 (zeros past the batch: whole reduction blocks), then its parts
+    float* xfc = xf + c0 * lp->ld;
+    reblock::pack(at(x, s.dt, c0), s.dt, ldx, true, rows, s.n, rows, lp->ld, DType::f32, false, xfc, isa);
+    emulation::split_rows(p->terms, 0, xfc, lp->ld, dst, p->mul_dt, lp->ld, p->aop.step(), rows, lp->ld, lp->ld);
   });
   p->add_with(
       job, xt, buf[1],
-      [=](int64_t k0, int64_t cols, int64_t r, char* dst) {
+      [=](int64_t k0, int64_t cols, int64_t r, char* dst, float* tmp) {
         const int64_t n0 = r * lp->red;
-        reblock::pack(at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp->red, s.n - n0), cols, lp->red,
-                      p->b.cols, p->mul_dt, p->vnni, dst, isa);
+        emulation::pack(p->terms, 1, at(dz, s.dt, n0 * ldz + k0), s.dt, ldz, false, std::min(lp->red, s.n - n0),
+                        cols, lp->red, p->b.cols, p->mul_dt, p->vnni, dst, p->part_step, isa, tmp);
       },
       [=](int64_t c0, int64_t, int64_t k0, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dw) + (c0 * s.k + k0) * os, nullptr);
@@ -177,18 +211,28 @@ std::shared_ptr<const UpdatePlan> update_plan(int64_t threads, const Dispatch& d
 // each (C-block, K-block) item of dw, whose BRGEMM reduces over every N-block. `item` is
 // copied into the job.
 template <class Item>
-void add_update_blocks(Job& job, const Shape& s, const UpdatePlan* p, const void* x, const void* dz, float* db,
-                       char* xt_buf, char* dz_buf, Item item) {
+void add_update_blocks(Job& job, int64_t threads, const Shape& s, const UpdatePlan* p, const void* x,
+                       const void* dz, float* db, char* xt_buf, char* dz_buf, Item item) {
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
+  PanelPool* tmps = nullptr;  // emulation::pack's scratch, one per running item
+  if (p->terms.split) {
+    const size_t bytes = size_t(p->tmp_floats) * sizeof(float);
+    auto pool = std::make_shared<PanelPool>(job_scratch<1>(job, {bytes * size_t(threads)})[0], bytes, threads);
+    tmps = pool.get();
+    job.keep.push_back(std::move(pool));
+  }
   const View<char, 2> xt(xt_buf, {p->cblk * p->nblk, int64_t(p->blk_a * p->mul_bytes)});   // [Cb][Nb] blocks
   const View<char, 3> dzb(dz_buf, {p->kblk, p->nsub * p->nblk, int64_t(p->blk_sub * p->mul_bytes)});  // [Kb][sub][Nb]
   job.add(p->cblk * p->nblk + p->kblk, [=](int64_t i) {
     const ReblockTimer timer;
     const Blocking& b = p->b;
+    std::optional<PanelPool::Lease> lease;
+    if (tmps) lease.emplace(*tmps);
+    float* tmp = tmps ? reinterpret_cast<float*>(lease->data) : nullptr;
     if (i < p->cblk * p->nblk) {  // x^T block (cb, nb)
       const int64_t cb = i / p->nblk, c0 = cb * b.rows, n0 = i % p->nblk * b.red;
-      reblock::pack(at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
-                    std::min(b.red, s.n - n0), b.rows, b.red, p->mul_dt, false, xt.at(i), p->isa);
+      emulation::pack(p->terms, 0, at(x, s.dt, n0 * ldx + c0), s.dt, ldx, true, std::min(b.rows, s.c - c0),
+                      std::min(b.red, s.n - n0), b.rows, b.red, p->mul_dt, false, xt.at(i), p->a_step, p->isa, tmp);
       return;
     }
     const int64_t kb = i - p->cblk * p->nblk, k0 = kb * b.cols;  // dz column panel kb
@@ -198,8 +242,8 @@ void add_update_blocks(Job& job, const Shape& s, const UpdatePlan* p, const void
       const int64_t n0 = nb * b.red, rows = std::min(b.red, s.n - n0);
       const void* src = at(dz, s.dt, n0 * ldz + k0);
       for (int64_t j = 0; j < cols; j += p->sub)
-        reblock::pack(at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p->sub, cols - j), b.red, p->sub, p->mul_dt,
-                      p->vnni, dzb.at(kb, j / p->sub * p->nblk + nb), p->isa);
+        emulation::pack(p->terms, 1, at(src, s.dt, j), s.dt, ldz, false, rows, std::min(p->sub, cols - j), b.red,
+                        p->sub, p->mul_dt, p->vnni, dzb.at(kb, j / p->sub * p->nblk + nb), p->b_step, p->isa, tmp);
       if (db) add_column_sums(src, s.dt, ldz, rows, cols, db + k0);
     }
   });
@@ -233,10 +277,9 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
   }
   const UpdatePlan* p = plan.get();
   job.keep.push_back(plan);
-  const auto buf = job_scratch<2>(job, {size_t(p->cblk * p->nblk * p->blk_a) * p->mul_bytes,
-                                        size_t(p->kblk * p->nblk * p->nsub * p->blk_sub) * p->mul_bytes});
+  const auto buf = job_scratch<2>(job, {p->xt_bytes(), p->dz_bytes()});
   const int64_t os = int64_t(dtype_size(dw_dt));
-  add_update_blocks(job, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
+  add_update_blocks(job, threads, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
     const Blocking& b = p->b;
     const int64_t c0 = i / p->kblk * b.rows, k0 = i % p->kblk * b.cols;
     const int64_t rows = std::min(b.rows, s.c - c0), cols = std::min(b.cols, s.k - k0);
@@ -288,14 +331,13 @@ Job fused_update_job(const char* name, int64_t threads, const Dispatch& dp, cons
   }
   const Blocking bl = p->b;
   const size_t tile_bytes = Scratch::aligned(size_t(bl.rows * bl.cols) * sizeof(float));
-  const auto buf = job_scratch<4>(job, {size_t(p->cblk * p->nblk * p->blk_a) * p->mul_bytes,
-                                        size_t(p->kblk * p->nblk * p->nsub * p->blk_sub) * p->mul_bytes,
+  const auto buf = job_scratch<4>(job, {p->xt_bytes(), p->dz_bytes(),
                                         tile_bytes * size_t(threads), has_bias ? size_t(s.k) * sizeof(float) : 0});
   float* const db = has_bias ? reinterpret_cast<float*>(buf[3]) : nullptr;
   auto pool = std::make_shared<PanelPool>(buf[2], tile_bytes, threads);
   PanelPool* tiles = pool.get();
   job.keep.push_back(std::move(pool));
-  add_update_blocks(job, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
+  add_update_blocks(job, threads, s, p, x, dz, db, buf[0], buf[1], [=](int64_t i, char* a, char* bb) {
     const int64_t c0 = i / p->kblk * bl.rows, k0 = i % p->kblk * bl.cols;
     const int64_t rows = std::min(bl.rows, s.c - c0), cols = std::min(bl.cols, s.k - k0);
     // The block's parameters and state start on their way from memory now and are in

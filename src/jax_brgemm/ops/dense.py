@@ -25,7 +25,7 @@ import optax
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import emulation, fc_passes
+from jax_brgemm.ops import fc_passes
 
 __all__ = ["act_grad", "adamw_update", "dense", "sgd_update"]
 
@@ -46,8 +46,9 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
         accumulation, bias and activation are always float32.
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
-        ``jax.default_matmul_precision``); every one is met by exact float32 products
-        (``jax_brgemm.precision``). An algorithm outside its table is a ValueError.
+        ``jax.default_matmul_precision``); met by exact float32 products, or with
+        ``JAX_BRGEMM_EMULATE=1`` by bfloat16 ones in every pass (``jax_brgemm.precision``).
+        An algorithm outside its table is a ValueError.
 
     Returns:
       ``(..., K)`` in ``dtype``. Gradients come back in each argument's own dtype; with a
@@ -78,15 +79,13 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     lead = x.shape[:-1]
     if x.size == 0 or kernel.size == 0 or dtype not in check.KERNEL_DTYPES:
         return _dense_xla(x, kernel, bias, activation, dtype)
-    if computed != "float32" and dtype == jnp.float32:  # bfloat16 products (precision.py)
-        y = emulation.brgemm(x.astype(dtype).reshape((1, -1, c)), kernel.astype(dtype)[None], computed)
-        y = y if bias is None else y + bias.astype(dtype)
-        return _activations.apply(activation, y).reshape(lead + (k,))
+    # bfloat16 products summed in float32, split inside the passes (precision.py)
+    products = _precision.PRODUCTS[computed] if dtype == jnp.float32 else 0
     x2 = x.astype(dtype).reshape((-1, c))
     kernel_arg, bias_arg = kernel, bias
     kernel, bias = check.kernel_operand(kernel, dtype), check.kernel_operand(bias, jnp.float32)
-    y, _ = fc_passes.forward(x2, kernel, bias, act)
-    if _observers:
+    y, _ = fc_passes.forward(x2, kernel, bias, act, products)
+    if _observers and not products:  # a fused optimizer step computes exact products
         y = _observers[-1](x2, kernel_arg, bias_arg, act, y)
     return y.reshape(lead + (k,))
 

@@ -25,7 +25,10 @@ Two levels of each:
   a bare call: ``jax.grad`` of ``jax.grad`` (and higher) runs on the kernels. Forward mode
   (``jax.jvp``) is not supported.
 
-``act`` is an activation code (``ACTIVATION_CODES``), static in every pass.
+``act`` is an activation code (``ACTIVATION_CODES``), static in every pass, and so is
+``products``: 0 for exact products, or 1, 3 or 6 bfloat16 products of the float32 operands'
+parts (``ops/emulation.py``'s method, split inside the call as the operands are re-blocked),
+which the gradient passes use too.
 """
 
 from __future__ import annotations
@@ -55,12 +58,12 @@ NONE, GELU = ACTIVATION_CODES["none"], ACTIVATION_CODES["gelu"]
 # runs per shard; the weight update's partial sums are psum'ed.
 
 
-def _fwd_ffi(x, kernel, b, *, act):
+def _fwd_ffi(x, kernel, b, *, act, products):
     n, k = x.shape[0], kernel.shape[1]
     y = jax.ShapeDtypeStruct((n, k), x.dtype)
     z = jax.ShapeDtypeStruct((n, k) if act == GELU else (0,), x.dtype)
     return tuple(jax.ffi.ffi_call("jb_fc_fwd", (y, z), vmap_method="expand_dims")(
-        x, kernel, b, act=np.int32(act)))
+        x, kernel, b, act=np.int32(act), products=np.int64(products)))
 
 
 def _act_grad_ffi(dy, saved, *, act):
@@ -69,23 +72,25 @@ def _act_grad_ffi(dy, saved, *, act):
         dy, saved, act=np.int32(act)))
 
 
-def _bwd_ffi(dz, kernel):
+def _bwd_ffi(dz, kernel, *, products):
     out = jax.ShapeDtypeStruct((dz.shape[0], kernel.shape[0]), dz.dtype)
-    return tuple(jax.ffi.ffi_call("jb_fc_bwd", (out,), vmap_method="expand_dims")(dz, kernel))
+    return tuple(jax.ffi.ffi_call("jb_fc_bwd", (out,), vmap_method="expand_dims")(
+        dz, kernel, products=np.int64(products)))
 
 
-def _upd_ffi(x, dz, *, w_shape, w_dtype, with_bias):
+def _upd_ffi(x, dz, *, w_shape, w_dtype, with_bias, products):
     dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
     db = jax.ShapeDtypeStruct((w_shape[1] if with_bias else 0,), jnp.float32)
-    return tuple(jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(x, dz))
+    return tuple(jax.ffi.ffi_call("jb_fc_upd", (dw, db), vmap_method="expand_dims")(
+        x, dz, products=np.int64(products)))
 
 
 _R, _SUM = partitioning.ROWS, partitioning.SUM
 
 
 @partitioning.cached
-def _fwd_target(act):
-    return partitioning.rows(partial(_fwd_ffi, act=act), (_R, None, None), (_R, _R))
+def _fwd_target(act, products):
+    return partitioning.rows(partial(_fwd_ffi, act=act, products=products), (_R, None, None), (_R, _R))
 
 
 @partitioning.cached
@@ -94,20 +99,20 @@ def _act_grad_target(act):
 
 
 @partitioning.cached
-def _bwd_target():
-    return partitioning.rows(_bwd_ffi, (_R, None), (_R,))
+def _bwd_target(products):
+    return partitioning.rows(partial(_bwd_ffi, products=products), (_R, None), (_R,))
 
 
 @partitioning.cached
-def _upd_target(w_shape, w_dtype, with_bias):
+def _upd_target(w_shape, w_dtype, with_bias, products):
     return partitioning.rows(partial(_upd_ffi, w_shape=w_shape, w_dtype=w_dtype,
-                                     with_bias=with_bias), (_R, _R), (_SUM, _SUM))
+                                     with_bias=with_bias, products=products), (_R, _R), (_SUM, _SUM))
 
 
-def forward_call(x, kernel, bias, act):
+def forward_call(x, kernel, bias, act, products=0):
     """``(y, z)``: ``act(x @ kernel + bias)`` and, for gelu, the pre-activation (else empty)."""
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    return _fwd_target(act)(x, kernel, b)
+    return _fwd_target(act, products)(x, kernel, b)
 
 
 def activation_grad_call(dy, saved, act):
@@ -115,15 +120,15 @@ def activation_grad_call(dy, saved, act):
     return _act_grad_target(act)(dy, saved)[0]
 
 
-def backward_data_call(dz, kernel):
+def backward_data_call(dz, kernel, products=0):
     """``dz @ kernel.T``; ``dz`` may have more columns than kernel (its first K are used)."""
-    return _bwd_target()(dz, kernel)[0]
+    return _bwd_target(products)(dz, kernel)[0]
 
 
-def weight_update_call(x, dz, w_shape, w_dtype, with_bias):
+def weight_update_call(x, dz, w_shape, w_dtype, with_bias, products=0):
     """``(x.T @ dz, the column sums of dz)`` over w_shape's C first columns of x and K of dz:
     the first in ``w_dtype``, the second float32 (empty without ``with_bias``)."""
-    return _upd_target(tuple(w_shape), np.dtype(w_dtype), with_bias)(x, dz)
+    return _upd_target(tuple(w_shape), np.dtype(w_dtype), with_bias, products)(x, dz)
 
 
 def saved_for_backward(act, y, z):
@@ -146,25 +151,25 @@ def preactivation_grad(act, gy, gz, saved):
 # --- the differentiable passes -------------------------------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def forward(x, kernel, bias, act):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def forward(x, kernel, bias, act, products=0):
     """(y, z) = (act(x @ kernel + bias), the pre-activation for gelu or an empty array)."""
-    return forward_call(x, kernel, bias, act)
+    return forward_call(x, kernel, bias, act, products)
 
 
-def _forward_fwd(x, kernel, bias, act):
-    y, z = forward(x, kernel, bias, act)
+def _forward_fwd(x, kernel, bias, act, products):
+    y, z = forward(x, kernel, bias, act, products)
     return (y, z), (x, kernel, bias, saved_for_backward(act, y, z))
 
 
-def _forward_bwd(act, res, cotangents):
+def _forward_bwd(act, products, res, cotangents):
     x, kernel, bias, saved = res
     gy, gz = cotangents
     w_shape, w_dtype, with_bias = kernel.shape, np.dtype(kernel.dtype), bias is not None
     # dz once, read by both passes (applying act' inside each pass measured no faster)
     dz = preactivation_grad(act, gy.astype(x.dtype), gz, saved)
-    dx = backward_data(dz, kernel)
-    dw, db = weight_update(x, dz, w_shape, w_dtype, with_bias)
+    dx = backward_data(dz, kernel, products)
+    dw, db = weight_update(x, dz, w_shape, w_dtype, with_bias, products)
     return dx, dw, None if bias is None else db.astype(bias.dtype)
 
 
@@ -193,42 +198,42 @@ def _activation_grad_bwd(act, res, g):
 activation_grad.defvjp(_activation_grad_fwd, _activation_grad_bwd)
 
 
-@jax.custom_vjp
-def backward_data(dz, kernel):
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def backward_data(dz, kernel, products=0):
     """dx = dz @ kernel.T."""
-    return backward_data_call(dz, kernel)
+    return backward_data_call(dz, kernel, products)
 
 
-def _backward_data_fwd(dz, kernel):
-    return backward_data(dz, kernel), (dz, kernel)
+def _backward_data_fwd(dz, kernel, products):
+    return backward_data(dz, kernel, products), (dz, kernel)
 
 
-def _backward_data_bwd(res, g):
+def _backward_data_bwd(products, res, g):
     dz, kernel = res
     g = g.astype(dz.dtype)
-    d_dz, _ = forward(g, kernel, None, NONE)
-    d_kernel, _ = weight_update(g, dz, kernel.shape, np.dtype(kernel.dtype), False)
+    d_dz, _ = forward(g, kernel, None, NONE, products)
+    d_kernel, _ = weight_update(g, dz, kernel.shape, np.dtype(kernel.dtype), False, products)
     return d_dz, d_kernel
 
 
 backward_data.defvjp(_backward_data_fwd, _backward_data_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def weight_update(x, dz, w_shape, w_dtype, with_bias):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def weight_update(x, dz, w_shape, w_dtype, with_bias, products=0):
     """(dkernel, dbias) = (x.T @ dz in w_dtype, the column sums of dz in float32 or empty)."""
-    return weight_update_call(x, dz, w_shape, w_dtype, with_bias)
+    return weight_update_call(x, dz, w_shape, w_dtype, with_bias, products)
 
 
-def _weight_update_fwd(x, dz, w_shape, w_dtype, with_bias):
-    return weight_update(x, dz, w_shape, w_dtype, with_bias), (x, dz)
+def _weight_update_fwd(x, dz, w_shape, w_dtype, with_bias, products):
+    return weight_update(x, dz, w_shape, w_dtype, with_bias, products), (x, dz)
 
 
-def _weight_update_bwd(w_shape, w_dtype, with_bias, res, cotangents):
+def _weight_update_bwd(w_shape, w_dtype, with_bias, products, res, cotangents):
     x, dz = res
     g_w, g_b = cotangents
-    d_x = backward_data(dz, g_w)
-    d_dz, _ = forward(x, g_w, g_b if with_bias else None, NONE)
+    d_x = backward_data(dz, g_w, products)
+    d_dz, _ = forward(x, g_w, g_b if with_bias else None, NONE, products)
     return d_x, d_dz.astype(dz.dtype)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import emulation, fc_passes
+from jax_brgemm.ops import fc_passes
 
 # jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
 _AUTOMATIC = 0
@@ -402,15 +402,11 @@ def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_m
     rows = xh.shape[0] * xh.shape[1]
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
     xh2 = xh.reshape(rows, xh.shape[2])
-    if accuracy != "float32":  # the part products stacked in XLA (ops/emulation.py)
-        da2, wi32 = da2[:, :4 * k], wi.astype(jnp.float32)
-        dx = emulation.brgemm(da2[None], wi32.T[None], accuracy).reshape(xh.shape[:2] + (c,))
-        dwr = emulation.brgemm(xh2[:, :c + k].T[None], da2[None], accuracy).astype(wi.dtype)
-    else:
-        dx = fc_passes.backward_data_call(da2, wi).reshape(xh.shape[:2] + (c,))
-        # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed
-        # over every step, one GEMM reducing over all rows into C + K output rows.
-        dwr = fc_passes.weight_update_call(xh2, da2, (c + k, 4 * k), wi.dtype, False)[0]
+    products = _precision.PRODUCTS[accuracy]  # the passes split da, xh and W as they re-block
+    dx = fc_passes.backward_data_call(da2, wi, products).reshape(xh.shape[:2] + (c,))
+    # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
+    # every step, one GEMM reducing over all rows into C + K output rows.
+    dwr = fc_passes.weight_update_call(xh2, da2, (c + k, 4 * k), wi.dtype, False, products)[0]
     return (dx.astype(x.dtype), dwr[:c], dwr[c:], db.astype(b.dtype), dc0.astype(c0.dtype),
             dh0.astype(h0.dtype))
 

@@ -83,8 +83,9 @@ def build_parser(suite: Suite = SUITE) -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="float32",
                         help="accuracy of the float32 matrix products (--impl brgemm): "
                              "float32 (default), bf16_3x, bf16_6x or bf16, JAX's "
-                             "BF16_BF16_F32_X3 / _X6 / BF16_BF16_F32; each is met by exact "
-                             "float32 products today (jax_brgemm.precision), and logged"),
+                             "BF16_BF16_F32_X3 / _X6 / BF16_BF16_F32; computed from bfloat16 "
+                             "products with JAX_BRGEMM_EMULATE=1, else by exact float32 "
+                             "products (jax_brgemm.precision); both are logged"),
     parser.add_argument("--data-dir", metavar="DIR",
                         help="directory holding every IDX file of the dataset (.gz or not); "
                              "nothing else is searched. Without it: the first of "
