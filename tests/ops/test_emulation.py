@@ -272,8 +272,8 @@ def test_attention_and_its_gradients_are_emulated(emulate, accuracy):
 @pytest.mark.parametrize("accuracy", ["bf16", "bf16_3x", "bf16_6x"])
 def test_lstm_and_its_gradients_are_emulated(emulate, accuracy):
     """The kernels split each step's h and gate gradient into parts where they make them
-    (the weight gradients stack theirs in XLA): y and the gradients of x, both kernels and
-    the bias through 13 steps, as for attention."""
+    (the input and weight gradients' passes split theirs as they re-block them): y and the
+    gradients of x, both kernels and the bias through 13 steps, as for attention."""
     from jax_brgemm.ops.lstm import reference
 
     rng = np.random.default_rng(10)
@@ -341,3 +341,39 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
     with jb.accelerate() as acc:
         conv.apply(conv.init(jax.random.key(0), x), x)
     assert acc.calls[0].precision == "precision bf16_3x, computed float32"
+
+
+def _with_infinities(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    flat = a.reshape(-1)
+    flat[[3, 17]] = np.inf, -np.inf
+    return a
+
+
+INFINITE_CASES = {
+    "dense": lambda r: (lambda x, w, p: jb.dense(x, w, precision=p), (_with_infinities(r, (6, 40)),
+                                                                        r.standard_normal((40, 7)))),
+    "brgemm": lambda r: (lambda a, b, p: jb.brgemm(a, b, precision=p), (r.standard_normal((2, 5, 30)),
+                                                                          _with_infinities(r, (2, 30, 4)))),
+    "conv2d": lambda r: (lambda x, w, p: jb.conv2d(x, w, padding="SAME", precision=p),
+                         (_with_infinities(r, (2, 6, 6, 8)), r.standard_normal((3, 3, 8, 5)))),
+    "attention": lambda r: (lambda q, k, p: jb.dot_product_attention(q, k, k, precision=p),
+                            (r.standard_normal((1, 9, 2, 8)), _with_infinities(r, (1, 11, 2, 8)))),
+    "lstm": lambda r: (lambda x, wi, wh, p: jb.lstm(x, wi, wh, np.zeros(20, np.float32), precision=p)[1],
+                       (_with_infinities(r, (3, 4, 40)), r.standard_normal((40, 20)) / 7,
+                        r.standard_normal((5, 20)) / 3)),
+}
+
+
+@pytest.mark.parametrize("op", list(INFINITE_CASES))
+def test_infinite_operands_propagate_as_in_float32(emulate, op):
+    """An operand's infinity times another's low part (zero, or of the other sign) would be
+    NaN: with one, the op computes exact float32 products instead (exact_on_infinity)."""
+    f, args = INFINITE_CASES[op](np.random.default_rng(12))
+    args = [np.asarray(a, np.float32) for a in args]
+    exact = np.asarray(f(*args, None))
+    assert np.isinf(exact).any() or op in ("attention", "lstm")  # (they saturate or mix)
+    for p in ("BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32"):
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda *a, p=p: f(*a, p))(*args)), exact)
+    finite = [np.where(np.isinf(a), 1.0, a).astype(np.float32) for a in args]  # and without one, emulated
+    assert not np.array_equal(np.asarray(f(*finite, "BF16_BF16_F32")), np.asarray(f(*finite, None)))

@@ -30,11 +30,12 @@ from jax.custom_derivatives import SymbolicZero
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import partitioning
+from jax_brgemm.ops import emulation, partitioning
 
 _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
 
+@emulation.exact_on_infinity("query", "key", "value")
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           precision=None):
     """Scaled dot-product attention on the BRGEMM kernels, as ``jax.nn.dot_product_attention``.

@@ -15,6 +15,7 @@ from jax_brgemm.ops import emulation, partitioning
 _F32, _BF16, _F64 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)
 
 
+@emulation.exact_on_infinity("a", "b")
 def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     """Batch-reduce GEMM: ``c + sum_i a[..., i, :, :] @ b[..., i, :, :]``.
 

@@ -37,6 +37,7 @@ class NotPositive(ValueError, TypeError):
     """A dilation < 1: a ValueError as every bad size here, and the TypeError lax raises."""
 
 
+@emulation.exact_on_infinity("x", "kernel")
 def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=None, dtype=None,
            rhs_dilation=1, lhs_dilation=1, feature_group_count=1, precision=None):
     """2-D convolution ``activation(conv(x, kernel) + bias)`` on the BRGEMM kernels.

@@ -25,11 +25,12 @@ import optax
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import fc_passes
+from jax_brgemm.ops import emulation, fc_passes
 
 __all__ = ["act_grad", "adamw_update", "dense", "sgd_update"]
 
 
+@emulation.exact_on_infinity("x", "kernel")
 def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     """Fully-connected layer: ``activation(x @ kernel + bias)`` on the BRGEMM kernels.
 

@@ -9,15 +9,24 @@ mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-re
 parts are stacked along the BRGEMM's batch axis, so a single bfloat16 call accumulates every
 product of a tile into the same float32 accumulators. Its gradients are emulated products
 at the same accuracy.
+
+An infinite operand is the one input whose parts cannot carry float32's result: its high
+part times the other operand's low part (zero, or of the other sign) gives NaN where the
+float32 product is infinite. ``exact_on_infinity`` makes every op compute exact float32
+products when an operand holds one.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_brgemm import precision as _precision
 
 #: accuracy -> the (part of a, part of b) products summed.
 TERMS = {
@@ -49,6 +58,33 @@ def stack(x, accuracy: str, side: int, axis: int, groups: int = 1):
     head, size, tail = x.shape[:axis], x.shape[axis], x.shape[axis + 1:]
     grouped = [parts[t[side]].reshape(head + (groups, size // groups) + tail) for t in terms]
     return jnp.stack(grouped, axis=axis + 1).reshape(head + (len(terms) * size,) + tail)
+
+
+def exact_on_infinity(*names):
+    """Decorates an op that takes ``precision=``: where it would emulate float32 products
+    and one of its arguments ``names`` (arrays, or pytrees of them) holds an infinity, it
+    runs with ``precision="highest"`` instead, so infinities propagate as in float32 (NaN
+    needs nothing). A ``lax.cond`` on the operands: under vmap both branches run."""
+    def decorate(op):
+        signature = inspect.signature(op)
+
+        @functools.wraps(op)
+        def run(*args, **kwargs):
+            call = signature.bind(*args, **kwargs)
+            try:
+                emulated = _precision.computed(_precision.accuracy(call.arguments.get("precision"), op.__name__))
+            except ValueError:  # the op names the bad argument itself
+                emulated = "float32"
+            leaves = [a for n in names for a in jax.tree.leaves(call.arguments.get(n))
+                      if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) and a.size]
+            if emulated == "float32" or not leaves:
+                return op(*args, **kwargs)
+            exact = signature.bind(*args, **kwargs)
+            exact.arguments["precision"] = "highest"
+            infinite = functools.reduce(jnp.logical_or, [jnp.any(jnp.isinf(a)) for a in leaves])
+            return jax.lax.cond(infinite, lambda: op(*exact.args, **exact.kwargs), lambda: op(*args, **kwargs))
+        return run
+    return decorate
 
 
 def brgemm(a, b, accuracy: str):

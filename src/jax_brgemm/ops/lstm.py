@@ -37,12 +37,13 @@ import numpy as np
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import fc_passes
+from jax_brgemm.ops import emulation, fc_passes
 
 # jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
 _AUTOMATIC = 0
 
 
+@emulation.exact_on_infinity("x", "kernel_i", "kernel_h", "initial_carry")
 def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, dtype=None,
          seq_lengths=None, precision=None):
     """An LSTM over a whole sequence on the BRGEMM kernels.
