@@ -377,3 +377,17 @@ def test_infinite_operands_propagate_as_in_float32(emulate, op):
         np.testing.assert_array_equal(np.asarray(jax.jit(lambda *a, p=p: f(*a, p))(*args)), exact)
     finite = [np.where(np.isinf(a), 1.0, a).astype(np.float32) for a in args]  # and without one, emulated
     assert not np.array_equal(np.asarray(f(*finite, "BF16_BF16_F32")), np.asarray(f(*finite, None)))
+
+
+def test_under_vmap_only_the_items_with_an_infinity_are_exact(emulate):
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((3, 10, 300)).astype(np.float32)
+    w = rng.standard_normal((300, 7)).astype(np.float32)
+    x[1, 2, 5] = np.inf
+    f = lambda x, p: jb.dense(x, w, precision=p)  # noqa: E731
+    got = np.asarray(jax.vmap(lambda x: f(x, "high"))(x))
+    np.testing.assert_array_equal(got[1], np.asarray(f(x[1], None)))
+    assert np.isinf(got[1, 2]).all()
+    for i in (0, 2):  # emulated, as without vmap
+        np.testing.assert_array_equal(got[i], np.asarray(f(x[i], "high")))
+        assert not np.array_equal(got[i], np.asarray(f(x[i], None)))
