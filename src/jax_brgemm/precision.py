@@ -25,8 +25,9 @@ computes the ``bf16_*`` accuracies as asked instead, from bfloat16 products summ
 the operands split into parts by the kernel as it re-blocks them or makes them (the dense
 passes, attention, the LSTM; ``cpp/layers/common/emulation.h``), or stacked in XLA
 (``jb.brgemm`` and the convolutions; ``ops/emulation.py``). An operand holding an
-infinity makes the op compute exact float32 instead: the infinity times another operand's
-low part (zero, or of the other sign) would give NaN where float32 gives an infinity. That can only pay with AMX, whose bfloat16 products run 6-14x the
+infinity (or a value beyond bfloat16's largest, whose high part would be one) makes the op
+compute exact float32 instead: the infinity times another operand's low part (zero, or of
+the other sign) would give NaN where float32 gives an infinity. That can only pay with AMX, whose bfloat16 products run 6-14x the
 float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
 1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
 there.

@@ -346,7 +346,7 @@ def test_the_report_says_what_each_precision_computed(monkeypatch, emulated):
 def _with_infinities(rng, shape):
     a = rng.standard_normal(shape).astype(np.float32)
     flat = a.reshape(-1)
-    flat[[3, 17]] = np.inf, -np.inf
+    flat[[3, 17, 21]] = np.inf, -np.inf, np.float32(3.4e38)  # the last's bf16 high part is inf
     return a
 
 
@@ -375,7 +375,7 @@ def test_infinite_operands_propagate_as_in_float32(emulate, op):
     assert np.isinf(exact).any() or op in ("attention", "lstm")  # (they saturate or mix)
     for p in ("BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32"):
         np.testing.assert_array_equal(np.asarray(jax.jit(lambda *a, p=p: f(*a, p))(*args)), exact)
-    finite = [np.where(np.isinf(a), 1.0, a).astype(np.float32) for a in args]  # and without one, emulated
+    finite = [np.where(np.abs(a) > 1e38, 1.0, a).astype(np.float32) for a in args]  # and without, emulated
     assert not np.array_equal(np.asarray(f(*finite, "BF16_BF16_F32")), np.asarray(f(*finite, None)))
 
 
@@ -391,3 +391,14 @@ def test_under_vmap_only_the_items_with_an_infinity_are_exact(emulate):
     for i in (0, 2):  # emulated, as without vmap
         np.testing.assert_array_equal(got[i], np.asarray(f(x[i], "high")))
         assert not np.array_equal(got[i], np.asarray(f(x[i], None)))
+
+
+def test_values_beyond_bfloat16s_range_are_exact(emulate):
+    """3.4e38 is a finite float32 whose bfloat16 high part rounds to inf: its products stay
+    finite, as in float32."""
+    x = np.zeros((2, 8), np.float32)
+    x[0, 0], x[1, 1] = 3.4e38, 1.0
+    w = np.full((8, 3), 0.25, np.float32)
+    for p in ("high", "BF16_BF16_F32_X6", "BF16_BF16_F32"):
+        np.testing.assert_array_equal(jb.dense(x, w, precision=p), jb.dense(x, w))
+    assert np.isfinite(np.asarray(jb.dense(x, w))).all()

@@ -12,8 +12,9 @@ at the same accuracy.
 
 An infinite operand is the one input whose parts cannot carry float32's result: its high
 part times the other operand's low part (zero, or of the other sign) gives NaN where the
-float32 product is infinite. ``exact_on_infinity`` makes every op compute exact float32
-products when an operand holds one.
+float32 product is infinite; so are finite values beyond bfloat16's largest, whose high part
+rounds to an infinity. ``exact_on_infinity`` makes every op compute exact float32 products
+when an operand holds one.
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ def stack(x, accuracy: str, side: int, axis: int, groups: int = 1):
     return jnp.stack(grouped, axis=axis + 1).reshape(head + (len(terms) * size,) + tail)
 
 
+_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+
+
 def exact_on_infinity(*names):
     """Decorates an op that takes ``precision=``: where it would emulate float32 products
-    and one of its arguments ``names`` (arrays, or pytrees of them) holds an infinity, it
-    runs with ``precision="highest"`` instead, so infinities propagate as in float32 (NaN
-    needs nothing). A ``lax.cond`` on the operands: under vmap both branches run."""
+    and one of its arguments ``names`` (arrays, or pytrees of them) holds an infinity (or a
+    value beyond bfloat16's largest), it runs with ``precision="highest"`` instead, so
+    infinities propagate as in float32 (NaN needs nothing). A ``lax.cond`` on the operands:
+    under vmap both branches run."""
     def decorate(op):
         signature = inspect.signature(op)
 
@@ -81,7 +86,7 @@ def exact_on_infinity(*names):
                 return op(*args, **kwargs)
             exact = signature.bind(*args, **kwargs)
             exact.arguments["precision"] = "highest"
-            infinite = functools.reduce(jnp.logical_or, [jnp.any(jnp.isinf(a)) for a in leaves])
+            infinite = functools.reduce(jnp.logical_or, [jnp.any(jnp.abs(a) > _BF16_MAX) for a in leaves])
             return jax.lax.cond(infinite, lambda: op(*exact.args, **exact.kwargs), lambda: op(*args, **kwargs))
         return run
     return decorate
