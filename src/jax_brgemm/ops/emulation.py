@@ -75,11 +75,11 @@ def exact_on_infinity(*names):
 
         @functools.wraps(op)
         def run(*args, **kwargs):
-            call = signature.bind(*args, **kwargs)
             try:
+                call = signature.bind(*args, **kwargs)
                 emulated = _precision.computed(_precision.accuracy(call.arguments.get("precision"), op.__name__))
-            except ValueError:  # the op names the bad argument itself
-                emulated = "float32"
+            except (TypeError, ValueError):  # the op names the bad argument itself
+                return op(*args, **kwargs)
             leaves = [a for n in names for a in jax.tree.leaves(call.arguments.get(n))
                       if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) and a.size]
             if emulated == "float32" or not leaves:
