@@ -20,7 +20,8 @@ jax_brgemm.optim.train_step with the same optax optimizer marked (jax_brgemm.opt
 adamw: optax's own transformation and state), its step fused into the weight updates.
 --mlp-only skips the layer suite. --precisions bf16_3x ... adds, for float32, the brgemm
 layer and MLP traced under jax.default_matmul_precision of each (jax_brgemm.precision's
-names), its products emulated from bfloat16 ones ("jax_brgemm_bf16_3x", ...).
+names), its products emulated from bfloat16 ones ("jax_brgemm_bf16_3x", ...); with bf16,
+also PyTorch's one-pass bf16 mode for float32 matmuls ("torch_bf16").
 
 GFLOP/s count 2 N C K per pass (3x that per layer step; 6 N sum(C K) per MLP step).
 Every contender is timed round-robin (common.interleaved); medians and min-max over
@@ -63,6 +64,18 @@ def under(accuracy, f):
         with jax.default_matmul_precision(precision.HARNESS[accuracy]):
             return f(*args)
     return traced
+
+
+def torch_one_bf16_product(torch, f):
+    """f with PyTorch's one-pass bf16 mode for float32 matmuls (oneDNN; what it offers beside
+    our "bf16"; a CPU without bf16 products computes float32 either way)."""
+    def call():
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        try:
+            return f()
+        finally:
+            torch.backends.mkldnn.matmul.fp32_precision = "none"
+    return call
 
 
 def layer_contenders(n, c, dtype, torch, accuracies=()):
@@ -126,6 +139,8 @@ def layer_contenders(n, c, dtype, torch, accuracies=()):
             return txg.grad
 
         out["torch"] = {"fwd": (t_fwd, ()), "bwd": (t_bwd, ()), "upd": (t_upd, ()), "step": (t_step, ())}
+        if "bf16" in accuracies and dtype == jnp.float32:
+            out["torch_bf16"] = {k: (torch_one_bf16_product(torch, f), a) for k, (f, a) in out["torch"].items()}
     return out
 
 
@@ -175,6 +190,8 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd", accuracies=()):
             topt.step()
 
         out["torch"] = (t_step, ())
+        if "bf16" in accuracies and dtype == jnp.float32:
+            out["torch_bf16"] = (torch_one_bf16_product(torch, t_step), ())
     return out
 
 
