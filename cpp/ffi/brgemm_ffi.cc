@@ -4,6 +4,9 @@
 // broadcast numpy-style, so vmap's unbatched operands and the backward pass's shared
 // operands are read in place, never materialized. Decodes and validates, then calls
 // cpp/layers/batch_reduce; asynchronous where the work is large enough to split.
+// attr products (i64): fp32 a, b and out emulated from that many bf16 products (1, 3, 6;
+// 0 exact).
+#include <string>
 #include <vector>
 
 #include "ffi/ffi_common.h"
@@ -16,10 +19,15 @@ namespace ffi = xla::ffi;
 using namespace ffi_util;
 
 ffi::Error brgemm_impl(Launch& launch, ffi::AnyBuffer a, ffi::AnyBuffer b, const ffi::AnyBuffer* c,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Result<ffi::AnyBuffer> out, int64_t products) {
   const char* op = "brgemm";
   JB_TRY(ab, kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
   JB_TRY(cdt, kernel_dtype(op, {{"the output", out->element_type()}}));
+  if (products != 0 && products != 1 && products != 3 && products != 6)
+    return invalid("brgemm: products = " + std::to_string(products) + "; 0 (exact), 1, 3 or 6");
+  if (products && (ab != DType::f32 || cdt != DType::f32))
+    return invalid("brgemm: emulated products (products = " + std::to_string(products) +
+                   ") take float32 a, b and output");
   if (c && c->element_type() != out->element_type())
     return invalid("brgemm: c must have the output's dtype");
 
@@ -58,6 +66,8 @@ ffi::Error brgemm_impl(Launch& launch, ffi::AnyBuffer a, ffi::AnyBuffer b, const
   s.out = cdt;
   s.accumulate = c != nullptr;
   s.b_matrices = int64_t(b.element_count()) / std::max<int64_t>(1, k * n);
+  s.products = products;
+  s.a_elements = int64_t(a.element_count());
   return guarded(op, [&] {
     launch(batch_reduce::run_job(launch.threads(), dispatch(), s, a.untyped_data(), b.untyped_data(),
                                  c ? c->untyped_data() : nullptr, out->untyped_data(),
@@ -66,20 +76,21 @@ ffi::Error brgemm_impl(Launch& launch, ffi::AnyBuffer a, ffi::AnyBuffer b, const
 }
 
 // Asynchronous where the work is large enough to split (ffi_common.h's Launch).
-ffi::Future brgemm_async(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future brgemm_async(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t products) {
   Launch launch(pool);
-  return launch.finish(brgemm_impl(launch, a, b, nullptr, out));
+  return launch.finish(brgemm_impl(launch, a, b, nullptr, out, products));
 }
 
 ffi::Future brgemm_acc_async(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-                             ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::Result<ffi::AnyBuffer> out, int64_t products) {
   Launch launch(pool);
-  return launch.finish(brgemm_impl(launch, a, b, &c, out));
+  return launch.finish(brgemm_impl(launch, a, b, &c, out, products));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm, brgemm_async, ffi_util::bind(brgemm_async));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm_acc, brgemm_acc_async, ffi_util::bind(brgemm_acc_async));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm, brgemm_async, ffi_util::bind(brgemm_async, "products"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_brgemm_acc, brgemm_acc_async, ffi_util::bind(brgemm_acc_async, "products"));
 
 }  // namespace jb

@@ -4,7 +4,9 @@
 //
 // Work items are (item, M-block, N-block) blocks of the output, one BRGEMM call each.
 // bf16 B matrices are packed into VNNI-2 pairs first, each distinct matrix once (items
-// that share a B by broadcasting share its packed copy).
+// that share a B by broadcasting share its packed copy). fp32 operands may ask for their
+// products to be emulated from bf16 ones (Shape::products): a and every distinct B are then
+// split into their bf16 parts first, and each block's batch walks every (term, i) pair.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,8 @@ struct Shape {
   DType out = DType::f32;  // dtype of c and out
   bool accumulate = false;  // c is given
   int64_t b_matrices = 0;  // k x n matrices in the b buffer (to pack for bf16)
+  int64_t products = 0;    // fp32 a and b: each product from this many bf16 ones (1, 3, 6; 0 exact)
+  int64_t a_elements = 0;  // elements of the a buffer (split whole when emulated)
 };
 
 // Where item l's operands start, in elements of the arrays as passed: a[l, 0], b[l, 0],

@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "brgemm/brgemm.h"
@@ -79,6 +80,40 @@ inline bool close(const Tensor& got, const std::vector<double>& want, double tol
       if (bad++ < 3) CHECK(false) << what << "[" << i << "] = " << g << ", want " << want[i];
   }
   return bad == 0;
+}
+
+// --- fp32 from bf16 products (emulation) ---------------------------------------------
+
+// Part p of v: what parts 0 .. p - 1 leave, rounded to bf16 (ops/emulation.py's split).
+inline double part(float v, int p) {
+  float rest = v;
+  for (int q = 0; q < p; ++q) rest -= jb::bf16_to_f32(jb::f32_to_bf16(rest));
+  return jb::bf16_to_f32(jb::f32_to_bf16(rest));
+}
+
+// The (part of A, part of B) products summed for 1, 3 and 6 products.
+inline std::vector<std::pair<int, int>> terms_of(int64_t products) {
+  if (products == 1) return {{0, 0}};
+  if (products == 3) return {{0, 1}, {1, 0}, {0, 0}};
+  return {{1, 1}, {0, 2}, {2, 0}, {0, 1}, {1, 0}, {0, 0}};
+}
+
+// out[i, j] = sum_t sum_q part(a[i, q]) part(b[q, j]), a (rows x depth, element (i, q) at
+// a[i * as + q * aq]) and b (depth x cols, at b[q * bq + j * bs]), in double.
+inline std::vector<double> part_products(int64_t products, const float* a, int64_t as, int64_t aq, const float* b,
+                                  int64_t bq, int64_t bs, int64_t rows, int64_t depth, int64_t cols) {
+  std::vector<double> out(size_t(rows * cols), 0.0);
+  for (auto [ta, tb] : terms_of(products)) {
+    std::vector<double> pa(size_t(rows * depth)), pb(size_t(depth * cols));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t q = 0; q < depth; ++q) pa[size_t(i * depth + q)] = part(a[i * as + q * aq], ta);
+    for (int64_t q = 0; q < depth; ++q)
+      for (int64_t j = 0; j < cols; ++j) pb[size_t(q * cols + j)] = part(b[q * bq + j * bs], tb);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t q = 0; q < depth; ++q)
+        for (int64_t j = 0; j < cols; ++j) out[size_t(i * cols + j)] += pa[size_t(i * depth + q)] * pb[size_t(q * cols + j)];
+  }
+  return out;
 }
 
 }  // namespace jbtest

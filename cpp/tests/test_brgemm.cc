@@ -7,6 +7,8 @@
 
 #include "brgemm/brgemm.h"
 #include "check.h"
+#include "fixtures.h"
+#include "layers/batch_reduce.h"
 
 namespace {
 
@@ -325,6 +327,40 @@ TEST(bf16_rounding_is_nearest_even) {
   CHECK(f32_to_bf16(bf16_to_f32(0x3f81) + 0x1p-8f) == 0x3f82);  // tie -> even (up)
   CHECK(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
   CHECK(std::isinf(bf16_to_f32(f32_to_bf16(INFINITY))));
+}
+
+// jb.brgemm's op with fp32 from bf16 products: a and every distinct B split by the call,
+// each block's batch over the (term, i) pairs; two items sharing one B (broadcast), odd k
+// (VNNI padding), edge blocks; held to fp32's rounding of the exact sum of part products.
+TEST(batch_reduce_emulated_products) {
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::amx}) {
+    if (isa > best_isa()) continue;
+    for (const char* mode : {"dot", "fp32"})
+      for (int64_t products : {1, 3, 6}) {
+        const Dispatch dp = make_dispatch(isa, mode);
+        const int64_t items = 2, batch = 3, m = 37, k = 19, n = 21;
+        std::mt19937 rng(unsigned(products * 5 + int(isa)));
+        jbtest::Tensor a(DType::f32, items * batch * m * k), b(DType::f32, batch * k * n);
+        a.fill(rng);
+        b.fill(rng);
+        batch_reduce::Shape s;
+        s.items = items, s.batch = batch, s.m = m, s.k = k, s.n = n;
+        s.b_matrices = batch, s.products = products, s.a_elements = items * batch * m * k;
+        const std::vector<int64_t> oa = {0, batch * m * k}, ob = {0, 0}, oc = {0, 0};
+        jbtest::Tensor out(DType::f32, items * m * n);
+        jbtest::TestPool pool;
+        batch_reduce::run(pool.executor(2), dp, s, a.data(), b.data(), nullptr, out.data(),
+                          {oa.data(), ob.data(), oc.data()});
+        std::vector<double> want(size_t(items * m * n), 0.0);
+        for (int64_t l = 0; l < items; ++l)
+          for (int64_t i = 0; i < batch; ++i) {
+            const auto part = jbtest::part_products(products, a.f.data() + (l * batch + i) * m * k, k, 1,
+                                                    b.f.data() + i * k * n, n, 1, m, k, n);
+            for (int64_t e = 0; e < m * n; ++e) want[size_t(l * m * n + e)] += part[size_t(e)];
+          }
+        jbtest::close(out, want, 1e-5, "emulated brgemm");
+      }
+  }
 }
 
 }  // namespace

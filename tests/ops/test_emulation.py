@@ -57,6 +57,18 @@ def test_reductions_within_the_bounds(emulate, batch, m, k, n):
     assert err["bf16"] < 2e-2, err  # one product: bf16's rounding, not float32's
 
 
+def test_the_brgemm_kernel_splits_its_operands(emulate):
+    """Both gradients' jb_brgemm calls (the forward's output is not used) are asked for the
+    products, on the float32 operands themselves: no parts made in XLA."""
+    a = np.ones((2, 3, 5, 7), np.float32)
+    b = np.ones((3, 7, 4), np.float32)
+    hlo = jax.jit(jax.grad(lambda a, b: jnp.sum(jb.brgemm(a, b, precision="high")), argnums=(0, 1))).lower(
+        a, b).as_text()
+    calls = [line for line in hlo.splitlines() if "@jb_brgemm" in line]  # (and exact_on_infinity's)
+    assert sum("products = 3 : i64" in line for line in calls) == 2, calls
+    assert "bf16" not in hlo
+
+
 @pytest.mark.parametrize("kind", ["zeros", "subnormals", "large", "mixed_scales"])
 def test_hard_inputs(emulate, kind):
     rng = np.random.default_rng(1)

@@ -1,7 +1,7 @@
 // float32 products from bfloat16 ones inside a layer (jax_brgemm.precision's bf16_*
-// accuracies; ops/emulation.py stacks the parts of jb.brgemm's and the convolutions'
-// operands in XLA, this splits them where a layer re-blocks or makes its operands: the FC
-// passes, attention's Q, K, V, P and dS, the LSTM's weights, h and gate gradient).
+// accuracies; ops/emulation.py stacks the parts of the convolutions' operands in XLA, this
+// splits them where a layer re-blocks or makes its operands: jb.brgemm's, the FC passes',
+// attention's Q, K, V, P and dS, the LSTM's weights, h and gate gradient).
 //
 // A float32 operand x is split into bfloat16 parts, largest first: hi = bf16(x),
 // mid = bf16(x - hi), lo = bf16(x - hi - mid). A product of two parts is exact in float32,

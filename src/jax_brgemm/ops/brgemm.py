@@ -117,7 +117,7 @@ def unbroadcast(x, shape):
     return jnp.sum(x, axis=axes).reshape(shape) if axes else x
 
 
-def _ffi(*operands, out_dtype):
+def _ffi(*operands, out_dtype, products=0):
     a, b = operands[:2]
     c = operands[2] if len(operands) == 3 else None
     lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3], () if c is None else c.shape[:-2])
@@ -125,20 +125,21 @@ def _ffi(*operands, out_dtype):
     # expand_dims: vmap hands unbatched operands over with a size-1 leading dim, which the
     # handler broadcasts in place instead of materializing copies.
     target = "jb_brgemm" if c is None else "jb_brgemm_acc"
-    return (jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(*operands),)
+    return (jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(*operands, products=np.int64(products)),)
 
 
 @partitioning.cached
-def _target(kinds, out_dtype):
-    return partitioning.rows(partial(_ffi, out_dtype=out_dtype), kinds, (partitioning.ROWS,))
+def _target(kinds, out_dtype, products):
+    return partitioning.rows(partial(_ffi, out_dtype=out_dtype, products=products), kinds, (partitioning.ROWS,))
 
 
-def call_kernel(a, b, out_dtype):
-    """The kernel's ``sum_i a_i @ b_i`` (not differentiable: the op's VJPs call it)."""
-    return _call(a, b, None, out_dtype)
+def call_kernel(a, b, out_dtype, products=0):
+    """The kernel's ``sum_i a_i @ b_i`` (not differentiable: the op's VJPs call it); float32
+    operands' products emulated from ``products`` bfloat16 ones (ops/emulation.py), 0 exact."""
+    return _call(a, b, None, out_dtype, products)
 
 
-def _call(a, b, c, out_dtype):
+def _call(a, b, c, out_dtype, products=0):
     operands = (a, b) if c is None else (a, b, c)
     lead = jnp.broadcast_shapes(*(x.shape[:-3] for x in (a, b)),
                                 *(() if c is None else (c.shape[:-2],)))
@@ -148,8 +149,8 @@ def _call(a, b, c, out_dtype):
     kinds = tuple(partitioning.ROWS if lead and r == len(lead) and x.shape[0] == lead[0]
                   else None for x, r in zip(operands, ranks))
     if not lead:
-        return _ffi(*operands, out_dtype=out_dtype)[0]
-    return _target(kinds, np.dtype(out_dtype))(*operands)[0]
+        return _ffi(*operands, out_dtype=out_dtype, products=products)[0]
+    return _target(kinds, np.dtype(out_dtype), products)(*operands)[0]
 
 
 def _grads(a, b, g):

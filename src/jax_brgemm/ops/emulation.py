@@ -5,10 +5,12 @@ Each float32 operand is split into bfloat16 parts (``hi = bf16(x)``, ``mid = bf1
 ...). A product of bfloat16 parts is exact in float32, so ``a @ b`` is the sum of the part
 products, of which the large ones are kept (Henry, Tang, Heinecke, ARITH 2019): three for
 ``bf16_3x`` (hi.hi + hi.mid + mid.hi), six for ``bf16_6x`` (a third part, lo, adds
-mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-reduce: the
-parts are stacked along the BRGEMM's batch axis, so a single bfloat16 call accumulates every
-product of a tile into the same float32 accumulators. Its gradients are emulated products
-at the same accuracy.
+mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-reduce over
+the (term, i) pairs, so a single call accumulates every product of a tile into the same
+float32 accumulators. ``brgemm`` here has the kernel split its operands itself (the
+``products`` attr, as the dense, attention and LSTM kernels do); ``stack`` lays the parts
+side by side along what a convolution pass reduces over, in XLA, for the convolutions. The
+gradients are emulated products at the same accuracy.
 
 An infinite operand is the one input whose parts cannot carry float32's result: its high
 part times the other operand's low part (zero, or of the other sign) gives NaN where the
@@ -101,15 +103,7 @@ def brgemm(a, b, accuracy: str):
 def _call(a, b, accuracy):
     from jax_brgemm.ops.brgemm import call_kernel  # (the op module imports this one)
 
-    terms = TERMS[accuracy]
-    parts = 1 + max(max(t) for t in terms)
-    pa, pb = split(a, parts), split(b, parts)
-    lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3])
-    stack = lambda ps, idx, shape: jnp.concatenate(  # noqa: E731
-        [jnp.broadcast_to(ps[i], lead + shape) for i in idx], axis=-3)
-    a_terms = stack(pa, [i for i, _ in terms], a.shape[-3:])
-    b_terms = stack(pb, [j for _, j in terms], b.shape[-3:])
-    return call_kernel(a_terms, b_terms, np.dtype(jnp.float32))
+    return call_kernel(a, b, np.dtype(jnp.float32), _precision.PRODUCTS[accuracy])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
