@@ -96,9 +96,7 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   d.s.scale = scale;
   d.s.causal = causal;
   d.s.products = products;
-  if (products && dt != DType::f32)
-    return invalid(std::string(op) + ": emulated products (products = " + std::to_string(products) +
-                   ") take float32 q, k and v");
+  JB_CHECK(check_products(op, products, dt == DType::f32, "q, k and v"));
   if (d.s.kv_heads < 1 || d.s.heads % d.s.kv_heads != 0)
     return invalid(std::string(op) + ": the key/value heads K = " + std::to_string(d.s.kv_heads) +
                    " must divide the query heads N = " + std::to_string(d.s.heads));

@@ -23,11 +23,7 @@ ffi::Error brgemm_impl(Launch& launch, ffi::AnyBuffer a, ffi::AnyBuffer b, const
   const char* op = "brgemm";
   JB_TRY(ab, kernel_dtype(op, {{"a", a.element_type()}, {"b", b.element_type()}}));
   JB_TRY(cdt, kernel_dtype(op, {{"the output", out->element_type()}}));
-  if (products != 0 && products != 1 && products != 3 && products != 6)
-    return invalid("brgemm: products = " + std::to_string(products) + "; 0 (exact), 1, 3 or 6");
-  if (products && (ab != DType::f32 || cdt != DType::f32))
-    return invalid("brgemm: emulated products (products = " + std::to_string(products) +
-                   ") take float32 a, b and output");
+  JB_CHECK(check_products(op, products, ab == DType::f32 && cdt == DType::f32, "a, b and output"));
   if (c && c->element_type() != out->element_type())
     return invalid("brgemm: c must have the output's dtype");
 

@@ -42,21 +42,11 @@ namespace {
 namespace ffi = xla::ffi;
 using namespace ffi_util;
 
-// Emulated products: 1, 3 or 6 of them, from fp32 operands (0: exact).
-ffi::Error check_products(const char* op, int64_t products, DType dt) {
-  if (products != 0 && products != 1 && products != 3 && products != 6)
-    return invalid(std::string(op) + ": products = " + std::to_string(products) + "; 0 (exact), 1, 3 or 6");
-  if (products && dt != DType::f32)
-    return invalid(std::string(op) + ": emulated products (products = " + std::to_string(products) +
-                   ") take float32 operands");
-  return ffi::Error::Success();
-}
-
 ffi::Error fc_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias, ffi::Result<ffi::AnyBuffer> y,
                   ffi::Result<ffi::AnyBuffer> z, int32_t act_code, int64_t products) {
   const char* op = "jb_fc_fwd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
-  JB_CHECK(check_products(op, products, dt));
+  JB_CHECK(check_products(op, products, dt == DType::f32, "operands"));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   JB_TRY(act, activation(op, act_code));
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -121,7 +111,7 @@ ffi::Error fc_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Resu
                   int64_t products) {
   const char* op = "jb_fc_bwd";
   JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
-  JB_CHECK(check_products(op, products, dt));
+  JB_CHECK(check_products(op, products, dt == DType::f32, "operands"));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
   const auto xd = dx->dimensions(), wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2) return invalid("jb_fc_bwd: dx and w need rank >= 2");
@@ -144,7 +134,7 @@ ffi::Error fc_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Resu
                   F32Out db, int64_t products) {
   const char* op = "jb_fc_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
-  JB_CHECK(check_products(op, products, dt));
+  JB_CHECK(check_products(op, products, dt == DType::f32, "operands"));
   JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
   const auto xd = x.dimensions(), wd = dw->dimensions();
   if (xd.size() < 2 || wd.size() < 2 || db->dimensions().size() < 1)

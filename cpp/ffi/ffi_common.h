@@ -85,6 +85,17 @@ class Launch {
 
 inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
 
+// The `products` attr of an emulating handler: 0 (exact), 1, 3 or 6, the latter from fp32
+// operands only (`f32`: they are; `operands` names them in the error).
+inline ffi::Error check_products(const char* op, int64_t products, bool f32, const char* operands) {
+  if (products != 0 && products != 1 && products != 3 && products != 6)
+    return invalid(std::string(op) + ": products = " + std::to_string(products) + "; 0 (exact), 1, 3 or 6");
+  if (products && !f32)
+    return invalid(std::string(op) + ": emulated products (products = " + std::to_string(products) + ") take float32 " +
+                   operands);
+  return ffi::Error::Success();
+}
+
 // `var` = the value of an ffi::ErrorOr expression, or return its error.
 #define JB_TRY(var, expr)                              \
   auto var##_or = (expr);                              \
