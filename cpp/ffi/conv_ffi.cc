@@ -5,11 +5,12 @@
 //   jb_conv_fwd  x (.., N, H, W, C), w (.., R, S, C/G, K), bias (.., K) or (.., 0)
 //                -> y (.., N, P, Q, K), z (.., N, P, Q, K) for gelu else empty
 //   jb_conv_bwd  dz (.., N, P, Q, K), w (.., R, S, C/G, K) -> dx (.., N, H, W, C)
-//   (y, z and dx in x's / dz's dtype, or float32 from bfloat16 operands: emulation.py)
+//   (y, z and dx in x's / dz's dtype)
 //   jb_conv_upd  x (.., N, H, W, C), dz (.., N, P, Q, K) -> dw (.., R, S, C/G, K), db (.., K) or (.., 0)
 //
-// Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr, kernel dilations dh, dw and
-// feature groups g (all passes).
+// Attributes: act (fwd), strides sh, sw, paddings pt, pb, pl, pr, kernel dilations dh, dw,
+// feature groups g and products (all passes): fp32 emulated from that many bf16 products
+// (1, 3, 6), 0 exact; conv.h.
 // The activation derivative is element-wise: jb.conv2d uses jb_fc_act_grad for it.
 // The leading dims (..) come from vmap (vmap_method="expand_dims"), broadcast as in
 // fc_ffi.cc: when the weights are shared and the activations are not, the items fold into
@@ -26,14 +27,6 @@ namespace {
 
 namespace ffi = xla::ffi;
 using namespace ffi_util;
-
-// Whether the output is fp32 from bf16 operands (the precision emulation's products); a
-// bf16 output from fp32 operands is an error.
-ffi::ErrorOr<bool> wider_output(const char* op, const char* out, DType dt, DType out_dt) {
-  if (out_dt == dt) return false;
-  if (out_dt == DType::f32) return true;
-  return ffi::Unexpected(invalid(std::string(op) + ": " + out + " must be float32 with float32 operands"));
-}
 
 // The geometry from the attributes and the input / weight dims, checked.
 ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd,
@@ -62,17 +55,16 @@ ffi::ErrorOr<conv::Shape> geometry(const char* op, ffi::AnyBuffer::Dimensions xd
 ffi::Error conv_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w, int64_t groups) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups, int64_t products) {
   const char* op = "jb_conv_fwd";
-  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}}));
-  JB_TRY(out_dt, kernel_dtype(op, {{"y", y->element_type()}, {"z", z->element_type()}}));
+  JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"y", y->element_type()}, {"z", z->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
+  JB_CHECK(check_products(op, products, dt == DType::f32 && w_dt == DType::f32, "x and w"));
   JB_TRY(act, activation(op, act_code));
   JB_TRY(s0, geometry(op, x.dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
-  JB_TRY(f32_out, wider_output(op, "y and z", dt, out_dt));
-  s.f32_out = f32_out;
+  s.products = products;
   s.act = act;
   const auto yd = y->dimensions();
   if (yd.size() < 4 || bias.dimensions().size() < 1)
@@ -104,16 +96,15 @@ ffi::Error conv_fwd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias
 
 ffi::Error conv_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                     int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w, int64_t groups) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups, int64_t products) {
   const char* op = "jb_conv_bwd";
-  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}}));
-  JB_TRY(out_dt, kernel_dtype(op, {{"dx", dx->element_type()}}));
+  JB_TRY(dt, kernel_dtype(op, {{"dz", dz.element_type()}, {"dx", dx->element_type()}}));
   JB_TRY(w_dt, kernel_dtype(op, {{"w", w.element_type()}}));
+  JB_CHECK(check_products(op, products, dt == DType::f32 && w_dt == DType::f32, "dz and w"));
   JB_TRY(s0, geometry(op, dx->dimensions(), w.dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
-  JB_TRY(f32_out, wider_output(op, "dx", dt, out_dt));
-  s.f32_out = f32_out;
+  s.products = products;
   const Items items = items_of(dx->dimensions(), 4);
   JB_TRY(lz, operand(op, "dz", dz.dimensions(), {s.n, s.p(), s.q(), s.k}, items));
   JB_TRY(lw, operand(op, "w", w.dimensions(), {s.r, s.s, s.cg(), s.k}, items));
@@ -131,13 +122,15 @@ ffi::Error conv_bwd(Launch& launch, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Re
 
 ffi::Error conv_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
                     F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                    int64_t dil_h, int64_t dil_w, int64_t groups) {
+                    int64_t dil_h, int64_t dil_w, int64_t groups, int64_t products) {
   const char* op = "jb_conv_upd";
   JB_TRY(dt, kernel_dtype(op, {{"x", x.element_type()}, {"dz", dz.element_type()}}));
+  JB_CHECK(check_products(op, products, dt == DType::f32, "x and dz"));
   JB_TRY(w_dt, kernel_dtype(op, {{"dw", dw->element_type()}}));
   JB_TRY(s0, geometry(op, x.dimensions(), dw->dimensions(), sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
   conv::Shape s = s0;
   s.dt = dt;
+  s.products = products;
   const auto wd = dw->dimensions();
   const Items items = items_of(wd, 4);
   JB_TRY(lx, operand(op, "x", x.dimensions(), {s.n, s.h, s.w, s.c}, items));
@@ -158,30 +151,31 @@ ffi::Error conv_upd(Launch& launch, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Re
 ffi::Future conv_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, F32 bias,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> z, int32_t act_code, int64_t sh,
                            int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t dil_h, int64_t dil_w,
-                           int64_t groups) {
+                           int64_t groups, int64_t products) {
   Launch launch(pool);
-  return launch.finish(conv_fwd(launch, x, w, bias, y, z, act_code, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
+  return launch.finish(
+      conv_fwd(launch, x, w, bias, y, z, act_code, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups, products));
 }
 
 ffi::Future conv_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer dz, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> dx,
                            int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr, int64_t dil_h,
-                           int64_t dil_w, int64_t groups) {
+                           int64_t dil_w, int64_t groups, int64_t products) {
   Launch launch(pool);
-  return launch.finish(conv_bwd(launch, dz, w, dx, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
+  return launch.finish(conv_bwd(launch, dz, w, dx, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups, products));
 }
 
 ffi::Future conv_upd_async(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dz, ffi::Result<ffi::AnyBuffer> dw,
                            F32Out db, int64_t sh, int64_t sw, int64_t pt, int64_t pb, int64_t pl, int64_t pr,
-                           int64_t dil_h, int64_t dil_w, int64_t groups) {
+                           int64_t dil_h, int64_t dil_w, int64_t groups, int64_t products) {
   Launch launch(pool);
-  return launch.finish(conv_upd(launch, x, dz, dw, db, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups));
+  return launch.finish(conv_upd(launch, x, dz, dw, db, sh, sw, pt, pb, pl, pr, dil_h, dil_w, groups, products));
 }
 
 }  // namespace
 
 // The attributes after each pass's operands: strides, padding top, bottom, left, right, then
-// the kernel dilations and the feature groups.
-#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw", "g"
+// the kernel dilations, the feature groups and the emulated products.
+#define JB_CONV_GEOMETRY "sh", "sw", "pt", "pb", "pl", "pr", "dh", "dw", "g", "products"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_fwd, conv_fwd_async, ffi_util::bind(conv_fwd_async, "act", JB_CONV_GEOMETRY));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_conv_bwd, conv_bwd_async, ffi_util::bind(conv_bwd_async, JB_CONV_GEOMETRY));

@@ -39,13 +39,14 @@ std::string name(const Case& c, DType dt) {
          " g" + std::to_string(c.g) + (dt == DType::bf16 ? " bf16" : " f32");
 }
 
-// f32_out: y, z and dx in fp32 from bf16 operands (the precision emulation's passes), held
-// to fp32's tolerance: the products of bf16 values are exact.
+// products: fp32 operands multiplied as that many bf16 products of their parts, held to
+// fp32's rounding of the exact sum of those part products (one bf16 product is ~1e-3 from
+// the exact result, so a pass that skipped the split, or a term, would fail by far).
 void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, int64_t threads,
-              const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch(), bool f32_out = false) {
-  const std::string tag = name(cs, dt) + (f32_out ? " f32 out" : "");
+              const jb::Blocking* force = nullptr, const jb::Dispatch& dp = jb::dispatch(), int64_t products = 0) {
+  const std::string tag = name(cs, dt) + (products ? " products " + std::to_string(products) : "");
   conv::Shape s{cs.n, cs.h, cs.w, cs.c, cs.k, cs.r, cs.s, cs.sh, cs.sw, cs.pt, cs.pb, cs.pl, cs.pr, dt, act};
-  s.dil_h = cs.dh, s.dil_w = cs.dw, s.groups = cs.g, s.f32_out = f32_out;
+  s.dil_h = cs.dh, s.dil_w = cs.dw, s.groups = cs.g, s.products = products;
   const int64_t cg = s.cg(), kg = s.kg();  // a group's channels
   const int64_t P = s.p(), Q = s.q();
   std::mt19937 rng(unsigned(cs.n * 7 + cs.h * 131 + cs.c * 17 + cs.k + cs.r * 1000));
@@ -57,9 +58,15 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   dy.fill(rng);
   std::vector<float> b(size_t(s.k));
   for (auto& v : b) v = std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
-  auto wv = [&](int64_t i) -> double {
-    return dt == DType::bf16 ? jb::bf16_to_f32(jb::f32_to_bf16(w.f[size_t(i)])) : w.f[size_t(i)];
+  // a x b as the pass multiplies them: a's and b's parts with emulated products
+  const auto terms = jbtest::terms_of(products);
+  auto mul = [&](float a, float b) -> double {
+    if (!products) return double(a) * b;
+    double acc = 0;
+    for (auto [ta, tb] : terms) acc += jbtest::part(a, ta) * jbtest::part(b, tb);
+    return acc;
   };
+  auto wv = [&](int64_t i) { return dt == DType::bf16 ? jb::bf16_to_f32(jb::f32_to_bf16(w.f[size_t(i)])) : w.f[size_t(i)]; };
   auto xi = [&](int64_t n, int64_t h, int64_t ww, int64_t c) { return ((n * s.h + h) * s.w + ww) * s.c + c; };
   auto yi = [&](int64_t n, int64_t p, int64_t q, int64_t k) { return ((n * P + p) * Q + q) * s.k + k; };
   // w's row of input channel c (of the group of output channel k)
@@ -84,15 +91,15 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
     for (int64_t k = 0; k < s.k; ++k) {
       double acc = 0;
       for (int64_t c = k / kg * cg; c < (k / kg + 1) * cg; ++c)
-        acc += double(x.f[size_t(xi(n, ih, iw, c))]) * wv(wi(r, t, c, k));
+        acc += mul(x.f[size_t(xi(n, ih, iw, c))], wv(wi(r, t, c, k)));
       z_ref[size_t(yi(n, p, q, k))] += acc;
     }
   });
   for (size_t i = 0; i < z_ref.size(); ++i) y_ref[i] = act_ref(act, z_ref[i]);
-  Tensor y(s.out_dt(), s.n * P * Q * s.k), z(s.out_dt(), s.n * P * Q * s.k);
+  Tensor y(dt, s.n * P * Q * s.k), z(dt, s.n * P * Q * s.k);
   conv::forward(ex, dp, s, x.data(), w.data(), w_dt, bias ? b.data() : nullptr, y.data(),
                 act == Activation::gelu ? z.data() : nullptr, force);
-  const double tol = s.out_dt() == DType::bf16 ? 2e-2 : 1e-4;
+  const double tol = dt == DType::bf16 ? 2e-2 : products ? 1e-5 : 1e-4;
   close(y, y_ref, tol, tag + " y");
 
   // backward by data, from dz = dy (the layer's own act_grad is element-wise, tested by fc)
@@ -101,11 +108,11 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
     for (int64_t c = 0; c < s.c; ++c) {
       double acc = 0;
       for (int64_t k = c / cg * kg; k < (c / cg + 1) * kg; ++k)
-        acc += double(dy.f[size_t(yi(n, p, q, k))]) * wv(wi(r, t, c, k));
+        acc += mul(dy.f[size_t(yi(n, p, q, k))], wv(wi(r, t, c, k)));
       dx_ref[size_t(xi(n, ih, iw, c))] += acc;
     }
   });
-  Tensor dx(s.out_dt(), s.n * s.h * s.w * s.c);
+  Tensor dx(dt, s.n * s.h * s.w * s.c);
   for (size_t i = 0; i < dx.f.size(); ++i) dx.set(i, 12345.0f);  // every element must be written
   conv::backward(ex, dp, s, dy.data(), w.data(), w_dt, dx.data(), force);
   close(dx, dx_ref, tol, tag + " dx");
@@ -115,7 +122,7 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   taps([&](int64_t n, int64_t p, int64_t q, int64_t r, int64_t t, int64_t ih, int64_t iw) {
     for (int64_t c = 0; c < s.c; ++c)
       for (int64_t k = c / cg * kg; k < (c / cg + 1) * kg; ++k)
-        dw_ref[size_t(wi(r, t, c, k))] += double(x.f[size_t(xi(n, ih, iw, c))]) * dy.f[size_t(yi(n, p, q, k))];
+        dw_ref[size_t(wi(r, t, c, k))] += mul(x.f[size_t(xi(n, ih, iw, c))], dy.f[size_t(yi(n, p, q, k))]);
   });
   for (size_t i = 0; i < dy.f.size(); ++i) db_ref[i % size_t(s.k)] += dy.f[i];
   Tensor dw(w_dt, s.r * s.s * cg * s.k);
@@ -124,7 +131,7 @@ void run_case(const Case& cs, DType dt, DType w_dt, Activation act, bool bias, i
   conv::update(ex, dp, s, x.data(), dy.data(), dw.data(), w_dt, bias ? db.data() : nullptr, force);
   // dw sums N * P * Q products: scale the tolerance with the reduction length.
   const double red = std::sqrt(double(s.n * P * Q));
-  close(dw, dw_ref, (w_dt == DType::bf16 || dt == DType::bf16 ? 2e-2 : 1e-4) * std::max(1.0, red / 4), tag + " dw");
+  close(dw, dw_ref, (w_dt == DType::bf16 || dt == DType::bf16 ? 2e-2 : tol) * std::max(1.0, red / 4), tag + " dw");
   if (bias) {
     Tensor dbt(DType::f32, s.k);
     dbt.f = db;
@@ -273,17 +280,26 @@ TEST(conv_every_isa) {
   }
 }
 
-// fp32 outputs from bf16 operands: the direct skeleton for every kind (depthwise and
-// grouped ones included), every ISA, a fused activation and gelu's two outputs.
-TEST(conv_f32_outputs_from_bf16) {
+// fp32 from bf16 products, split by the passes: the direct skeleton and the general update
+// for every kind (depthwise, grouped, pointwise, dilated, strided, small images copied with
+// their pads), every ISA and both multiply paths, 1, 3 and 6 products, gelu's two outputs,
+// forced small blocks (a term's C-blocks, edge tiles) and the update's batch splits.
+TEST(conv_emulated_products) {
   const Case depthwise{2, 9, 10, 6, 6, 3, 3, 1, 2, 1, 1, 1, 1, 1, 1, 6};
+  const Case kinds[] = {kCases[0], kCases[2], kCases[3], kCases[9], kCases[11], kDilated[1], kGrouped[17], depthwise};
+  int i = 0;
   for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
     if (isa > jb::best_isa()) continue;
-    const jb::Dispatch dp = jb::make_dispatch(isa, "");
-    for (const Case& c : {kCases[0], kCases[3], kCases[11], kDilated[1], kGrouped[17], depthwise})
-      for (Activation act : {Activation::none, Activation::gelu})
-        run_case(c, DType::bf16, DType::bf16, act, true, 2, nullptr, dp, true);
+    for (const char* mode : {"dot", "fp32"})
+      for (int64_t products : {1, 3, 6})
+        for (int j = 0; j < 2; ++j, ++i) {
+          const Activation act = i % 3 ? Activation::relu : Activation::gelu;
+          run_case(kinds[i % 8], DType::f32, DType::f32, act, true, 2, nullptr, jb::make_dispatch(isa, mode), products);
+        }
   }
+  const jb::Blocking small{5, 16, 4};
+  run_case(kCases[5], DType::f32, DType::f32, Activation::none, true, 3, &small, jb::dispatch(), 3);
+  run_case(kDilated[3], DType::f32, DType::f32, Activation::none, false, 1, &small, jb::dispatch(), 6);
 }
 
 TEST(conv_empty_batch_and_bad_shapes) {

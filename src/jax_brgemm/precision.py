@@ -22,9 +22,8 @@ precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), every op (``jb.brgemm
 ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every convolution kind,
 ``jb.dot_product_attention``, ``jb.lstm``), and the modules and ``accelerate()`` through them,
 computes the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32:
-the operands split into parts by the kernel as it re-blocks them or makes them
-(``jb.brgemm``, the dense passes, attention, the LSTM; ``cpp/layers/common/emulation.h``),
-or stacked in XLA along what each pass reduces over (the convolutions; ``ops/emulation.py``). An operand holding an
+the operands split into parts by the kernel as it copies, re-blocks or makes them
+(``cpp/layers/common/emulation.h``). An operand holding an
 infinity (or a value beyond bfloat16's largest, whose high part would be one) makes the op
 compute exact float32 instead: the infinity times another operand's low part (zero, or of
 the other sign) would give NaN where float32 gives an infinity. That can only pay with AMX, whose bfloat16 products run 6-14x the

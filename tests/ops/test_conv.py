@@ -386,3 +386,22 @@ def test_module_stock_path_crops_negative_padding():
     assert "jb_conv" not in hlo and "pad = [[0, 2], [1, 0]]" in hlo
     cropped = fnn.Conv(4, (3, 3), padding=((0, 2), (1, 0)), dtype=jnp.float16)
     np.testing.assert_array_equal(jax.jit(layer.apply)(params, x), jax.jit(cropped.apply)(params, x[:, 1:, :-2]))
+
+
+@pytest.mark.parametrize("products,dtype,match", [(2, jnp.float32, "products = 2; 0"),
+                                                  (-1, jnp.float32, "products = -1; 0"),
+                                                  (3, jnp.bfloat16, "take float32")])
+@pytest.mark.parametrize("target", ["jb_conv_fwd", "jb_conv_bwd", "jb_conv_upd"])
+def test_ffi_handlers_refuse_products_they_cannot_compute(target, products, dtype, match):
+    """Called directly, a products count the kernels do not have, or emulated products of
+    bf16 operands, is an error naming it, not a crash or a silent exact result."""
+    x, w, dz = jnp.ones((1, 5, 5, 4), dtype), jnp.ones((3, 3, 4, 6), dtype), jnp.ones((1, 5, 5, 6), dtype)
+    geometry = {k: np.int64(v) for k, v in dict(sh=1, sw=1, pt=1, pb=1, pl=1, pr=1, dh=1, dw=1, g=1).items()}
+    out = {"jb_conv_fwd": [(dz.shape, dtype), ((0,), dtype)], "jb_conv_bwd": [(x.shape, dtype)],
+           "jb_conv_upd": [(w.shape, jnp.float32), ((0,), jnp.float32)]}[target]
+    args = {"jb_conv_fwd": (x, w, jnp.zeros((0,), jnp.float32)), "jb_conv_bwd": (dz, w), "jb_conv_upd": (x, dz)}[target]
+    extra = {"act": np.int32(0)} if target == "jb_conv_fwd" else {}
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in out]
+    call = jax.ffi.ffi_call(target, structs if len(structs) > 1 else structs[0])
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(call(*args, **extra, **geometry, products=np.int64(products)))

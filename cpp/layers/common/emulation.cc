@@ -63,4 +63,12 @@ void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* d
   }
 }
 
+void part_of(const float* src, int p, uint16_t* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    float rest = src[j];
+    for (int q = 0; q < p; ++q) rest -= bf16_to_f32(f32_to_bf16(rest));
+    dst[j] = f32_to_bf16(rest);
+  }
+}
+
 }  // namespace jb::emulation

@@ -1,7 +1,6 @@
 // float32 products from bfloat16 ones inside a layer (jax_brgemm.precision's bf16_*
-// accuracies; ops/emulation.py stacks the parts of the convolutions' operands in XLA, this
-// splits them where a layer re-blocks or makes its operands: jb.brgemm's, the FC passes',
-// attention's Q, K, V, P and dS, the LSTM's weights, h and gate gradient).
+// accuracies), split where a layer re-blocks or makes its operands: jb.brgemm's, the FC and
+// convolution passes', attention's Q, K, V, P and dS, the LSTM's weights, h and gate gradient.
 //
 // A float32 operand x is split into bfloat16 parts, largest first: hi = bf16(x),
 // mid = bf16(x - hi), lo = bf16(x - hi - mid). A product of two parts is exact in float32,
@@ -39,6 +38,9 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
 // rows ldd apart, part p at dst + p * step elements; columns [cols, zero_to) of each row 0.
 void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
                 int64_t step, int64_t rows, int64_t cols, int64_t zero_to);
+
+// Part p of n fp32 values, in bf16 (what parts 0 .. p - 1 leave, rounded).
+void part_of(const float* src, int p, uint16_t* dst, int64_t n);
 
 // C (+)= the sum over the terms of (part of A) x (part of B), parts a_step and b_step
 // elements apart; without a split, one product of a and b.

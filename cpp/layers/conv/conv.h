@@ -16,8 +16,9 @@
 // With feature groups, group g's outputs k in [g * k / groups, (g + 1) * k / groups) reduce over
 // its inputs c in [g * c / groups, ...) only, with w[r, s, c mod (c / groups), k].
 // dtype `dt` is the compute dtype of x, y, z, dy, dz and dx; accumulation is always fp32,
-// the bias and db are fp32, w and dw are fp32 or bf16. With f32_out, y, z and dx are fp32
-// whatever dt: bf16 products summed in fp32 (the precision emulation, ops/emulation.py).
+// the bias and db are fp32, w and dw are fp32 or bf16. With `products`, fp32 operands
+// multiply as sums of their bf16 parts' products (the precision emulation, emulation.h): the
+// passes split them where they copy or re-block them.
 #pragma once
 
 #include <cstdint>
@@ -38,9 +39,7 @@ struct Shape {
   Activation act = Activation::none;
   int64_t dil_h = 1, dil_w = 1;        // kernel (rhs) dilation: tap r reads row r * dil_h
   int64_t groups = 1;                  // feature groups: c and k split in as many; w is (r, s, c / groups, k)
-  bool f32_out = false;                // y, z (forward) and dx (backward) in fp32 whatever dt
-
-  DType out_dt() const { return f32_out ? DType::f32 : dt; }
+  int64_t products = 0;                // fp32 only: each product from 1, 3 or 6 bf16 ones; 0 exact
 
   int64_t cg() const { return c / groups; }  // input / output channels of one group
   int64_t kg() const { return k / groups; }

@@ -85,14 +85,15 @@ Isa MultiplyNarrow::tile_isa(int64_t cols) const {
 }
 
 DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads)
-    : MultiplyNarrow(d.dt, dp),
+    : MultiplyNarrow(d.products ? DType::bf16 : d.dt, dp),
       n(d.n), ci(d.ci), co(d.co), groups(d.groups), ldi(d.ci * d.groups), ldo(d.co * d.groups),
       hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
+  terms = emulation::terms(d.products);
   // Blocking: reduced channels per batch element (dividing them), output channels per
   // panel (64 while the panel fits L2 comfortably), pixels per block.
   bi = force && force->red > 0 && ci % force->red == 0 ? force->red : reduction_block(ci, vnni);
   bo = force && force->cols > 0 ? force->cols : 64;
-  if (!force && rt * st * ci * bo * int64_t(mul_bytes) > kPanelBytes) bo = 32;
+  if (!force && rt * st * ci * bo * terms.parts[1] * int64_t(mul_bytes) > kPanelBytes) bo = 32;
   bo = std::min(bo, co);
   ib = ci / bi;
   ob = ceil_div(co, bo);
@@ -100,14 +101,14 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   panel_elems = ib * rt * st * blk;
 
   // Columns: in place, or a copy with zero columns when border blocks would be too large
-  // a part of every row (or the input must be widened to fp32 anyway).
+  // a part of every row (or the input must be widened to fp32 or split into parts anyway).
   Axis w = d.w;
   w.lo = 0, w.hi = w.in;
   Classes probe;
   const auto in_place = segments(w, probe);
   const int64_t per_phase = ceil_div(w.out, w.out_step());
   const auto [padl, padr] = w.full_pads();
-  copy = d.dt != mul_dt;
+  copy = d.dt != mul_dt || terms.split;
   pad_l = pad_r = 0;
   if ((copy || 10 * short_pixels(in_place, probe, per_phase) > w.out) && padl + padr > 0) {
     copy = true;
@@ -127,18 +128,21 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   hbase.resize(size_t(hout));
   for (int64_t o = 0; o < hout; ++o) hcls[o] = hc.intern(d.h.of(o), &hbase[o]);
 
-  // One offset table per (row class, column class): the valid (r, s, C-block) triples.
+  // One offset table per (row class, column class): the valid (r, s, C-block) triples, for
+  // every emulated term its parts' (input planes in_elems apart, panel parts panel_elems).
+  in_elems = n * hin * win * ldi;
   const int64_t nwc = int64_t(wc.keys.size());
   tables.resize(hc.keys.size() * size_t(nwc));
   for (size_t a = 0; a < hc.keys.size(); ++a)
     for (int64_t b = 0; b < nwc; ++b) {
       Table& t = tables[a * nwc + b];
-      for (auto [th, dh] : hc.keys[a])
-        for (auto [tw, dw] : wc.keys[b])
-          for (int64_t c = 0; c < ib; ++c) {
-            t.a.push_back((dh * win + dw) * ldi + c * bi);
-            t.b.push_back(((c * rt + th) * st + tw) * blk);
-          }
+      for (int i = 0; i < terms.count; ++i)
+        for (auto [th, dh] : hc.keys[a])
+          for (auto [tw, dw] : wc.keys[b])
+            for (int64_t c = 0; c < ib; ++c) {
+              t.a.push_back(terms.of[0][i] * in_elems + (dh * win + dw) * ldi + c * bi);
+              t.b.push_back(terms.of[1][i] * panel_elems + ((c * rt + th) * st + tw) * blk);
+            }
     }
 
   // The kernels of every (row class, pixel block), full and last channel block.
@@ -167,14 +171,15 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
 
   // Panels of a work item: as many channel blocks as fit the panel budget together, so
   // that small weights (pointwise layers) are read once per pixel block for all of them.
-  panel_bytes = Scratch::aligned(size_t(panel_elems) * mul_bytes);
+  panel_bytes = Scratch::aligned(size_t(panel_elems * terms.parts[1]) * mul_bytes);
+  split_bytes = terms.split ? size_t(2 * bi * bo) * sizeof(float) : 0;
   // Feature groups continue the sequence of panels: small groups share an item.
   const int64_t panels = groups * ob;
   per_item = force ? 1 : std::max<int64_t>(1, std::min<int64_t>(panels, kPanelBytes / int64_t(panel_bytes)));
   per_item = ceil_div(panels, ceil_div(panels, per_item));  // groups of equal size
   units = n * hout * int64_t(blocks.size());
   groups_ = WorkGroups(ceil_div(panels, per_item), units, threads);
-  copy_bytes = copy ? size_t(n * hin * win * ldi) * mul_bytes : 0;
+  copy_bytes = copy ? size_t(in_elems * terms.parts[0]) * mul_bytes : 0;
 }
 
 }  // namespace jb::conv

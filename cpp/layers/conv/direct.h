@@ -14,6 +14,10 @@
 // columns around it, so that every pixel of a row shares one block (the copy also widens
 // bf16 to fp32 where the multiply path is fp32). A 1x1 convolution with unit stride and no
 // padding collapses N, H and W into one pixel row.
+//
+// Emulated fp32 products (Shape::products, emulation.h): the copy splits the input into its
+// bf16 parts, one plane each, and the panels hold the weights' parts side by side; a block's
+// batch walks every (term, r, s, C-block), so one BRGEMM call sums all of a tile's products.
 #pragma once
 
 #include <algorithm>
@@ -25,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "layers/common/emulation.h"
 #include "layers/common/operand.h"
 #include "layers/common/reblock.h"
 #include "layers/common/scratch.h"
@@ -100,6 +105,7 @@ struct Dims {
   DType out_dt = DType::f32;  // and of the output
   bool bias = false;
   Activation act = Activation::none;  // in the epilogue (gelu: none, applied after)
+  int64_t products = 0;  // fp32 input and weights: emulated products (Shape::products)
 };
 
 // The multiply path, with the ISA of the register tiles for a block `cols` wide.
@@ -111,8 +117,9 @@ struct MultiplyNarrow : MultiplyPath {
 struct DirectPlan : MultiplyNarrow {
   DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads);
 
-  // Runs the pass: each item packs its panels with pack(group, o0, cols, c, r, s, dst) (one
-  // block per reduced block c and tap (r, s)), then for every output block calls
+  // Runs the pass: each item packs its panels with pack(group, o0, cols, c, r, s, dst, tmp)
+  // (one block per reduced block c and tap (r, s); with emulated products its parts,
+  // panel_elems apart, split through tmp), then for every output block calls
   // tile(out_offset, pixels, cols, multiply), where multiply(out, bias) is its BRGEMM call.
   // The panels of all groups are one sequence, so an item of small groups (grouped and
   // depthwise layers) covers many of them and its input pixels stay in cache across them.
@@ -120,7 +127,7 @@ struct DirectPlan : MultiplyNarrow {
   // keeps the plan alive in job.keep; pack and tile are copied into the job (values only).
   template <class Pack, class Tile>
   void add(Job& job, const void* in_src, DType in_dt, Pack pack, Tile tile) const {
-    const size_t lease = panel_bytes * size_t(per_item);
+    const size_t lease = panel_bytes * size_t(per_item) + split_bytes;
     const auto buf = job_scratch<2>(job, {copy_bytes, lease * size_t(groups_.concurrency())});
     const DirectPlan* p = this;
     const char* in = static_cast<const char*>(in_src);
@@ -128,12 +135,19 @@ struct DirectPlan : MultiplyNarrow {
       char* dst0 = buf[0];
       job.add(n * hin, [p, dst0, in_src, in_dt](int64_t row) {
         const size_t px = size_t(p->ldi) * p->mul_bytes;
+        const int64_t len = p->win_src * p->ldi;
         char* dst = dst0 + size_t(row * p->win) * px;
-        std::memset(dst, 0, size_t(p->pad_l) * px);
-        reblock::pack(at(in_src, in_dt, row * p->win_src * p->ldi), in_dt, p->win_src * p->ldi, false, 1,
-                      p->win_src * p->ldi, 1, p->win_src * p->ldi, p->mul_dt, false, dst + size_t(p->pad_l) * px,
-                      p->isa);
-        std::memset(dst + size_t(p->pad_l + p->win_src) * px, 0, size_t(p->pad_r) * px);
+        for (int part = 0; part < p->terms.parts[0]; ++part) {
+          char* d = dst + size_t(part * p->in_elems) * p->mul_bytes;
+          std::memset(d, 0, size_t(p->pad_l) * px);
+          std::memset(d + size_t(p->pad_l + p->win_src) * px, 0, size_t(p->pad_r) * px);
+        }
+        if (p->terms.split)
+          emulation::split_rows(p->terms, 0, static_cast<const float*>(in_src) + row * len, len,
+                                dst + size_t(p->pad_l) * px, p->mul_dt, len, p->in_elems, 1, len, len);
+        else
+          reblock::pack(at(in_src, in_dt, row * len), in_dt, len, false, 1, len, 1, len, p->mul_dt, false,
+                        dst + size_t(p->pad_l) * px, p->isa);
       });
       in = buf[0];
     }
@@ -145,12 +159,14 @@ struct DirectPlan : MultiplyNarrow {
       // g: a panel of the sequence over groups x ob, fg its group, o0 its first channel
       const int64_t g0 = p->groups_.panel(item) * p->per_item, g1 = std::min(p->groups * p->ob, g0 + p->per_item);
       const PanelPool::Lease panel(*pp);
-      const View<char, 5> pv(panel.data, {p->per_item, p->ib, p->rt, p->st, p->blk * mb});
+      const View<char, 6> pv(panel.data, {p->per_item, p->terms.parts[1], p->ib, p->rt, p->st, p->blk * mb});
+      float* tmp = reinterpret_cast<float*>(panel.data + p->panel_bytes * size_t(p->per_item));
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t fg = g / p->ob, o0 = g % p->ob * p->bo;
         for (int64_t c = 0; c < p->ib; ++c)
           for (int64_t r = 0; r < p->rt; ++r)
-            for (int64_t s = 0; s < p->st; ++s) pack(fg, o0, std::min(p->bo, p->co - o0), c, r, s, pv.at(g - g0, c, r, s));
+            for (int64_t s = 0; s < p->st; ++s)
+              pack(fg, o0, std::min(p->bo, p->co - o0), c, r, s, pv.at(g - g0, 0, c, r, s), tmp);
       }
       for (int64_t u = p->groups_.first(item); u < p->groups_.last(item); ++u) {
         const int64_t j = u % nb, row = u / nb % p->hout, img = u / nb / p->hout;
@@ -169,8 +185,9 @@ struct DirectPlan : MultiplyNarrow {
 
   const int64_t n, ci, co, groups, ldi, ldo, hin, hout, wout, rt, st;  // ld: channels of a pixel
   int64_t bi = 0, bo = 0, ib = 0, ob = 0, blk = 0, panel_elems = 0;
+  emulation::Terms terms;  // of the emulated products; parts[0] input planes, parts[1] panel parts
   bool copy = false;
-  int64_t pad_l = 0, pad_r = 0, win = 0, win_src = 0;
+  int64_t pad_l = 0, pad_r = 0, win = 0, win_src = 0, in_elems = 0;  // in_elems: one plane of the copy
   std::vector<PixelBlock> blocks;
   std::vector<int64_t> hcls, hbase;
   struct Table {
@@ -181,7 +198,7 @@ struct DirectPlan : MultiplyNarrow {
   std::vector<int64_t> kid;
   int64_t per_item = 1, units = 0;  // channel blocks per work item, output blocks
   WorkGroups groups_{1, 1, 1};
-  size_t panel_bytes = 0, copy_bytes = 0;
+  size_t panel_bytes = 0, copy_bytes = 0, split_bytes = 0;  // split_bytes: emulation::pack's tmp
 };
 
 // A 1x1 convolution with unit strides and no padding is one pixel row: N x H x W pixels.
@@ -194,7 +211,7 @@ inline bool pointwise(const Shape& s) {
 using PlanKey = std::array<int64_t, 26>;
 inline PlanKey key_of(const Shape& s, int64_t extra, int64_t threads, const Dispatch& dp, const Blocking* force) {
   return {s.n, s.h, s.w, s.c, s.k, s.r, s.s, s.sh, s.sw, s.pt, s.pb, s.pl, s.pr, s.dil_h, s.dil_w, s.groups,
-          int64_t(s.dt), int64_t(s.f32_out), int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
+          int64_t(s.dt), s.products, int64_t(s.act), extra, threads, int64_t(dp.isa), int64_t(dp.bf16_multiply),
           force ? force->rows : -1, force ? force->cols : -1, force ? force->red : -1};
 }
 

@@ -23,9 +23,10 @@ Dims forward_dims(const Shape& s, bool bias, Activation act) {
   d.w = Axis{pw ? s.n * s.h * s.w : s.w, pw ? s.n * s.h * s.w : s.q(), s.s, s.sw, s.pl, false, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
-  d.out_dt = s.out_dt();
+  d.out_dt = s.dt;
   d.bias = bias;
   d.act = act;
+  d.products = s.products;
   return d;
 }
 
@@ -40,9 +41,10 @@ Dims backward_dims(const Shape& s) {
   d.w = Axis{pw ? s.n * s.h * s.w : s.q(), pw ? s.n * s.h * s.w : s.w, s.s, s.sw, s.pl, true, 0, 0};
   d.h.dil = s.dil_h, d.w.dil = s.dil_w;
   d.dt = s.dt;
-  d.out_dt = s.out_dt();
+  d.out_dt = s.dt;
   d.bias = false;
   d.act = Activation::none;
+  d.products = s.products;
   return d;
 }
 
@@ -60,6 +62,8 @@ void validate(const Shape& s) {
   if (s.groups < 1 || s.c % s.groups || s.k % s.groups)
     bad("feature groups must be >= 1 and divide the input and output channels");
   if (s.pt < 0 || s.pb < 0 || s.pl < 0 || s.pr < 0) bad("paddings must be >= 0");
+  if (s.products && s.dt != DType::f32) bad("emulated products take float32 operands");
+  emulation::terms(s.products);  // throws for a count other than 0, 1, 3 or 6
   if (s.h + s.pt + s.pb < s.er() || s.w + s.pl + s.pr < s.es())
     bad("the (dilated) filter is larger than the padded input");
 }
@@ -87,12 +91,12 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   job.name = "conv_fwd";
   if (s.n == 0) return job;
   job.flops = flops(s);
-  // fp32 outputs from bf16 operands take the direct skeleton only
-  if (depthwise(s) && !s.f32_out) {
+  // emulated products take the direct skeleton only
+  if (depthwise(s) && !s.products) {
     depthwise_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
     return job;
   }
-  if (!force && !s.f32_out && narrow_forward_fits(s, dp)) {
+  if (!force && !s.products && narrow_forward_fits(s, dp)) {
     narrow_forward(job, threads, dp, s, x, w, w_dt, bias, y, z);
     return job;
   }
@@ -102,19 +106,20 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   });
   const DirectPlan* p = plan.get();
   job.keep.push_back(plan);
-  const size_t es = dtype_size(s.out_dt());
+  const size_t es = dtype_size(s.dt);
   char* out = static_cast<char*>(gelu ? z : y);
   p->add(
       job, x, s.dt,
-      [p, s, w, w_dt](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p->bi) * s.k + g * s.kg() + k0), w_dt, s.k,
-                      false, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->isa);
+      [p, s, w, w_dt](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst, float* tmp) {
+        emulation::pack(p->terms, 1, at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p->bi) * s.k + g * s.kg() + k0),
+                        w_dt, s.k, false, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->panel_elems,
+                        p->isa, tmp);
       },
       [p, s, es, out, bias, gelu, y, z](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
         if (gelu)  // the tile is still in L1: y = gelu(z) costs no memory traffic
           for (int64_t i = 0; i < pixels; ++i)
-            eltwise::activate(Activation::gelu, s.out_dt(), at(z, s.out_dt(), off + i * s.k),
+            eltwise::activate(Activation::gelu, s.dt, at(z, s.dt, off + i * s.k),
                               static_cast<char*>(y) + (off + i * s.k) * es, cols, p->isa);
       });
   return job;
@@ -139,11 +144,11 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   job.name = "conv_bwd";
   if (s.n == 0) return job;
   job.flops = flops(s);
-  if (depthwise(s) && !s.f32_out) {
+  if (depthwise(s) && !s.products) {
     depthwise_backward(job, threads, dp, s, dz, w, w_dt, dx);
     return job;
   }
-  if (!force && !s.f32_out && narrow_backward_fits(s, dp)) {
+  if (!force && !s.products && narrow_backward_fits(s, dp)) {
     narrow_backward(job, threads, dp, s, dz, w, w_dt, dx);
     return job;
   }
@@ -152,12 +157,13 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   });
   const DirectPlan* p = plan.get();
   job.keep.push_back(plan);
-  const size_t es = dtype_size(s.out_dt());
+  const size_t es = dtype_size(s.dt);
   p->add(
       job, dz, s.dt,
-      [p, s, w, w_dt](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst) {
-        reblock::pack(at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p->bi), w_dt, s.k,
-                      true, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->isa);
+      [p, s, w, w_dt](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst, float* tmp) {
+        emulation::pack(p->terms, 1, at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p->bi),
+                        w_dt, s.k, true, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->panel_elems,
+                        p->isa, tmp);
       },
       [dx, es](int64_t off, int64_t, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + off * es, nullptr);

@@ -3,7 +3,8 @@
 // its blocks of dw for every (r, s) and reduces over its output rows, chunk by chunk, with
 // the chunk's dz rows staying in L2 across the R x S taps. Splits of the batch (only when
 // the weights alone give too few items) write per-split fp32 partials that a last parallel
-// loop sums: no atomics, no races.
+// loop sums: no atomics, no races. Emulated products (Shape::products): the re-blocking
+// splits x^T and dz into their bf16 parts, and each output row's batch walks its terms.
 #include <numeric>
 #include <optional>
 
@@ -18,6 +19,7 @@ namespace jb::conv {
 namespace {
 
 constexpr int64_t kChunkBytes = 192 << 10;  // operand rows reduced at once (L2)
+constexpr int64_t kSplitChannels = 64;      // x^T split into parts this many channels at a time
 
 // ---------------------------------------------------------------------------------------
 // The update's plan. The output rows are reduced in (n, p) rows of Q pixels (a pointwise
@@ -60,8 +62,9 @@ bool aliases_in_l1(int64_t q, int64_t stride_bytes, int64_t bn) {
 
 struct UpdatePlan : MultiplyNarrow {
   UpdatePlan(const Shape& s, const Dispatch& dp, DType dw_dt, const Blocking* force, int64_t threads)
-      : MultiplyNarrow(s.dt, update_dispatch(s, dp)),
-        v(update_view(s)), c(s.cg()), k(s.kg()), groups(s.groups), rt(s.r), st(s.s),
+      : MultiplyNarrow(s.products ? DType::bf16 : s.dt, update_dispatch(s, dp)),
+        v(update_view(s)), terms(emulation::terms(s.products)), c(s.cg()), k(s.kg()), groups(s.groups), rt(s.r),
+        st(s.s),
         sh(pointwise(s) ? 1 : s.sh), sw(pointwise(s) ? 1 : s.sw),
         pt(pointwise(s) ? 0 : s.pt), pl(pointwise(s) ? 0 : s.pl), dil_h(s.dil_h), dil_w(s.dil_w) {
     bm = std::min(c, force && force->rows > 0 ? force->rows : 64);
@@ -75,16 +78,21 @@ struct UpdatePlan : MultiplyNarrow {
     bstride = c * groups * wq + slack;  // every group's channels
     // dz re-blocked for bf16 (VNNI pairs), and for groups: a group's few columns of every
     // pixel read in place would drag the other groups' through the cache again and again.
-    packed = s.dt != DType::f32 || groups > 1 || aliases_in_l1(v.q, k * int64_t(sizeof(float)), bn);
+    packed = s.dt != DType::f32 || terms.split || groups > 1 || aliases_in_l1(v.q, k * int64_t(sizeof(float)), bn);
     blk_q = packed ? reblock::block_elems(v.q, bn, vnni) : 0;
     splits = std::max<int64_t>(1, std::min(rows, ceil_div(4 * threads, cb * kb * groups)));
     direct = splits == 1 && dw_dt == DType::f32;
-    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * wq * sw + v.q * bn) * mul_bytes));
+    const int64_t parts = std::max(terms.parts[0], terms.parts[1]);
+    chunk = std::max<int64_t>(1, kChunkBytes / int64_t((bm * wq * sw + v.q * bn) * parts * mul_bytes));
+    xt_elems = v.n * hp * sw * bstride;
+    dz_elems = packed ? groups * kb * rows * blk_q : 0;
     for (int64_t img = 0; img < v.n; ++img)
-      for (int64_t p = 0; p < v.p; ++p) {
-        a_rows.push_back((img * hp + p * sh) * sw * bstride);
-        b_rows.push_back((img * v.p + p) * (packed ? blk_q : v.q * k * groups));
-      }
+      for (int64_t p = 0; p < v.p; ++p)
+        for (int i = 0; i < terms.count; ++i) {  // the row's terms: parts xt_elems / dz_elems apart
+          a_rows.push_back(terms.of[0][i] * xt_elems + (img * hp + p * sh) * sw * bstride);
+          b_rows.push_back(terms.of[1][i] * dz_elems + (img * v.p + p) * (packed ? blk_q : v.q * k * groups));
+        }
+    tmp_floats = terms.split ? 2 * std::max(kSplitChannels * wq, v.q * bn) : 0;
     BrgemmDesc d;
     d.k = v.q;
     d.lda = wq;
@@ -95,22 +103,54 @@ struct UpdatePlan : MultiplyNarrow {
     first.emplace(d, c, k, bm, bn, tile_isa(bn));
     d.accumulate = true;
     more.emplace(d, c, k, bm, bn, tile_isa(bn));
-    xt_bytes = size_t(v.n * hp * sw * bstride) * mul_bytes;
-    dz_bytes = packed ? size_t(groups * kb * rows * blk_q) * mul_bytes : 0;
+    xt_bytes = size_t(xt_elems * terms.parts[0]) * mul_bytes;
+    dz_bytes = size_t(dz_elems * terms.parts[1]) * mul_bytes;
     part_bytes = direct ? 0 : size_t(splits * rt * st * c * k * groups) * sizeof(float);
   }
 
   const UpdateView v;
+  const emulation::Terms terms;
   const int64_t c, k, groups, rt, st, sh, sw, pt, pl, dil_h, dil_w;  // c, k: of one group
   int64_t bm = 0, bn = 0, cb = 0, kb = 0, rows = 0, hp = 0, wq = 0, slack = 0, bstride = 0;
   bool packed = false, direct = false;
   int64_t blk_q = 0, splits = 1, chunk = 1;
-  std::vector<int64_t> a_rows, b_rows;  // per output row: its xt row, its dz row
+  int64_t xt_elems = 0, dz_elems = 0, tmp_floats = 0;  // one part of xt, of dz; emulation::pack's scratch
+  std::vector<int64_t> a_rows, b_rows;  // per (output row, term): its xt row, its dz row
   std::optional<KernelSet> first, more;  // the first chunk of a split, the others
   size_t xt_bytes = 0, dz_bytes = 0, part_bytes = 0;
 };
 
 PlanCache<26, UpdatePlan> update_plans;
+
+// The paths that take bf16 operands only (depthwise, narrow) emulate fp32 products over the
+// operands' parts stacked along the mini-batch: image block i holds term i's part of x and of
+// dz, so one bf16 update over the blocks sums every term's products. db sums dz itself.
+void stack_parts(Job& job, const Shape& s, const void* x, const void* dz, const void** xs, const void** dzs,
+                 float* db) {
+  const emulation::Terms t = emulation::terms(s.products);
+  const int64_t ne[2] = {s.n * s.h * s.w * s.c, s.n * s.p() * s.q() * s.k};
+  const auto buf = job_scratch<2>(job, {size_t(ne[0] * t.count) * 2, size_t(ne[1] * t.count) * 2});
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks[2] = {ceil_div(ne[0], kChunk), ceil_div(ne[1], kChunk)};
+  const float* src[2] = {static_cast<const float*>(x), static_cast<const float*>(dz)};
+  uint16_t* dst[2] = {reinterpret_cast<uint16_t*>(buf[0]), reinterpret_cast<uint16_t*>(buf[1])};
+  constexpr int64_t kDbCols = 64;
+  const int64_t ndb = db ? ceil_div(s.k, kDbCols) : 0;
+  job.add(t.count * (chunks[0] + chunks[1]) + ndb, [=](int64_t i) {
+    if (i >= t.count * (chunks[0] + chunks[1])) {  // db, 64 columns at a time
+      const int64_t j0 = (i - t.count * (chunks[0] + chunks[1])) * kDbCols, width = std::min(kDbCols, s.k - j0);
+      float acc[kDbCols] = {};
+      add_column_sums(src[1] + j0, DType::f32, s.k, s.n * s.p() * s.q(), width, acc);
+      std::memcpy(db + j0, acc, size_t(width) * sizeof(float));
+      return;
+    }
+    const int64_t term = i / (chunks[0] + chunks[1]), j = i % (chunks[0] + chunks[1]);
+    const int side = j < chunks[0] ? 0 : 1;
+    const int64_t e0 = (side ? j - chunks[0] : j) * kChunk, n = std::min(kChunk, ne[side] - e0);
+    emulation::part_of(src[side] + e0, t.of[side][term], dst[side] + term * ne[side] + e0, n);
+  });
+  *xs = buf[0], *dzs = buf[1];
+}
 
 }  // namespace
 
@@ -130,12 +170,17 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
     return job;
   }
   job.flops = 2.0 * double(s.n) * double(s.p()) * double(s.q()) * double(s.k) * double(s.r * s.s) * double(s.cg());
-  if (depthwise(s)) {
-    depthwise_update(job, threads, dp, s, x, dz, dw, dw_dt, db);
+  Shape stacked = s;  // emulated products on the bf16-only paths: stack_parts
+  stacked.n = s.n * emulation::terms(s.products).count, stacked.dt = DType::bf16, stacked.products = 0;
+  const bool bf16_only = s.products && (depthwise(stacked) || narrow_update_fits(stacked, dp));
+  if (bf16_only) stack_parts(job, s, x, dz, &x, &dz, db);
+  const Shape& u = bf16_only ? stacked : s;
+  if (depthwise(u) && !u.products) {  // emulated products take the general path below
+    depthwise_update(job, threads, dp, u, x, dz, dw, dw_dt, bf16_only ? nullptr : db);
     return job;
   }
-  if (narrow_update_fits(s, dp)) {
-    narrow_update(job, threads, dp, s, x, dz, dw, dw_dt, db);
+  if (!u.products && narrow_update_fits(u, dp)) {
+    narrow_update(job, threads, dp, u, x, dz, dw, dw_dt, bf16_only ? nullptr : db);
     return job;
   }
   const auto plan = update_plans.get(key_of(s, int64_t(dw_dt), threads, dp, force), [&] {
@@ -146,6 +191,13 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
   const UpdateView v = p->v;
   const size_t mul_bytes = p->mul_bytes;
   const auto buf = job_scratch<3>(job, {p->xt_bytes, p->dz_bytes, p->part_bytes});
+  PanelPool* tmps = nullptr;  // emulation::pack's scratch, one per running item
+  if (p->terms.split) {
+    const size_t bytes = size_t(p->tmp_floats) * sizeof(float);
+    auto pool = std::make_shared<PanelPool>(job_scratch<1>(job, {bytes * size_t(threads)})[0], bytes, threads);
+    tmps = pool.get();
+    job.keep.push_back(std::move(pool));
+  }
 
   // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
   // 64 columns (summed from dz in place, by the item owning the columns).
@@ -155,30 +207,37 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
   static constexpr int64_t kDbCols = 64;
   const int64_t ndb = db ? ceil_div(s.k, kDbCols) : 0;
   char* dzb = buf[1];
-  job.add(nxt + ndz + ndb, [p, v, s, xt, nxt, ndz, pix, mul_bytes, x, dz, db, dzb](int64_t i) {
+  job.add(nxt + ndz + ndb, [p, v, s, xt, nxt, ndz, pix, mul_bytes, x, dz, db, dzb, tmps](int64_t i) {
+    std::optional<PanelPool::Lease> lease;
+    if (tmps && i < nxt + ndz) lease.emplace(*tmps);
+    float* tmp = lease ? reinterpret_cast<float*>(lease->data) : nullptr;
     if (i < nxt) {
       const int64_t img = i / (p->hp * p->sw), hr = i / p->sw % p->hp, ph = i % p->sw;
       char* dst = xt.at(img, hr, ph);
+      const size_t part_bytes = size_t(p->xt_elems) * mul_bytes;
       const int64_t ih = hr - p->pt;
       const int64_t j_lo = std::max<int64_t>(0, ceil_div(p->pl - ph, p->sw));
       const int64_t j_hi = std::min(p->wq, ceil_div(v.w + p->pl - ph, p->sw));
-      if (ih < 0 || ih >= v.h || j_hi <= j_lo) {
-        std::memset(dst, 0, size_t(s.c * p->wq) * mul_bytes);
-        return;
-      }
+      const bool empty = ih < 0 || ih >= v.h || j_hi <= j_lo;
+      for (int part = 0; part < p->terms.parts[0]; ++part)
+        std::memset(dst + part * part_bytes, 0, size_t(empty ? s.c * p->wq : j_lo) * mul_bytes);
+      if (empty) return;
       // Rows of wq columns starting at column j_lo: the zero fill of each row's end runs
       // into the next row's left padding (and the block's slack after the last row).
-      std::memset(dst, 0, size_t(j_lo) * mul_bytes);
-      reblock::pack(at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p->sw + ph - p->pl) * s.c), s.dt,
-                    p->sw * s.c, true, s.c, j_hi - j_lo, s.c, p->wq, p->mul_dt, false, dst + j_lo * mul_bytes, p->isa);
+      const int64_t step = p->terms.split ? kSplitChannels : s.c;  // tmp holds this many
+      for (int64_t c0 = 0; c0 < s.c; c0 += step)
+        emulation::pack(p->terms, 0, at(x, s.dt, ((img * v.h + ih) * v.w + j_lo * p->sw + ph - p->pl) * s.c + c0),
+                        s.dt, p->sw * s.c, true, std::min(step, s.c - c0), j_hi - j_lo, std::min(step, s.c - c0),
+                        p->wq, p->mul_dt, false, dst + (c0 * p->wq + j_lo) * int64_t(mul_bytes), p->xt_elems,
+                        p->isa, tmp);
       return;
     }
     if (i < nxt + ndz) {
       // K-block kb of every group in turn: columns g * kg + k0
       const int64_t kb = (i - nxt) / p->rows, row = (i - nxt) % p->rows, k0 = kb % p->kb * p->bn;
-      reblock::pack(at(dz, s.dt, row * v.q * s.k + kb / p->kb * p->k + k0), s.dt, s.k, false, v.q,
-                    std::min(p->bn, p->k - k0), v.q, p->bn, p->mul_dt, p->vnni,
-                    dzb + ((kb * p->rows + row) * p->blk_q) * mul_bytes, p->isa);
+      emulation::pack(p->terms, 1, at(dz, s.dt, row * v.q * s.k + kb / p->kb * p->k + k0), s.dt, s.k, false, v.q,
+                      std::min(p->bn, p->k - k0), v.q, p->bn, p->mul_dt, p->vnni,
+                      dzb + ((kb * p->rows + row) * p->blk_q) * mul_bytes, p->dz_elems, p->isa, tmp);
       return;
     }
     const int64_t j0 = (i - nxt - ndz) * kDbCols, width = std::min(kDbCols, s.k - j0);
@@ -209,12 +268,13 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
     for (int64_t ch = r0; ch < r1; ch += p->chunk) {
       const int64_t count = std::min(p->chunk, r1 - ch);
       const Brgemm& kern = (ch == r0 ? *p->first : *p->more)(m, cols);
+      const int64_t t0 = ch * p->terms.count, batch = count * p->terms.count;  // (row, term) pairs
       for (int64_t r = 0; r < s.r; ++r)
         for (int64_t t = 0; t < s.s; ++t) {
           const int64_t rr = r * p->dil_h, tt = t * p->dil_w;  // the dilated tap's input offsets
           const char* a = xtb + ((rr * p->sw + tt % p->sw) * p->bstride + (g * p->c + c0) * p->wq + tt / p->sw) *
                                     int64_t(mul_bytes);
-          kern.offsets(a, p->a_rows.data() + ch, b, p->b_rows.data() + ch, count,
+          kern.offsets(a, p->a_rows.data() + t0, b, p->b_rows.data() + t0, batch,
                        out + ((r * s.s + t) * p->c + c0) * s.k + kg0);
         }
     }

@@ -236,10 +236,11 @@ def spatial_ints(value, name, rank, below_one=ValueError, op=_OP):
 # (size 1 when unbatched); with a shared kernel the handlers fold them into the mini-batch.
 
 
-def _geometry(cfg):
+def _attrs(cfg):  # the geometry, and the emulated products of the accuracy computed
     (sh, sw), ((pt, pb), (pl, pr)), (dh, dw), groups = cfg[1:5]
-    return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb),
-                pl=np.int64(pl), pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw), g=np.int64(groups))
+    products = len(emulation.TERMS[cfg[5]]) if cfg[5] != "float32" else 0
+    return dict(sh=np.int64(sh), sw=np.int64(sw), pt=np.int64(pt), pb=np.int64(pb), pl=np.int64(pl),
+                pr=np.int64(pr), dh=np.int64(dh), dw=np.int64(dw), g=np.int64(groups), products=np.int64(products))
 
 
 def _out_shape(x_shape, k_shape, cfg):
@@ -249,41 +250,29 @@ def _out_shape(x_shape, k_shape, cfg):
     return (n, (h + pt + pb - (r - 1) * dh - 1) // sh + 1, (w + pl + pr - (s - 1) * dw - 1) // sw + 1, k)
 
 
-# With an emulated accuracy (cfg[5]) each pass multiplies the operands' bfloat16 parts,
-# stacked along what it reduces over, into float32 outputs (ops/emulation.py).
+# With an emulated accuracy (cfg[5]) each pass splits its float32 operands into bfloat16
+# parts itself and sums their products (the products attr; ops/emulation.py).
 
 
 def _forward(x, kernel, bias, cfg):
-    act, emulated = cfg[0], cfg[5] != "float32"
+    act = cfg[0]
     shape = _out_shape(x.shape, kernel.shape, cfg)
     b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
-    if emulated:  # the parts side by side in each group's input channels
-        x, kernel = emulation.stack(x, cfg[5], 0, -1, cfg[4]), emulation.stack(kernel, cfg[5], 1, -2)
-    out = jnp.float32 if emulated else x.dtype
-    y = jax.ShapeDtypeStruct(shape, out)
-    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), out)
+    y = jax.ShapeDtypeStruct(shape, x.dtype)
+    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), x.dtype)
     return jax.ffi.ffi_call("jb_conv_fwd", (y, z), vmap_method="expand_dims")(
-        x, kernel, b, act=np.int32(act), **_geometry(cfg))
+        x, kernel, b, act=np.int32(act), **_attrs(cfg))
 
 
 def _backward(dz, kernel, x_shape, cfg):
     out = jax.ShapeDtypeStruct(x_shape, dz.dtype)
-    if cfg[5] != "float32":  # in each group's output channels
-        dz, kernel = emulation.stack(dz, cfg[5], 0, -1, cfg[4]), emulation.stack(kernel, cfg[5], 1, -1, cfg[4])
-    return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_geometry(cfg))
+    return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_attrs(cfg))
 
 
 def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
-    emulated = cfg[5] != "float32"
     dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias and not emulated else 0,), jnp.float32)
-    if not emulated:
-        return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
-    # along the mini-batch; db sums dz itself, not its parts
-    sums = jnp.sum(dz, axis=(0, 1, 2), dtype=jnp.float32) if with_bias else jnp.zeros((0,), jnp.float32)
-    x, dz = emulation.stack(x, cfg[5], 0, 0), emulation.stack(dz, cfg[5], 1, 0)
-    dw, _ = jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_geometry(cfg))
-    return dw, sums
+    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias else 0,), jnp.float32)
+    return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_attrs(cfg))
 
 
 # --- the differentiable passes -------------------------------------------------------------

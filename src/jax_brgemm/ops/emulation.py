@@ -7,10 +7,10 @@ products, of which the large ones are kept (Henry, Tang, Heinecke, ARITH 2019): 
 ``bf16_3x`` (hi.hi + hi.mid + mid.hi), six for ``bf16_6x`` (a third part, lo, adds
 mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-reduce over
 the (term, i) pairs, so a single call accumulates every product of a tile into the same
-float32 accumulators. ``brgemm`` here has the kernel split its operands itself (the
-``products`` attr, as the dense, attention and LSTM kernels do); ``stack`` lays the parts
-side by side along what a convolution pass reduces over, in XLA, for the convolutions. The
-gradients are emulated products at the same accuracy.
+float32 accumulators. Every kernel splits its operands itself where it copies or re-blocks
+them (the ``products`` attr of jb.brgemm, the FC, convolution, attention and LSTM passes);
+``split`` here is the same split in XLA, for the tests. The gradients are
+emulated products at the same accuracy.
 
 An infinite operand is the one input whose parts cannot carry float32's result: its high
 part times the other operand's low part (zero, or of the other sign) gives NaN where the
@@ -48,19 +48,6 @@ def split(x, parts: int):
         out.append(rest.astype(jnp.bfloat16))
         rest = rest - out[-1].astype(jnp.float32)
     return out
-
-
-def stack(x, accuracy: str, side: int, axis: int, groups: int = 1):
-    """The bfloat16 parts of ``x`` that ``TERMS[accuracy]`` multiplies on ``side`` (0: the
-    left operand, 1: the right), side by side along ``axis`` and within each of ``groups``
-    equal groups of it: ``(..., G * T * Cg, ...)``, part ``t`` of channel ``c`` of group
-    ``g`` at ``(g * T + t) * Cg + c``."""
-    terms = TERMS[accuracy]
-    parts = split(x, 1 + max(max(t) for t in terms))
-    axis %= x.ndim
-    head, size, tail = x.shape[:axis], x.shape[axis], x.shape[axis + 1:]
-    grouped = [parts[t[side]].reshape(head + (groups, size // groups) + tail) for t in terms]
-    return jnp.stack(grouped, axis=axis + 1).reshape(head + (len(terms) * size,) + tail)
 
 
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
