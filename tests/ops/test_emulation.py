@@ -157,9 +157,13 @@ def test_bfloat16_inputs_and_the_default_stay_exact(emulate):
 
 def test_without_the_switch_every_request_is_exact_float32():
     assert not precision.EMULATE  # the test run's default (CI sets nothing)
-    a = jnp.ones((1, 3, 8))
-    lowered = jax.jit(lambda a: jb.brgemm(a, a.swapaxes(-1, -2), precision="high")).lower(a).as_text()
-    assert "bf16" not in lowered
+    a, x, w = jnp.ones((1, 3, 8)), jnp.ones((1, 5, 5, 8)), jnp.ones((3, 3, 8, 4))
+    ops = [lambda: jb.brgemm(a, a.swapaxes(-1, -2), precision="high"),
+           lambda: jb.dense(a[0], a[0].T, precision="high"),
+           lambda: jb.conv2d(x, w, precision="high")]
+    for op in ops:
+        hlo = jax.jit(op).lower().as_text()
+        assert "products = 0 : i64" in hlo and not emulating(hlo, 3) and "bf16" not in hlo
 
 
 def stock_conv(x, w, b, *, ldil=(1, 1), dil=(1, 1), groups=1, pads=((1, 1), (1, 1)), precision=None):
