@@ -106,11 +106,8 @@ Job run_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* a, 
   if (t.split && k > 0) {
     const bool vnni = p->kd == DType::bf16;
     const int64_t prows = vnni ? round_up(k, 2) : k;
-    const auto buf = job_scratch<3>(job, {size_t(t.parts[0] * s.a_elements) * es, size_t(t.parts[1] * b_step) * es,
-                                          size_t(2 * prows * n) * sizeof(float) * size_t(threads)});
-    auto tmps = std::make_shared<PanelPool>(buf[2], size_t(2 * prows * n) * sizeof(float), threads);
-    PanelPool* pool = tmps.get();
-    job.keep.push_back(std::move(tmps));
+    const auto buf = job_scratch<2>(job, {size_t(t.parts[0] * s.a_elements) * es, size_t(t.parts[1] * b_step) * es});
+    PanelPool* pool = job_leases(job, size_t(2 * prows * n) * sizeof(float), threads);
     const DType kd = p->kd;
     const int64_t a_rows = s.a_elements / k, chunk = std::max<int64_t>(1, 16384 / k);
     char* a_parts = buf[0];

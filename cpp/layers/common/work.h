@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "layers/common/blocking.h"
+#include "parallel/job.h"
 
 namespace jb {
 
@@ -69,5 +70,14 @@ class PanelPool {
   size_t bytes_;
   std::vector<std::atomic<bool>> busy_;
 };
+
+// `count` leases of `bytes` carved from new scratch of the job, the pool kept alive by it
+// (parallel/job.h): the per-item scratch of the workers that run its phases.
+inline PanelPool* job_leases(Job& job, size_t bytes, int64_t count) {
+  auto pool = std::make_shared<PanelPool>(job_scratch<1>(job, {(bytes + 63) / 64 * 64 * size_t(count)})[0], bytes, count);
+  PanelPool* p = pool.get();
+  job.keep.push_back(std::move(pool));
+  return p;
+}
 
 }  // namespace jb

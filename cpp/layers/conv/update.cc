@@ -191,13 +191,8 @@ Job update_job(int64_t threads, const Dispatch& dp, const Shape& s, const void* 
   const UpdateView v = p->v;
   const size_t mul_bytes = p->mul_bytes;
   const auto buf = job_scratch<3>(job, {p->xt_bytes, p->dz_bytes, p->part_bytes});
-  PanelPool* tmps = nullptr;  // emulation::pack's scratch, one per running item
-  if (p->terms.split) {
-    const size_t bytes = size_t(p->tmp_floats) * sizeof(float);
-    auto pool = std::make_shared<PanelPool>(job_scratch<1>(job, {bytes * size_t(threads)})[0], bytes, threads);
-    tmps = pool.get();
-    job.keep.push_back(std::move(pool));
-  }
+  // emulation::pack's scratch, one per running item
+  PanelPool* tmps = p->terms.split ? job_leases(job, size_t(p->tmp_floats) * sizeof(float), threads) : nullptr;
 
   // Re-blocking: x^T per (image, padded row, column phase), dz per (K-block, row), db per
   // 64 columns (summed from dz in place, by the item owning the columns).

@@ -214,13 +214,8 @@ template <class Item>
 void add_update_blocks(Job& job, int64_t threads, const Shape& s, const UpdatePlan* p, const void* x,
                        const void* dz, float* db, char* xt_buf, char* dz_buf, Item item) {
   const int64_t ldx = s.ldx ? s.ldx : s.c, ldz = s.ldz ? s.ldz : s.k;
-  PanelPool* tmps = nullptr;  // emulation::pack's scratch, one per running item
-  if (p->terms.split) {
-    const size_t bytes = size_t(p->tmp_floats) * sizeof(float);
-    auto pool = std::make_shared<PanelPool>(job_scratch<1>(job, {bytes * size_t(threads)})[0], bytes, threads);
-    tmps = pool.get();
-    job.keep.push_back(std::move(pool));
-  }
+  // emulation::pack's scratch, one per running item
+  PanelPool* tmps = p->terms.split ? job_leases(job, size_t(p->tmp_floats) * sizeof(float), threads) : nullptr;
   const View<char, 2> xt(xt_buf, {p->cblk * p->nblk, int64_t(p->blk_a * p->mul_bytes)});   // [Cb][Nb] blocks
   const View<char, 3> dzb(dz_buf, {p->kblk, p->nsub * p->nblk, int64_t(p->blk_sub * p->mul_bytes)});  // [Kb][sub][Nb]
   job.add(p->cblk * p->nblk + p->kblk, [=](int64_t i) {
