@@ -283,7 +283,8 @@ TEST(conv_every_isa) {
 // fp32 from bf16 products, split by the passes: the direct skeleton and the general update
 // for every kind (depthwise, grouped, pointwise, dilated, strided, small images copied with
 // their pads), every ISA and both multiply paths, 1, 3 and 6 products, gelu's two outputs,
-// forced small blocks (a term's C-blocks, edge tiles) and the update's batch splits.
+// forced small blocks (a term's C-blocks, edge tiles, blocks across the terms stacked in a
+// narrow group's channels) and the update's batch splits.
 TEST(conv_emulated_products) {
   const Case depthwise{2, 9, 10, 6, 6, 3, 3, 1, 2, 1, 1, 1, 1, 1, 1, 6};
   const Case kinds[] = {kCases[0], kCases[2], kCases[3], kCases[9], kCases[11], kDilated[1], kGrouped[17], depthwise};
@@ -300,6 +301,8 @@ TEST(conv_emulated_products) {
   const jb::Blocking small{5, 16, 4};
   run_case(kCases[5], DType::f32, DType::f32, Activation::none, true, 3, &small, jb::dispatch(), 3);
   run_case(kDilated[3], DType::f32, DType::f32, Activation::none, false, 1, &small, jb::dispatch(), 6);
+  const jb::Blocking straddle{5, 16, 9};  // 6 channels x 3 terms stacked: blocks across terms
+  run_case(kCases[11], DType::f32, DType::f32, Activation::none, true, 2, &straddle, jb::dispatch(), 3);
 }
 
 TEST(conv_empty_batch_and_bad_shapes) {

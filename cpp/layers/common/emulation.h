@@ -39,8 +39,17 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
 void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
                 int64_t step, int64_t rows, int64_t cols, int64_t zero_to);
 
-// Part p of n fp32 values, in bf16 (what parts 0 .. p - 1 leave, rounded).
-void part_of(const float* src, int p, uint16_t* dst, int64_t n);
+// Part p (0, 1 or 2) of n fp32 values (what parts 0 .. p - 1 leave, rounded to bf16), in kd:
+// contiguous, or in runs of `run` values dst_run elements apart in dst.
+void part_of(const float* src, int p, void* dst, DType kd, int64_t n, int64_t run = 0, int64_t dst_run = 0);
+
+// Packs like reblock::pack the rows [row0, row0 + rows) of an operand's parts stacked by
+// term: row u holds part of[side][u / unit] of source row u % unit (fp32 `src`, rows ld
+// apart, or columns with trans). For operands too narrow to fill a batch element per term
+// (a convolution group's few channels). tmp: prows * pcols floats.
+void pack_stacked(const Terms& t, int side, int64_t unit, const float* src, int64_t ld, bool trans, int64_t row0,
+                  int64_t rows, int64_t cols, int64_t prows, int64_t pcols, DType kd, bool vnni, void* dst, Isa isa,
+                  float* tmp);
 
 // C (+)= the sum over the terms of (part of A) x (part of B), parts a_step and b_step
 // elements apart; without a split, one product of a and b.

@@ -10,6 +10,7 @@ namespace {
 
 constexpr int64_t kMaxPixels = 96;          // output pixels per block (whole register tiles)
 constexpr int64_t kPanelBytes = 640 << 10;  // a weight panel above this takes 32 channels
+constexpr int64_t kStackedBelow = 16;       // a group's channels: emulated parts stacked (direct.h)
 
 // Tap classes: outputs whose valid taps are the same (tap, input index - base) pairs, base
 // being their smallest input index, share one offset table.
@@ -86,16 +87,19 @@ Isa MultiplyNarrow::tile_isa(int64_t cols) const {
 
 DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force, int64_t threads)
     : MultiplyNarrow(d.products ? DType::bf16 : d.dt, dp),
-      n(d.n), ci(d.ci), co(d.co), groups(d.groups), ldi(d.ci * d.groups), ldo(d.co * d.groups),
+      n(d.n), ci(d.ci), co(d.co), groups(d.groups), ldo(d.co * d.groups),
       hin(d.h.in), hout(d.h.out), wout(d.w.out), rt(d.h.taps), st(d.w.taps) {
   terms = emulation::terms(d.products);
+  stacked = terms.split && ci < kStackedBelow;
+  cr = stacked ? terms.count * ci : ci;
+  ldi = cr * groups;
   // Blocking: reduced channels per batch element (dividing them), output channels per
   // panel (64 while the panel fits L2 comfortably), pixels per block.
-  bi = force && force->red > 0 && ci % force->red == 0 ? force->red : reduction_block(ci, vnni);
+  bi = force && force->red > 0 && cr % force->red == 0 ? force->red : reduction_block(cr, vnni);
   bo = force && force->cols > 0 ? force->cols : 64;
-  if (!force && rt * st * ci * bo * terms.parts[1] * int64_t(mul_bytes) > kPanelBytes) bo = 32;
+  if (!force && rt * st * cr * bo * panel_parts() * int64_t(mul_bytes) > kPanelBytes) bo = 32;
   bo = std::min(bo, co);
-  ib = ci / bi;
+  ib = cr / bi;
   ob = ceil_div(co, bo);
   blk = reblock::block_elems(bi, bo, vnni);
   panel_elems = ib * rt * st * blk;
@@ -136,12 +140,12 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   for (size_t a = 0; a < hc.keys.size(); ++a)
     for (int64_t b = 0; b < nwc; ++b) {
       Table& t = tables[a * nwc + b];
-      for (int i = 0; i < terms.count; ++i)
+      for (int i = 0; i < (stacked ? 1 : terms.count); ++i)
         for (auto [th, dh] : hc.keys[a])
           for (auto [tw, dw] : wc.keys[b])
             for (int64_t c = 0; c < ib; ++c) {
-              t.a.push_back(terms.of[0][i] * in_elems + (dh * win + dw) * ldi + c * bi);
-              t.b.push_back(terms.of[1][i] * panel_elems + ((c * rt + th) * st + tw) * blk);
+              t.a.push_back((stacked ? 0 : terms.of[0][i] * in_elems) + (dh * win + dw) * ldi + c * bi);
+              t.b.push_back((stacked ? 0 : terms.of[1][i] * panel_elems) + ((c * rt + th) * st + tw) * blk);
             }
     }
 
@@ -171,7 +175,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
 
   // Panels of a work item: as many channel blocks as fit the panel budget together, so
   // that small weights (pointwise layers) are read once per pixel block for all of them.
-  panel_bytes = Scratch::aligned(size_t(panel_elems * terms.parts[1]) * mul_bytes);
+  panel_bytes = Scratch::aligned(size_t(panel_elems * panel_parts()) * mul_bytes);
   split_bytes = terms.split ? size_t(2 * bi * bo) * sizeof(float) : 0;
   // Feature groups continue the sequence of panels: small groups share an item.
   const int64_t panels = groups * ob;
@@ -179,7 +183,7 @@ DirectPlan::DirectPlan(const Dims& d, const Dispatch& dp, const Blocking* force,
   per_item = ceil_div(panels, ceil_div(panels, per_item));  // groups of equal size
   units = n * hout * int64_t(blocks.size());
   groups_ = WorkGroups(ceil_div(panels, per_item), units, threads);
-  copy_bytes = copy ? size_t(in_elems * terms.parts[0]) * mul_bytes : 0;
+  copy_bytes = copy ? size_t(in_elems * planes()) * mul_bytes : 0;
 }
 
 }  // namespace jb::conv

@@ -18,6 +18,9 @@
 // Emulated fp32 products (Shape::products, emulation.h): the copy splits the input into its
 // bf16 parts, one plane each, and the panels hold the weights' parts side by side; a block's
 // batch walks every (term, r, s, C-block), so one BRGEMM call sums all of a tile's products.
+// Groups of few channels would make each term a batch element of a few products: there the
+// copy stacks each term's part of a group's channels side by side, and the panels the
+// matching parts of the weights' rows, so a term is more of the reduction, not more batch.
 #pragma once
 
 #include <algorithm>
@@ -135,16 +138,21 @@ struct DirectPlan : MultiplyNarrow {
       char* dst0 = buf[0];
       job.add(n * hin, [p, dst0, in_src, in_dt](int64_t row) {
         const size_t px = size_t(p->ldi) * p->mul_bytes;
-        const int64_t len = p->win_src * p->ldi;
+        const int64_t ld = p->ci * p->groups, len = p->win_src * ld;  // of the source
         char* dst = dst0 + size_t(row * p->win) * px;
-        for (int part = 0; part < p->terms.parts[0]; ++part) {
+        for (int part = 0; part < p->planes(); ++part) {
           char* d = dst + size_t(part * p->in_elems) * p->mul_bytes;
           std::memset(d, 0, size_t(p->pad_l) * px);
           std::memset(d + size_t(p->pad_l + p->win_src) * px, 0, size_t(p->pad_r) * px);
         }
-        if (p->terms.split)
-          emulation::split_rows(p->terms, 0, static_cast<const float*>(in_src) + row * len, len,
-                                dst + size_t(p->pad_l) * px, p->mul_dt, len, p->in_elems, 1, len, len);
+        const float* src = static_cast<const float*>(in_src) + row * len;
+        if (p->stacked)  // pixel j, group g: term t's part of the group's channels at (g * terms + t) * ci
+          for (int t = 0; t < p->terms.count; ++t)
+            emulation::part_of(src, p->terms.of[0][t], dst + size_t(p->pad_l) * px + size_t(t * p->ci) * p->mul_bytes,
+                               p->mul_dt, len, p->ci, p->terms.count * p->ci);
+        else if (p->terms.split)
+          emulation::split_rows(p->terms, 0, src, len, dst + size_t(p->pad_l) * px, p->mul_dt, len, p->in_elems, 1, len,
+                                len);
         else
           reblock::pack(at(in_src, in_dt, row * len), in_dt, len, false, 1, len, 1, len, p->mul_dt, false,
                         dst + size_t(p->pad_l) * px, p->isa);
@@ -159,7 +167,7 @@ struct DirectPlan : MultiplyNarrow {
       // g: a panel of the sequence over groups x ob, fg its group, o0 its first channel
       const int64_t g0 = p->groups_.panel(item) * p->per_item, g1 = std::min(p->groups * p->ob, g0 + p->per_item);
       const PanelPool::Lease panel(*pp);
-      const View<char, 6> pv(panel.data, {p->per_item, p->terms.parts[1], p->ib, p->rt, p->st, p->blk * mb});
+      const View<char, 6> pv(panel.data, {p->per_item, p->panel_parts(), p->ib, p->rt, p->st, p->blk * mb});
       float* tmp = reinterpret_cast<float*>(panel.data + p->panel_bytes * size_t(p->per_item));
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t fg = g / p->ob, o0 = g % p->ob * p->bo;
@@ -175,7 +183,7 @@ struct DirectPlan : MultiplyNarrow {
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t fg = g / p->ob, o0 = g % p->ob * p->bo, cols = std::min(p->bo, p->co - o0);
           const Brgemm& k = p->kernels[p->kid[row * nb + j] + (cols != p->bo)];
-          const char* ag = a + fg * p->ci * mb;
+          const char* ag = a + fg * p->cr * mb;
           tile(((img * p->hout + row) * p->wout + b.o) * p->ldo + fg * p->co + o0, b.m, cols,
                [&](void* out, const float* bias) { k.static_offsets(ag, pv.at(g - g0), out, bias); });
         }
@@ -183,9 +191,25 @@ struct DirectPlan : MultiplyNarrow {
     });
   }
 
-  const int64_t n, ci, co, groups, ldi, ldo, hin, hout, wout, rt, st;  // ld: channels of a pixel
+  // Packs reduced block c of a weight panel, cols wide, from w0, the group's reduced row 0
+  // (rows ld apart in w, or columns with trans): with emulated products, its parts.
+  void pack_block(const void* w0, DType w_dt, int64_t ld, bool trans, int64_t c, int64_t cols, char* dst,
+                  float* tmp) const {
+    if (stacked)
+      emulation::pack_stacked(terms, 1, ci, static_cast<const float*>(w0), ld, trans, c * bi, bi, cols, bi, bo, mul_dt,
+                              vnni, dst, isa, tmp);
+    else
+      emulation::pack(terms, 1, at(w0, w_dt, c * bi * (trans ? 1 : ld)), w_dt, ld, trans, bi, cols, bi, bo, mul_dt,
+                      vnni, dst, panel_elems, isa, tmp);
+  }
+  int planes() const { return stacked ? 1 : terms.parts[0]; }  // of the input's copy
+  int panel_parts() const { return stacked ? 1 : terms.parts[1]; }
+
+  const int64_t n, ci, co, groups, ldo, hin, hout, wout, rt, st;  // ld: channels of a pixel
   int64_t bi = 0, bo = 0, ib = 0, ob = 0, blk = 0, panel_elems = 0;
   emulation::Terms terms;  // of the emulated products; parts[0] input planes, parts[1] panel parts
+  bool stacked = false;    // the terms' parts side by side in a group's channels (few of them)
+  int64_t cr = 0, ldi = 0;  // a group's reduced channels as the kernel reads them, and a pixel's
   bool copy = false;
   int64_t pad_l = 0, pad_r = 0, win = 0, win_src = 0, in_elems = 0;  // in_elems: one plane of the copy
   std::vector<PixelBlock> blocks;

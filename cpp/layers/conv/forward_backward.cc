@@ -89,6 +89,7 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   validate(s);
   Job job;
   job.name = "conv_fwd";
+  if (s.products && w_dt != DType::f32) throw std::invalid_argument("conv: emulated products take float32 weights");
   if (s.n == 0) return job;
   job.flops = flops(s);
   // emulated products take the direct skeleton only
@@ -111,9 +112,7 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void*
   p->add(
       job, x, s.dt,
       [p, s, w, w_dt](int64_t g, int64_t k0, int64_t cols, int64_t cb, int64_t r, int64_t t, char* dst, float* tmp) {
-        emulation::pack(p->terms, 1, at(w, w_dt, ((r * s.s + t) * s.cg() + cb * p->bi) * s.k + g * s.kg() + k0),
-                        w_dt, s.k, false, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->panel_elems,
-                        p->isa, tmp);
+        p->pack_block(at(w, w_dt, (r * s.s + t) * s.cg() * s.k + g * s.kg() + k0), w_dt, s.k, false, cb, cols, dst, tmp);
       },
       [p, s, es, out, bias, gelu, y, z](int64_t off, int64_t pixels, int64_t cols, auto&& multiply) {
         multiply(out + off * es, bias ? bias + off % s.k : nullptr);
@@ -142,6 +141,7 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   validate(s);
   Job job;
   job.name = "conv_bwd";
+  if (s.products && w_dt != DType::f32) throw std::invalid_argument("conv: emulated products take float32 weights");
   if (s.n == 0) return job;
   job.flops = flops(s);
   if (depthwise(s) && !s.products) {
@@ -161,9 +161,7 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const void
   p->add(
       job, dz, s.dt,
       [p, s, w, w_dt](int64_t g, int64_t c0, int64_t cols, int64_t kb, int64_t r, int64_t t, char* dst, float* tmp) {
-        emulation::pack(p->terms, 1, at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg() + kb * p->bi),
-                        w_dt, s.k, true, p->bi, cols, p->bi, p->bo, p->mul_dt, p->vnni, dst, p->panel_elems,
-                        p->isa, tmp);
+        p->pack_block(at(w, w_dt, ((r * s.s + t) * s.cg() + c0) * s.k + g * s.kg()), w_dt, s.k, true, kb, cols, dst, tmp);
       },
       [dx, es](int64_t off, int64_t, int64_t, auto&& multiply) {
         multiply(static_cast<char*>(dx) + off * es, nullptr);

@@ -147,7 +147,7 @@ void stack_parts(Job& job, const Shape& s, const void* x, const void* dz, const 
     const int64_t term = i / (chunks[0] + chunks[1]), j = i % (chunks[0] + chunks[1]);
     const int side = j < chunks[0] ? 0 : 1;
     const int64_t e0 = (side ? j - chunks[0] : j) * kChunk, n = std::min(kChunk, ne[side] - e0);
-    emulation::part_of(src[side] + e0, t.of[side][term], dst[side] + term * ne[side] + e0, n);
+    emulation::part_of(src[side] + e0, t.of[side][term], dst[side] + term * ne[side] + e0, DType::bf16, n);
   });
   *xs = buf[0], *dzs = buf[1];
 }
