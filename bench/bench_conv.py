@@ -6,11 +6,18 @@ the stride on the bottleneck's 3x3, with each layer's multiplicity in the networ
     python bench/bench_conv.py [--n 4] [--repeats 7] [--min-time 0.1] [--dtypes float32,bfloat16]
                                [--quick] [--layers 1,4,8]
     python bench/bench_conv.py --resnet50-step [--n 4] [--repeats 5] [--dtypes float32]
+    python bench/bench_conv.py --dtypes float32 --precisions bf16_3x bf16 [--quick]
 
 --resnet50-step instead times one whole ResNet-50 v1.5 training step (224x224 inputs, 1000
 classes, BatchNorm in train mode, forward + backward + SGD update, one jitted function) with
 impl="brgemm" vs impl="xla" on the same parameters, round-robin, and reports images/s
 (median, min-max); writes bench/results/<cpu-kind>/resnet50_step.json.
+
+--precisions bf16_3x ... adds, for float32, jb.conv2d traced under
+jax.default_matmul_precision of each (jax_brgemm.precision's names), its products emulated
+from bfloat16 ones ("jax_brgemm_bf16_3x", ...; ratios to "jax_brgemm", our exact float32, in
+"vs_float32"); with bf16, also PyTorch's one-pass bf16 mode for float32 convolutions
+("torch_bf16"). Writes conv_precisions.json then, no plots.
 
 Passes (ResNet's convolutions have no bias; BatchNorm follows them):
 
@@ -40,6 +47,7 @@ import numpy as np
 import common  # noqa: E402
 
 import jax_brgemm as jb  # noqa: E402
+from jax_brgemm import precision  # noqa: E402
 
 # ResNet-50 v1.5's distinct convolutions, one line per stage, each as (H = W of the input,
 # C, K, R = S, stride, multiplicity); the layer ids number them from 1 in this order.
@@ -69,8 +77,8 @@ def flops_of(n, h, c, k, r, stride):
     return 2.0 * n * p * p * k * c * r * r
 
 
-def contenders(n, h, c, k, r, stride, dtype, torch):
-    """{name: {pass: (fn, args)}} for one layer."""
+def contenders(n, h, c, k, r, stride, dtype, torch, accuracies=()):
+    """{name: {pass: (fn, args)}} for one layer; float32 adds the emulated `accuracies`."""
     rng = np.random.default_rng(h * 7 + c + k + r)
     p = out_size(h, r, stride)
     x = jnp.asarray(rng.standard_normal((n, h, h, c)), dtype)
@@ -93,6 +101,8 @@ def contenders(n, h, c, k, r, stride, dtype, torch):
         }
 
     out = {"jax_brgemm": passes(ours), "xla": passes(xla)}
+    if dtype == jnp.float32:
+        out.update({f"jax_brgemm_{a}": passes(common.under(a, ours)) for a in accuracies})
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         cl = torch.channels_last
@@ -121,6 +131,9 @@ def contenders(n, h, c, k, r, stride, dtype, torch):
 
         out["torch"] = {"fwd": (t_fwd, ()), "bwd": (t_bwd([True, False, False]), ()),
                         "upd": (t_bwd([False, True, False]), ()), "step": (t_step, ())}
+        if "bf16" in accuracies and dtype == jnp.float32:
+            out["torch_bf16"] = {k: (common.torch_one_bf16_product(torch, "conv", f), a)
+                                 for k, (f, a) in out["torch"].items()}
     return out
 
 
@@ -133,7 +146,10 @@ def main(argv=None):
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--resnet50-step", action="store_true",
                    help="time a whole ResNet-50 training step (images/s) instead of the layers")
+    p.add_argument("--precisions", nargs="+", default=[], choices=[a for a in precision.HARNESS if a != "float32"],
+                   help="float32 contenders whose products are emulated from bfloat16 ones")
     args = p.parse_args(argv)
+    precision.EMULATE = precision.EMULATE or bool(args.precisions)  # as JAX_BRGEMM_EMULATE=1
     if args.resnet50_step:
         return resnet50_step(args)
     torch = common.torch_or_none()
@@ -149,7 +165,7 @@ def main(argv=None):
         dtype = DTYPES[dname]
         for lid in ids:
             h, c, k, r, stride, mult = RESNET50[lid]
-            cont = contenders(args.n, h, c, k, r, stride, dtype, torch)
+            cont = contenders(args.n, h, c, k, r, stride, dtype, torch, args.precisions)
             for pas in passes:
                 fns = {name: cont[name][pas][0] for name in cont}
                 fargs = {name: cont[name][pas][1] for name in cont}
@@ -163,6 +179,8 @@ def main(argv=None):
                 row["vs_xla"] = row["gflops"]["jax_brgemm"] / row["gflops"]["xla"]
                 if "torch" in row["gflops"]:
                     row["vs_torch"] = row["gflops"]["jax_brgemm"] / row["gflops"]["torch"]
+                row["vs_float32"] = {name: row["gflops"][name] / row["gflops"]["jax_brgemm"]
+                                     for name in row["gflops"] if name.startswith("jax_brgemm_")}
                 rows.append(row)
                 print(f"{dname:8s} id {lid:2d} {h:3d}x{h:<3d} {c:4d}->{k:<4d} {r}x{r} s{stride} {pas:4s} " +
                       "  ".join(f"{name} {row['gflops'][name]:6.1f}" for name in row["gflops"]) +
@@ -174,11 +192,13 @@ def main(argv=None):
               "  ".join(f"{name} {g:6.1f} GFLOP/s ({100 * w['peak_fraction'][name]:.1f}%)"
                         for name, g in w["gflops"].items()) +
               f"  | {w['vs_xla']:.2f}x xla" + (f", {w['vs_torch']:.2f}x torch" if "vs_torch" in w else "") +
+              "".join(f", {name} {v:.2f}x our float32" for name, v in w["vs_float32"].items()) +
               (f"  (paper: {100 * PAPER[w['pass']]:.1f}%)" if w["pass"] in PAPER else ""))
-    common.write_results("conv", {"peak_gflops": peak, "n": args.n, "repeats": args.repeats,
-                                  "min_time": args.min_time, "torch": bool(torch), "layers": ids,
-                                  "rows": rows, "weighted": weighted, "paper_weighted": PAPER})
-    plots(rows, weighted, peak)
+    common.write_results("conv_precisions" if args.precisions else "conv", {
+        "peak_gflops": peak, "n": args.n, "repeats": args.repeats, "min_time": args.min_time, "torch": bool(torch),
+        "layers": ids, "precisions": args.precisions, "rows": rows, "weighted": weighted, "paper_weighted": PAPER})
+    if not args.precisions:  # the plots show the main suite
+        plots(rows, weighted, peak)
 
 
 def resnet50_step(args):
@@ -257,6 +277,7 @@ def weighted_efficiency(rows, peak):
                  "vs_xla": g["jax_brgemm"] / g["xla"]}
             if "torch" in g:
                 w["vs_torch"] = g["jax_brgemm"] / g["torch"]
+            w["vs_float32"] = {name: v / g["jax_brgemm"] for name, v in g.items() if name.startswith("jax_brgemm_")}
             out.append(w)
     return out
 

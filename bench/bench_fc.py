@@ -58,26 +58,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # --- the FC layer -------------------------------------------------------------------------
 
-def under(accuracy, f):
-    """f traced under jax.default_matmul_precision of a harness accuracy name."""
-    def traced(*args):
-        with jax.default_matmul_precision(precision.HARNESS[accuracy]):
-            return f(*args)
-    return traced
-
-
-def torch_one_bf16_product(torch, f):
-    """f with PyTorch's one-pass bf16 mode for float32 matmuls (oneDNN; what it offers beside
-    our "bf16"; a CPU without bf16 products computes float32 either way)."""
-    def call():
-        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
-        try:
-            return f()
-        finally:
-            torch.backends.mkldnn.matmul.fp32_precision = "none"
-    return call
-
-
 def layer_contenders(n, c, dtype, torch, accuracies=()):
     """{name: {pass: (fn, args)}} for one layer shape and dtype."""
     rng = np.random.default_rng(n + c)
@@ -94,7 +74,7 @@ def layer_contenders(n, c, dtype, torch, accuracies=()):
     jb_layer = lambda x, p: jb.nn.Dense(c, activation="relu", dtype=dtype).apply(p, x)
     xla_layer = lambda x, p: jax.nn.relu(stock.apply(p, x))
     out = {}
-    emulated = [(f"jax_brgemm_{a}", under(a, jb_layer)) for a in accuracies if dtype == jnp.float32]
+    emulated = [(f"jax_brgemm_{a}", common.under(a, jb_layer)) for a in accuracies if dtype == jnp.float32]
     for name, layer in (("jax_brgemm", jb_layer), *emulated, ("flax", xla_layer)):
         # The backward passes alone, given the forward's residuals: the vjp closure is a
         # pytree of them, passed into the jitted function. What a pass does not need is
@@ -140,7 +120,8 @@ def layer_contenders(n, c, dtype, torch, accuracies=()):
 
         out["torch"] = {"fwd": (t_fwd, ()), "bwd": (t_bwd, ()), "upd": (t_upd, ()), "step": (t_step, ())}
         if "bf16" in accuracies and dtype == jnp.float32:
-            out["torch_bf16"] = {k: (torch_one_bf16_product(torch, f), a) for k, (f, a) in out["torch"].items()}
+            out["torch_bf16"] = {k: (common.torch_one_bf16_product(torch, "matmul", f), a)
+                                 for k, (f, a) in out["torch"].items()}
     return out
 
 
@@ -172,7 +153,7 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd", accuracies=()):
             fused = jbo.train_step(loss, opt)
             out["jax_brgemm_fused"] = _chained(lambda p, s, fused=fused: fused(p, s)[:2], params, opt)
             for a in accuracies if dtype == jnp.float32 else ():
-                out[f"jax_brgemm_{a}"] = _chained(under(a, step), params, opt)
+                out[f"jax_brgemm_{a}"] = _chained(common.under(a, step), params, opt)
     if torch is not None:
         tdt = torch.float32 if dtype == jnp.float32 else torch.bfloat16
         layers, widths = [], (784, *features)
@@ -191,7 +172,7 @@ def mlp_contenders(n, features, dtype, torch, opt_name="sgd", accuracies=()):
 
         out["torch"] = (t_step, ())
         if "bf16" in accuracies and dtype == jnp.float32:
-            out["torch_bf16"] = (torch_one_bf16_product(torch, t_step), ())
+            out["torch_bf16"] = (common.torch_one_bf16_product(torch, "matmul", t_step), ())
     return out
 
 

@@ -112,6 +112,30 @@ def torch_or_none():
     return torch
 
 
+def under(accuracy, f):
+    """f traced under jax.default_matmul_precision of a harness accuracy name (its products
+    emulated from bfloat16 ones where jax_brgemm.precision.EMULATE is on)."""
+    def traced(*args):
+        with jax.default_matmul_precision(jax_brgemm.precision.HARNESS[accuracy]):
+            return f(*args)
+    return traced
+
+
+def torch_one_bf16_product(torch, backend: str, f):
+    """f with PyTorch's one-pass bf16 mode for float32 `backend` ("matmul" or "conv") work
+    (oneDNN's; what it offers beside our "bf16"; a CPU without bf16 products computes float32
+    either way)."""
+    flags = getattr(torch.backends.mkldnn, backend)
+
+    def call():
+        flags.fp32_precision = "bf16"
+        try:
+            return f()
+        finally:
+            flags.fp32_precision = "none"
+    return call
+
+
 def stats(samples) -> dict:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
