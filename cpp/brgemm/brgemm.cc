@@ -121,7 +121,9 @@ const Dispatch& dispatch() {
   return d;
 }
 
-Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : desc_(d), isa_(isa), fn_(kernel_for(isa, d)) {
+Brgemm::Brgemm(const BrgemmDesc& d, Isa isa) : Brgemm(d, isa, kernel_for(isa, d)) {}
+
+Brgemm::Brgemm(const BrgemmDesc& d, Isa isa, BrgemmFn fn) : desc_(d), isa_(isa), fn_(fn) {
   check(d.m >= 0 && d.n >= 0 && d.k >= 0, "negative size");
   check(d.lda >= d.k, "lda < k");
   check(d.ldb >= (d.ab == DType::bf16 ? 2 * d.n : d.n), "ldb too small for n");

@@ -104,6 +104,8 @@ class Brgemm {
  public:
   // Throws std::invalid_argument for sizes or leading dimensions that make no sense.
   explicit Brgemm(const BrgemmDesc& desc, Isa isa = best_isa());
+  // Runs fn in place of the ISA's kernel (the tests run the AMX driver on a tile model).
+  Brgemm(const BrgemmDesc& desc, Isa isa, BrgemmFn fn);
 
   // Address-based batch: A_i = a[i], B_i = b[i].
   void addresses(const void* const* a, const void* const* b, int64_t batch, void* c,

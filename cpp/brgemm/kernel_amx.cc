@@ -1,166 +1,35 @@
-// AMX variant of the bf16 BRGEMM: 32 x 32 macro tiles of C held in four tile registers
-// (2 x 2 tiles of 16 x 16 fp32) across the whole batch and K loop, fed by two A tiles
-// (16 rows x 32 k) and two B tiles (16 VNNI pair rows x 16 columns) per 32-wide k step.
-// B's VNNI-2 layout is exactly the AMX B-tile layout, so B is read in place.
-//
-// Each macro tile accumulates into C itself (fp32, no epilogue) or into a 32 x 32 fp32 tile
-// on the stack; a k remainder (K % 32) is finished by the AVX-512 bf16 kernel accumulating
-// onto that, and only then do bias, activation and the conversion to C's dtype run, once.
-// Nothing is allocated.
+// The AMX bf16 BRGEMM (amx_driver.h) on the hardware's tile unit.
 // Compiled with -mamx-tile -mamx-bf16 (+ AVX-512); only called when CPUID and the OS
 // (arch_prctl XTILEDATA permission) allow AMX.
 #include <immintrin.h>
 
-#include <cstring>
-
-#include "brgemm/tile.h"
+#include "brgemm/amx_driver.h"
 
 namespace jb {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+// GCC's tile intrinsics paste their register number into the assembly text, so they
+// take literals only; these pass it as an immediate (%c: printed bare) from a template.
+struct AmxTiles {
+  static void configure(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+  static void release() { _tile_release(); }
+  static BrgemmFn rest() { return detail::brgemm_avx512(); }
+  template <int R>
+  static void zero() { asm volatile("tilezero %%tmm%c0" ::"i"(R)); }
+  template <int R>
+  static void load(const void* p, int64_t stride) {
+    asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(R) : "memory");
+  }
+  template <int R>
+  static void store(void* p, int64_t stride) {
+    asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(R) : "memory");
+  }
+  template <int C, int A, int B>
+  static void dot() { asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
 };
-
-// Tile registers: C00 C01 C10 C11 = 0..3, A0 A1 = 4, 5, B0 B1 = 6, 7.
-TileConfig config_for(int rows0, int rows1, int cols0, int cols1) {
-  TileConfig cfg;
-  const int rows[2] = {rows0, rows1}, cols[2] = {cols0, cols1};
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j)
-      if (rows[i] && cols[j]) cfg.rows[2 * i + j] = uint8_t(rows[i]), cfg.colsb[2 * i + j] = uint16_t(4 * cols[j]);
-  for (int i = 0; i < 2; ++i)
-    if (rows[i]) cfg.rows[4 + i] = uint8_t(rows[i]), cfg.colsb[4 + i] = 64;
-  for (int j = 0; j < 2; ++j)
-    if (cols[j]) cfg.rows[6 + j] = 16, cfg.colsb[6 + j] = uint16_t(4 * cols[j]);
-  return cfg;
-}
-
-// One macro tile: s (fp32, row stride lds) = (ACC ? s : 0) + sum_i A_i[rows] @ B_i[cols]
-// over k32 k's. Edge tiles are configured with fewer rows / columns, so their loads and
-// stores touch only the valid part of s.
-template <bool TWO_ROWS, bool TWO_COLS>
-void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k32,
-                int64_t lda, int64_t ldb, int64_t i0, int64_t j0, float* s, int64_t lds, bool acc) {
-  const int64_t sb = lds * 4;
-  if (acc) {
-    _tile_loadd(0, s, sb);
-    if (TWO_COLS) _tile_loadd(1, s + 16, sb);
-    if (TWO_ROWS) _tile_loadd(2, s + 16 * lds, sb);
-    if (TWO_ROWS && TWO_COLS) _tile_loadd(3, s + 16 * lds + 16, sb);
-  } else {
-    _tile_zero(0);
-    if (TWO_COLS) _tile_zero(1);
-    if (TWO_ROWS) _tile_zero(2);
-    if (TWO_ROWS && TWO_COLS) _tile_zero(3);
-  }
-  for (int64_t bi = 0; bi < batch; ++bi) {
-    const uint16_t* ai = reinterpret_cast<const uint16_t*>(a.at(bi)) + i0 * lda;
-    const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.at(bi)) + 2 * j0;
-    for (int64_t k = 0; k < k32; k += 32) {
-      _tile_loadd(4, ai + k, lda * 2);
-      if (TWO_ROWS) _tile_loadd(5, ai + 16 * lda + k, lda * 2);
-      _tile_loadd(6, bp + (k / 2) * ldb, ldb * 2);
-      if (TWO_COLS) _tile_loadd(7, bp + (k / 2) * ldb + 32, ldb * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      if (TWO_COLS) _tile_dpbf16ps(1, 4, 7);
-      if (TWO_ROWS) _tile_dpbf16ps(2, 5, 6);
-      if (TWO_ROWS && TWO_COLS) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, s, sb);
-  if (TWO_COLS) _tile_stored(1, s + 16, sb);
-  if (TWO_ROWS) _tile_stored(2, s + 16 * lds, sb);
-  if (TWO_ROWS && TWO_COLS) _tile_stored(3, s + 16 * lds + 16, sb);
-}
-
-using MacroFn = decltype(&macro_tile<true, true>);
-
-// Bias, activation and the conversion to C's dtype of a finished fp32 tile s.
-void finish(const BrgemmDesc& d, float* s, int64_t lds, int rows, int cols, const float* bias,
-            char* c) {
-  for (int i = 0; i < rows; ++i) {
-    float* row = s + i * lds;
-    if (bias)
-      for (int j = 0; j < cols; ++j) row[j] += bias[j];
-    apply_activation(d.act, row, cols);
-    if (d.c == DType::f32) {
-      std::memcpy(reinterpret_cast<float*>(c) + i * d.ldc, row, size_t(cols) * sizeof(float));
-    } else {
-      uint16_t* dst = reinterpret_cast<uint16_t*>(c) + i * d.ldc;
-      for (int j = 0; j < cols; ++j) dst[j] = f32_to_bf16(row[j]);
-    }
-  }
-}
-
-void run_amx_bf16(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, int64_t batch,
-                  void* c, const float* bias) {
-  const int64_t k32 = d.k / 32 * 32;
-  // fp32 C without an epilogue or remainder is accumulated in place; everything else goes
-  // through a stack tile, so that rounding and the epilogue happen once, after the whole
-  // reduction.
-  const bool direct = d.c == DType::f32 && k32 == d.k && !bias && d.act == Activation::none && k32 > 0;
-  static constexpr MacroFn kMacro[2][2] = {{macro_tile<false, false>, macro_tile<false, true>},
-                                           {macro_tile<true, false>, macro_tile<true, true>}};
-  alignas(64) float tile[32 * 32];
-  int last[4] = {-1, -1, -1, -1};
-  for (int64_t j0 = 0; j0 < d.n; j0 += 32) {
-    const int cols = int(std::min<int64_t>(32, d.n - j0));
-    const int cols0 = std::min(cols, 16), cols1 = cols - cols0;
-    for (int64_t i0 = 0; i0 < d.m; i0 += 32) {
-      const int rows = int(std::min<int64_t>(32, d.m - i0));
-      const int rows0 = std::min(rows, 16), rows1 = rows - rows0;
-      char* cij = static_cast<char*>(c) + (i0 * d.ldc + j0) * int64_t(dtype_size(d.c));
-      float* s = direct ? reinterpret_cast<float*>(cij) : tile;
-      const int64_t lds = direct ? d.ldc : 32;
-      bool acc = d.accumulate;  // whether s holds a partial sum
-      if (acc && !direct)
-        for (int i = 0; i < rows; ++i)
-          for (int j = 0; j < cols; ++j)
-            s[i * lds + j] = d.c == DType::f32 ? reinterpret_cast<const float*>(cij)[i * d.ldc + j]
-                                               : bf16_to_f32(reinterpret_cast<const uint16_t*>(cij)[i * d.ldc + j]);
-      if (k32 > 0) {
-        const int shape[4] = {rows0, rows1, cols0, cols1};
-        if (!std::equal(shape, shape + 4, last)) {  // edges need their own tile shapes
-          const TileConfig cfg = config_for(rows0, rows1, cols0, cols1);
-          _tile_loadconfig(&cfg);
-          std::copy(shape, shape + 4, last);
-        }
-        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s, lds, acc);
-        acc = true;
-      }
-      if (direct) continue;
-      // The k remainder, bias, activation and the store to C, by the AVX-512 kernel on
-      // this tile's rows and columns (k = 0 with no remainder: bias and activation only).
-      BrgemmDesc rest = d;
-      rest.m = rows;
-      rest.n = cols;
-      rest.k = d.k - k32;
-      BatchWalk ra = a, rb = b;
-      ra.shift += (i0 * d.lda + k32) * 2;
-      rb.shift += ((k32 / 2) * d.ldb + 2 * j0) * 2;
-      if (acc) {  // continue from the fp32 tile
-        rest.lda = d.lda;
-        rest.ldc = lds;
-        rest.c = DType::f32;
-        rest.accumulate = true;
-        rest.bias = false;
-        rest.act = Activation::none;
-        if (rest.k > 0) detail::brgemm_avx512()(rest, ra, rb, batch, s, nullptr);
-        finish(d, s, lds, rows, cols, bias ? bias + j0 : nullptr, cij);
-      } else {  // nothing accumulated yet (k < 32): the AVX-512 kernel does the whole block
-        detail::brgemm_avx512()(rest, ra, rb, batch, cij, bias ? bias + j0 : nullptr);
-      }
-    }
-  }
-  if (k32 > 0) _tile_release();
-}
 
 }  // namespace
 
-BrgemmFn detail::brgemm_amx_bf16() { return &run_amx_bf16; }
+BrgemmFn detail::brgemm_amx_bf16() { return &run_amx_bf16<AmxTiles>; }
 
 }  // namespace jb

@@ -3,9 +3,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "brgemm/brgemm.h"
+#include "amx_model.h"
 #include "check.h"
 #include "fixtures.h"
 #include "layers/batch_reduce.h"
@@ -18,6 +20,23 @@ std::vector<Isa> isas() {
   std::vector<Isa> out{Isa::generic};
   for (Isa isa : {Isa::avx2, Isa::avx512, Isa::amx})
     if (isa <= best_isa()) out.push_back(isa);
+  return out;
+}
+
+// A kernel under test: an ISA's own, or the AMX driver on the tile model (any host), which
+// takes the cases the AMX ISA sends to its tiles: bf16 operands, even k.
+struct Target {
+  Isa isa;
+  BrgemmFn model = nullptr;
+  const char* name() const { return model ? "amx-model" : isa_name(isa); }
+  bool takes(DType ab, int64_t k) const { return !model || (ab == DType::bf16 && k % 2 == 0); }
+  Brgemm kernel(const BrgemmDesc& d) const { return model ? Brgemm(d, isa, model) : Brgemm(d, isa); }
+};
+
+std::vector<Target> targets() {
+  std::vector<Target> out;
+  for (Isa isa : isas()) out.push_back({isa});
+  out.push_back({Isa::amx, jbtest::amx_model_kernel()});
   return out;
 }
 
@@ -43,7 +62,9 @@ struct Case {
 
 // Operands live in one buffer per side, B_i / A_i spaced with a gap so that strides,
 // offsets and addresses all differ from the packed case; leading dims exceed the sizes.
-void run_case(Isa isa, const Case& t, std::mt19937& rng) {
+void run_case(const Target& target, const Case& t, std::mt19937& rng) {
+  if (!target.takes(t.ab, t.k)) return;
+  const char* isa = target.name();
   std::normal_distribution<float> dist(0.f, 1.f);
   const bool bf16 = t.ab == DType::bf16;
   const int64_t lda = t.k + 3, ldc = t.n + 5;
@@ -115,7 +136,7 @@ void run_case(Isa isa, const Case& t, std::mt19937& rng) {
     d.static_offs_b = sob.data();
     d.static_batch = t.batch;
   }
-  const Brgemm kernel(d, isa);
+  const Brgemm kernel = target.kernel(d);
   const float* bias_ptr = t.bias ? bias.data() : nullptr;
   const int64_t stride_a = a_size, stride_b = b_size;
   switch (t.kind) {
@@ -152,14 +173,14 @@ void run_case(Isa isa, const Case& t, std::mt19937& rng) {
       const double got = t.c == DType::f32 ? c32[i * ldc + j] : bf16_to_f32(c16[i * ldc + j]);
       if (j >= t.n) {
         if (got != untouched && errors++ < 3)
-          CHECK(false) << isa_name(isa) << " m=" << t.m << " n=" << t.n << " k=" << t.k
+          CHECK(false) << isa << " m=" << t.m << " n=" << t.n << " k=" << t.k
                        << " c=" << int(t.c) << " act=" << int(t.act) << ": wrote past n at ("
                        << i << ", " << j << ")";
         continue;
       }
       const double w = want[i * t.n + j], tol = rel * (mag[i * t.n + j] + 1e-3) + 1e-6;
       if (!(std::fabs(got - w) <= tol) && errors++ < 3)
-        CHECK(false) << isa_name(isa) << " batch=" << t.batch << " m=" << t.m << " n=" << t.n
+        CHECK(false) << isa << " batch=" << t.batch << " m=" << t.m << " n=" << t.n
                      << " k=" << t.k << " bf16=" << bf16 << " acc=" << t.accumulate
                      << " kind=" << int(t.kind) << " act=" << int(t.act) << " at (" << i << ", "
                      << j << "): got " << got << " want " << w;
@@ -171,7 +192,7 @@ TEST(every_isa_kind_dtype_and_shape) {
   std::mt19937 rng(42);
   const int64_t sizes[] = {1, 2, 3, 7, 16, 17, 31, 33, 64, 65};
   int cases = 0;
-  for (Isa isa : isas())
+  for (const Target& isa : targets())
     for (DType ab : {DType::f32, DType::bf16})
       for (int64_t m : sizes)
         for (int64_t n : sizes) {
@@ -188,7 +209,7 @@ TEST(every_isa_kind_dtype_and_shape) {
 
 TEST(large_k_and_batch_keep_accumulating) {
   std::mt19937 rng(7);
-  for (Isa isa : isas())
+  for (const Target& isa : targets())
     for (DType ab : {DType::f32, DType::bf16})
       for (Kind kind : {Kind::address, Kind::stride, Kind::offset, Kind::static_offset})
         run_case(isa, {300, 13, 40, 129, ab, DType::f32, true, true, Activation::none, kind}, rng);
@@ -199,7 +220,7 @@ TEST(reductions_longer_than_a_chunk) {
   // short batch items (grouped), with every epilogue: chunk sums must add up exactly once.
   std::mt19937 rng(5);
   int i = 0;
-  for (Isa isa : isas())
+  for (const Target& isa : targets())
     for (DType ab : {DType::f32, DType::bf16})
       for (int64_t k : {1025, 2051, 3000}) {
         ++i;
@@ -238,7 +259,7 @@ TEST(tile_edges_and_k_remainders) {
   // variant hands the remainder to the vector kernel.
   std::mt19937 rng(11);
   int i = 0;
-  for (Isa isa : isas())
+  for (const Target& isa : targets())
     for (int64_t k : {32, 34, 48, 62, 96, 100})
       for (int64_t m : {1, 15, 16, 17, 32, 33, 50})
         for (int64_t n : {1, 16, 17, 31, 32, 47}) {
@@ -246,6 +267,32 @@ TEST(tile_edges_and_k_remainders) {
           run_case(isa, {1 + i % 3, m, n, k, DType::bf16, i % 4 == 0 ? DType::bf16 : DType::f32,
                          i % 2 == 0, i % 3 == 0, Activation(i % 5), Kind(i % 3)}, rng);
         }
+}
+
+// The tile model behind the "amx-model" target refuses what the hardware faults on, so a
+// driver change that would fault on an AMX host fails here on any host.
+TEST(amx_model_refuses_what_the_tiles_fault_on) {
+  using jbtest::AmxModel;
+  auto refused = [](auto&& step) {
+    try {
+      step();
+    } catch (const std::logic_error&) {
+      return true;
+    }
+    return false;
+  };
+  alignas(64) uint16_t buf[16 * 32] = {};
+  CHECK(refused([&] { AmxModel::release(), AmxModel::load<4>(buf, 64); })) << "tile used unconfigured";
+  TileConfig big = config_for(16, 0, 16, 0);
+  big.colsb[6] = 68;
+  CHECK(refused([&] { AmxModel::configure(big); })) << "68-byte rows";
+  TileConfig odd = config_for(16, 0, 16, 0);
+  odd.rows[4] = 15;  // A's rows no longer C's
+  AmxModel::configure(odd);
+  CHECK(refused([] { AmxModel::dot<0, 4, 6>(); })) << "A rows != C rows";
+  AmxModel::configure(config_for(16, 16, 16, 16));
+  CHECK(!refused([] { AmxModel::dot<3, 5, 7>(); }));
+  AmxModel::release();
 }
 
 TEST(nan_propagates) {
