@@ -49,28 +49,57 @@ inline TileConfig config_for(int rows0, int rows1, int cols0, int cols1) {
   return cfg;
 }
 
+// The tiles restart from zero every kChainK products of a reduction and their sums join s in
+// fp32: a tile accumulates a long chain of products less accurately than FMAs do (a 65,536-long
+// bf16 reduction: 5.6x the error of vdpbf16ps's on a model-167 Xeon, docs/fc.md). Reductions of
+// up to kChainK products, most layers', never leave the tiles.
+constexpr int64_t kChainK = 4096;
+
+// s[rows x cols] (row stride lds) += part (row stride 32), or = part when !add.
+inline void add_part(float* s, int64_t lds, const float* part, int rows, int cols, bool add) {
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) s[i * lds + j] = add ? s[i * lds + j] + part[i * 32 + j] : part[i * 32 + j];
+}
+
 // One macro tile: s (fp32, row stride lds) = (ACC ? s : 0) + sum_i A_i[rows] @ B_i[cols]
 // over k32 k's. Edge tiles are configured with fewer rows / columns, so their loads and
-// stores touch only the valid part of s.
+// stores touch only the valid part of s (rows x cols).
 template <class T, bool TWO_ROWS, bool TWO_COLS>
-void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k32,
-                int64_t lda, int64_t ldb, int64_t i0, int64_t j0, float* s, int64_t lds, bool acc) {
+void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k32, int64_t lda, int64_t ldb,
+                int64_t i0, int64_t j0, float* s, int64_t lds, bool acc, int rows, int cols) {
   const int64_t sb = lds * 4;
+  auto store_to = [](float* d, int64_t db) {
+    T::template store<0>(d, db);
+    if (TWO_COLS) T::template store<1>(d + 16, db);
+    if (TWO_ROWS) T::template store<2>(d + 16 * (db / 4), db);
+    if (TWO_ROWS && TWO_COLS) T::template store<3>(d + 16 * (db / 4) + 16, db);
+  };
   if (acc) {
     T::template load<0>(s, sb);
     if (TWO_COLS) T::template load<1>(s + 16, sb);
     if (TWO_ROWS) T::template load<2>(s + 16 * lds, sb);
     if (TWO_ROWS && TWO_COLS) T::template load<3>(s + 16 * lds + 16, sb);
-  } else {
-    T::template zero<0>();
-    if (TWO_COLS) T::template zero<1>();
-    if (TWO_ROWS) T::template zero<2>();
-    if (TWO_ROWS && TWO_COLS) T::template zero<3>();
   }
+  // s_holds: s holds a partial sum that the tiles do not (after a restart)
+  bool s_holds = false, zeroed = acc;
+  int64_t chain = 0;  // products in the tiles since they last started from zero
+  alignas(64) float part[32 * 32];
   for (int64_t bi = 0; bi < batch; ++bi) {
     const uint16_t* ai = reinterpret_cast<const uint16_t*>(a.at(bi)) + i0 * lda;
     const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.at(bi)) + 2 * j0;
     for (int64_t k = 0; k < k32; k += 32) {
+      if (!zeroed || chain == kChainK) {
+        if (zeroed) {  // a full chain: into s, in fp32
+          store_to(part, 32 * 4);
+          add_part(s, lds, part, rows, cols, s_holds);
+          s_holds = true;
+        }
+        T::template zero<0>();
+        if (TWO_COLS) T::template zero<1>();
+        if (TWO_ROWS) T::template zero<2>();
+        if (TWO_ROWS && TWO_COLS) T::template zero<3>();
+        zeroed = true, chain = 0;
+      }
       T::template load<4>(ai + k, lda * 2);
       if (TWO_ROWS) T::template load<5>(ai + 16 * lda + k, lda * 2);
       T::template load<6>(bp + (k / 2) * ldb, ldb * 2);
@@ -79,12 +108,18 @@ void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k
       if (TWO_COLS) T::template dot<1, 4, 7>();
       if (TWO_ROWS) T::template dot<2, 5, 6>();
       if (TWO_ROWS && TWO_COLS) T::template dot<3, 5, 7>();
+      chain += 32;
     }
   }
-  T::template store<0>(s, sb);
-  if (TWO_COLS) T::template store<1>(s + 16, sb);
-  if (TWO_ROWS) T::template store<2>(s + 16 * lds, sb);
-  if (TWO_ROWS && TWO_COLS) T::template store<3>(s + 16 * lds + 16, sb);
+  if (!zeroed) {  // no k at all: s = 0
+    T::template zero<0>();
+    if (TWO_COLS) T::template zero<1>();
+    if (TWO_ROWS) T::template zero<2>();
+    if (TWO_ROWS && TWO_COLS) T::template zero<3>();
+  }
+  if (!s_holds) return store_to(s, sb);
+  store_to(part, 32 * 4);
+  add_part(s, lds, part, rows, cols, true);
 }
 
 // Bias, activation and the conversion to C's dtype of a finished fp32 tile s.
@@ -138,7 +173,7 @@ void run_amx_bf16(const BrgemmDesc& d, const BatchWalk& a, const BatchWalk& b, i
           T::configure(config_for(rows0, rows1, cols0, cols1));
           std::copy(shape, shape + 4, last);
         }
-        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s, lds, acc);
+        kMacro[rows1 > 0][cols1 > 0](a, b, batch, k32, d.lda, d.ldb, i0, j0, s, lds, acc, rows, cols);
         acc = true;
       }
       if (direct) continue;
