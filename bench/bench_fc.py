@@ -18,7 +18,7 @@ impl="brgemm" vs impl="xla" with the same parameters: N=256 784-1024-1024-1024-1
 with the same 1024-wide layers. "jax_brgemm_fused" is the brgemm model's step built by
 jax_brgemm.optim.train_step with the same optax optimizer marked (jax_brgemm.optim.sgd /
 adamw: optax's own transformation and state), its step fused into the weight updates.
---mlp-only skips the layer suite. --precisions bf16_3x ... adds, for float32, the brgemm
+--mlp-only skips the layer suite, --tiny runs one tiny shape of each (for the tests). --precisions bf16_3x ... adds, for float32, the brgemm
 layer and MLP traced under jax.default_matmul_precision of each (jax_brgemm.precision's
 names), its products emulated from bfloat16 ones ("jax_brgemm_bf16_3x", ...); with bf16,
 also PyTorch's one-pass bf16 mode for float32 matmuls ("torch_bf16").
@@ -193,6 +193,7 @@ def _chained(step, params, opt):
 def main(argv=None):
     p = common.arg_parser(__doc__, 9, 0.1)
     p.add_argument("--quick", action="store_true", help="C=K=1024, N=256 and the MLPs only")
+    p.add_argument("--tiny", action="store_true", help="N=8, C=K=32 and a 32-wide MLP: a check that it runs")
     p.add_argument("--mlp-only", action="store_true", help="the MLP steps only")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--precisions", nargs="+", default=[], choices=[a for a in precision.HARNESS if a != "float32"],
@@ -207,7 +208,9 @@ def main(argv=None):
           f"kernel ISA {jb.isa()}; torch {'yes' if torch else 'not installed'}\nCPU: {common.cpu_name()}")
 
     layer_rows = []
-    shapes = [] if args.mlp_only else [(256, 1024)] if args.quick else [(n, c) for c in WIDTHS for n in BATCHES]
+    shapes = ([] if args.mlp_only else [(8, 32)] if args.tiny else [(256, 1024)] if args.quick else
+              [(n, c) for c in WIDTHS for n in BATCHES])
+    mlp_cases = ((8, (32, 32)),) if args.tiny else MLP_CASES
     for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
         for n, c in shapes:
             cont = layer_contenders(n, c, dtype, torch, args.precisions)
@@ -228,7 +231,7 @@ def main(argv=None):
 
     mlp_rows = []
     for dname, dtype in ((d, DTYPES[d]) for d in args.dtypes):
-        for (n, features), opt_name in [(case, o) for case in MLP_CASES for o in OPTIMIZERS]:
+        for (n, features), opt_name in [(case, o) for case in mlp_cases for o in OPTIMIZERS]:
             cont = mlp_contenders(n, features, dtype, torch, opt_name, args.precisions)
             samples = common.interleaved({k: v[0] for k, v in cont.items()},
                                          {k: v[1] for k, v in cont.items()},
@@ -300,20 +303,28 @@ def _plot_mlp(mlp_rows):
                      "MLP 784-1024-1024-1024-10 training step")
 
 
+def _names(rows, field):
+    """Every contender of the rows, in order of appearance (the emulated precisions run in
+    float32 rows only)."""
+    return list(dict.fromkeys(n for r in rows for n in r[field]))
+
+
 def markdown(layer_rows, mlp_rows, peak):
-    names = list(layer_rows[0]["gflops"]) if layer_rows else []
+    names = _names(layer_rows, "gflops")
     out = common.peak_table_head(peak, ["dtype", "N", "C=K", "pass"], names, "flax") if layer_rows else []
     for r in layer_rows:
-        cells = [f"{r['gflops'][n]:.0f} ({r['gflops_range'][n][0]:.0f}-{r['gflops_range'][n][1]:.0f})" for n in names]
+        g, lo_hi = r["gflops"], r["gflops_range"]
+        cells = [f"{g[n]:.0f} ({lo_hi[n][0]:.0f}-{lo_hi[n][1]:.0f})" if n in g else "-" for n in names]
         out.append(f"| {r['dtype']} | {r['n']} | {r['c']} | {r['pass']} | " + " | ".join(cells) +
                    f" | {100 * r['peak_fraction']:.0f}% | {spread(r, 'flax')} |" +
                    (f" {spread(r, 'torch')} |" if "vs_torch" in r else ""))
-    mnames = list(mlp_rows[0]["seconds"])
+    mnames = _names(mlp_rows, "seconds")
     out += ["", "| MLP step | N | " + " | ".join(f"{n} ms" for n in mnames) + " | vs flax |" +
             (" vs torch |" if "torch" in mnames else ""), "|" + "---|" * (len(mnames) + 3 + ("torch" in mnames))]
     for r in mlp_rows:
         s = r["seconds"]
-        cells = [f"{1e3 * s[n]['median']:.2f} ({1e3 * s[n]['min']:.2f}-{1e3 * s[n]['max']:.2f})" for n in mnames]
+        cells = [f"{1e3 * s[n]['median']:.2f} ({1e3 * s[n]['min']:.2f}-{1e3 * s[n]['max']:.2f})" if n in s else "-"
+                 for n in mnames]
         out.append(f"| {r['dtype']} {'-'.join(map(str, r['widths']))} {r['optimizer']} | {r['n']} | " +
                    " | ".join(cells) + f" | {spread(r, 'flax')} |" +
                    (f" {spread(r, 'torch')} |" if "vs_torch" in r else "") +
