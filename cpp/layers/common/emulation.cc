@@ -1,5 +1,6 @@
 #include "layers/common/emulation.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -7,14 +8,21 @@
 #include "layers/common/operand.h"
 #include "layers/common/reblock.h"
 
+#if defined(JB_X86)
+#include <immintrin.h>
+#endif
+
 namespace jb::emulation {
 
 namespace {
 
-// v rounded to bf16 as f32_to_bf16 does, without a branch (so that loops vectorize).
+// The split's rounding: bf16, nearest even, NaN quieted, and values below float32's normal
+// range read as zero of their sign, as vcvtneps2bf16 and the bf16 multipliers (vdpbf16ps,
+// AMX) read them; so every ISA makes the same parts. Branchless, so that loops vectorize.
 inline float round_bf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
+  if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
   const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u, quiet = (u | 0x00400000u) & 0xffff0000u;
   u = (u & 0x7fffffffu) > 0x7f800000u ? quiet : nearest;
   std::memcpy(&v, &u, 4);
@@ -22,27 +30,117 @@ inline float round_bf16(float v) {
 }
 
 // Part P of v: what parts 0 .. P - 1 leave, rounded to bf16 (exact in it).
-template <int P>
-inline float part(float v) {
-  for (int q = 0; q < P; ++q) v -= round_bf16(v);
+inline float part(float v, int p) {
+  for (int q = 0; q < p; ++q) v -= round_bf16(v);
   return round_bf16(v);
 }
 
-inline float part(float v, int p) { return p == 0 ? part<0>(v) : p == 1 ? part<1>(v) : part<2>(v); }
+// Where a split writes: parts [first, last) of a block of prows x pcols values in kd, rows
+// (or, with vnni, pairs of rows) ldd elements apart, part p at dst + (p - first) * step.
+struct Out {
+  void* dst;
+  DType kd;
+  bool vnni;
+  int64_t ldd, step;
+  int first, last;
+};
 
-template <int P, class T>
-void part_runs(const float* src, T* dst, int64_t runs, int64_t run, int64_t dst_run) {
-  for (int64_t r = 0; r < runs; ++r)
-    for (int64_t c = 0; c < run; ++c) {
-      const float x = part<P>(src[r * run + c]);
-      if constexpr (sizeof(T) == 2) {  // bf16-exact: its high half
-        uint32_t u;
-        std::memcpy(&u, &x, 4);
-        dst[r * dst_run + c] = uint16_t(u >> 16);
-      } else {
-        dst[r * dst_run + c] = x;
+// The parts of a rows x cols fp32 block (rows lds apart), zero beyond it up to prows x pcols,
+// one element at a time.
+void split_scalar(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows, int64_t pcols,
+                  const Out& o) {
+  with_type(o.kd, [&](auto ts) {
+    using T = decltype(ts);
+    const int64_t pr = o.vnni ? (prows + 1) / 2 * 2 : prows;
+    for (int64_t r = 0; r < pr; ++r)
+      for (int64_t j = 0; j < pcols; ++j) {
+        float x = r < rows && j < cols ? src[r * lds + j] : 0.0f;
+        const int64_t at = o.vnni ? (r / 2) * o.ldd + 2 * j + (r & 1) : r * o.ldd + j;
+        for (int p = 0; p < o.last; ++p) {
+          const float h = round_bf16(x);
+          x -= h;
+          if (p >= o.first) static_cast<T*>(o.dst)[(p - o.first) * o.step + at] = from_f32<T>(h);
+        }
+      }
+  });
+}
+
+#if defined(JB_X86)
+#define JB_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// The first n of 16 lanes.
+JB_TARGET_BF16 inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+JB_TARGET_BF16 inline __m512 load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+
+// 16 bf16 values (the low or high half of v) as fp32.
+JB_TARGET_BF16 inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// split_scalar with vcvtne2ps2bf16: 32 values (16 columns of a row pair, or 32 of a row) per
+// conversion, each part stored where reblock::pack puts it.
+JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows,
+                               int64_t pcols, const Out& o) {
+  const int64_t es = int64_t(dtype_size(o.kd));
+  auto dst = [&](int p, int64_t e) { return static_cast<char*>(o.dst) + ((p - o.first) * o.step + e) * es; };
+  if (o.kd == DType::f32) {  // parts as fp32 (bf16 multiplied in fp32)
+    for (int64_t r = 0; r < prows; ++r)
+      for (int64_t j = 0; j < pcols; j += 16) {
+        __m512 x = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
+        for (int p = 0; p < o.last; ++p) {
+          const __m512 h = widen(__m256i(_mm512_cvtneps_pbh(x)));
+          x = _mm512_sub_ps(x, h);
+          if (p >= o.first) _mm512_mask_storeu_ps(dst(p, r * o.ldd + j), lanes(pcols - j), h);
+        }
+      }
+    return;
+  }
+  if (o.vnni) {  // rows r, r + 1 -> word j = (row r, row r + 1) of column j
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+    for (int64_t r = 0; r < prows; r += 2)
+      for (int64_t j = 0; j < pcols; j += 16) {
+        __m512 x0 = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
+        __m512 x1 = r + 1 < rows ? load(src + (r + 1) * lds + j, cols - j) : _mm512_setzero_ps();
+        for (int p = 0; p < o.last; ++p) {
+          const __m512i w = _mm512_permutexvar_epi16(pairs, __m512i(_mm512_cvtne2ps_pbh(x1, x0)));
+          x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+          x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+          if (p >= o.first) _mm512_mask_storeu_epi32(dst(p, (r / 2) * o.ldd + 2 * j), lanes(pcols - j), w);
+        }
+      }
+    return;
+  }
+  for (int64_t r = 0; r < prows; ++r)  // plain bf16 rows, 32 columns at a time
+    for (int64_t j = 0; j < pcols; j += 32) {
+      const float* row = src + r * lds + j;
+      __m512 lo = r < rows ? load(row, cols - j) : _mm512_setzero_ps();
+      __m512 hi = r < rows ? load(row + 16, cols - j - 16) : _mm512_setzero_ps();
+      const int64_t n = std::min<int64_t>(32, pcols - j);
+      const __mmask32 m = n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1);
+      for (int p = 0; p < o.last; ++p) {
+        const __m512i v = __m512i(_mm512_cvtne2ps_pbh(hi, lo));
+        lo = _mm512_sub_ps(lo, widen(_mm512_castsi512_si256(v)));
+        hi = _mm512_sub_ps(hi, widen(_mm512_extracti64x4_epi64(v, 1)));
+        if (p >= o.first) _mm512_mask_storeu_epi16(dst(p, r * o.ldd + j), m, v);
       }
     }
+}
+#endif  // JB_X86
+
+// The parts of a rows x cols fp32 block, the rest of prows x pcols zero: vectorized where
+// the ISA converts to bf16 itself (the same bits either way).
+void split(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows, int64_t pcols, const Out& o,
+           Isa isa) {
+#if defined(JB_X86)
+  if (isa >= Isa::avx512) return split_simd(src, lds, rows, cols, prows, pcols, o);
+#endif
+  (void)isa;
+  split_scalar(src, lds, rows, cols, prows, pcols, o);
 }
 
 }  // namespace
@@ -67,43 +165,26 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
           int64_t cols, int64_t prows, int64_t pcols, DType kd, bool vnni, void* dst, int64_t step, Isa isa,
           float* tmp) {
   if (!t.split) return reblock::pack(src, src_dt, ld, trans, rows, cols, prows, pcols, kd, vnni, dst, isa);
-  // The block in fp32 (transposed, padded), then each part: what the earlier parts leave,
-  // rounded to bf16 (exact in kd), packed from a plain fp32 copy.
-  const int64_t n = prows * pcols;
-  float *rest = tmp, *part = tmp + n;
-  reblock::pack(src, src_dt, ld, trans, rows, cols, prows, pcols, DType::f32, false, rest, isa);
-  char* out = static_cast<char*>(dst);
-  for (int p = 0; p < t.parts[side]; ++p) {
-    for (int64_t e = 0; e < n; ++e) {
-      part[e] = round_bf16(rest[e]);
-      rest[e] -= part[e];
-    }
-    reblock::pack(part, DType::f32, pcols, false, prows, pcols, prows, pcols, kd, vnni,
-                  out + p * step * int64_t(dtype_size(kd)), isa);
-  }
+  vnni = vnni && kd == DType::bf16;
+  const Out o{dst, kd, vnni, vnni ? 2 * pcols : pcols, step, 0, t.parts[side]};
+  // Row-major fp32 is split as it is read; a transposed or bf16 block is first laid out
+  // in fp32 (transposed, padded) by reblock::pack's own paths.
+  if (!trans && src_dt == DType::f32)
+    return split(static_cast<const float*>(src), ld, rows, cols, prows, pcols, o, isa);
+  reblock::pack(src, src_dt, ld, trans, rows, cols, prows, pcols, DType::f32, false, tmp, isa);
+  split(tmp, pcols, prows, pcols, prows, pcols, o, isa);
 }
 
 void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
                 int64_t step, int64_t rows, int64_t cols, int64_t zero_to) {
-  const int64_t es = int64_t(dtype_size(kd));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int p = 0; p < t.parts[side]; ++p) {
-      char* d = static_cast<char*>(dst) + (p * step + r * ldd) * es;
-      part_of(src + r * lds, p, d, kd, cols);
-      if (zero_to > cols) std::memset(d + cols * es, 0, size_t(zero_to - cols) * size_t(es));
-    }
+  split(src, lds, rows, cols, rows, std::max(cols, zero_to), {dst, kd, false, ldd, step, 0, t.parts[side]},
+        best_isa());
 }
 
 void part_of(const float* src, int p, void* dst, DType kd, int64_t n, int64_t run, int64_t dst_run) {
   if (run <= 0) run = dst_run = n;
   const int64_t runs = run ? n / run : 0;
-  with_type(kd, [&](auto ts) {
-    using T = decltype(ts);
-    T* d = static_cast<T*>(dst);
-    if (p == 0) part_runs<0>(src, d, runs, run, dst_run);
-    else if (p == 1) part_runs<1>(src, d, runs, run, dst_run);
-    else part_runs<2>(src, d, runs, run, dst_run);
-  });
+  split(src, run, runs, run, runs, run, {dst, kd, false, dst_run, 0, p, p + 1}, best_isa());
 }
 
 void pack_stacked(const Terms& t, int side, int64_t unit, const float* src, int64_t ld, bool trans, int64_t row0,
