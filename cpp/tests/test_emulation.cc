@@ -127,3 +127,22 @@ TEST(emulation_split_rows_and_part_of_match_naive) {
     }
   }
 }
+
+TEST(emulation_beyond_bf16_on_every_path) {
+  // bf16's largest finite value is in reach; just above it (rounding to an infinity) is not.
+  const float largest = jb::bf16_to_f32(0x7f7f), above = std::nextafter(largest, INFINITY);
+  for (jb::Isa isa : {jb::Isa::amx, jb::Isa::avx512, jb::Isa::avx2, jb::Isa::generic}) {
+    if (isa > jb::best_isa()) continue;
+    for (int64_t n : {1, 15, 16, 17, 100}) {
+      std::vector<float> x(size_t(n), 1.0f);
+      x[0] = NAN;
+      x[size_t(n / 2)] = -largest;
+      CHECK(!jb::emulation::beyond_bf16(x.data(), n, isa)) << jb::isa_name(isa) << " n=" << n;
+      for (float bad : {INFINITY, -INFINITY, above, -above}) {
+        x[size_t(n - 1)] = bad;
+        CHECK(jb::emulation::beyond_bf16(x.data(), n, isa)) << jb::isa_name(isa) << " n=" << n << " " << bad;
+        x[size_t(n - 1)] = 1.0f;
+      }
+    }
+  }
+}

@@ -1,6 +1,7 @@
 #include "layers/common/emulation.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -15,6 +16,9 @@
 namespace jb::emulation {
 
 namespace {
+
+// bfloat16's largest finite value, 0x7f7f0000 as fp32.
+constexpr float kBf16Largest = 3.3895313892515355e38f;
 
 // The split's rounding: bf16, nearest even, NaN quieted, and values below float32's normal
 // range read as zero of their sign, as vcvtneps2bf16 and the bf16 multipliers (vdpbf16ps,
@@ -130,6 +134,14 @@ JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, int64_t rows, int6
       }
     }
 }
+// |x| > bf16's largest, NaN excluded (an unordered compare is false).
+JB_TARGET_BF16 bool beyond_simd(const float* x, int64_t n) {
+  const __m512 largest = _mm512_set1_ps(kBf16Largest);
+  __mmask16 seen = 0;
+  for (int64_t i = 0; i < n; i += 16)
+    seen |= _mm512_cmp_ps_mask(_mm512_abs_ps(load(x + i, n - i)), largest, _CMP_GT_OQ);
+  return seen != 0;
+}
 #endif  // JB_X86
 
 // The parts of a rows x cols fp32 block, the rest of prows x pcols zero: vectorized where
@@ -185,6 +197,16 @@ void part_of(const float* src, int p, void* dst, DType kd, int64_t n, int64_t ru
   if (run <= 0) run = dst_run = n;
   const int64_t runs = run ? n / run : 0;
   split(src, run, runs, run, runs, run, {dst, kd, false, dst_run, 0, p, p + 1}, best_isa());
+}
+
+bool beyond_bf16(const float* x, int64_t n, Isa isa) {
+#if defined(JB_X86)
+  if (isa >= Isa::avx512) return beyond_simd(x, n);
+#endif
+  (void)isa;
+  bool seen = false;
+  for (int64_t i = 0; i < n; ++i) seen |= std::fabs(x[i]) > kBf16Largest;
+  return seen;
 }
 
 void pack_stacked(const Terms& t, int side, int64_t unit, const float* src, int64_t ld, bool trans, int64_t row0,

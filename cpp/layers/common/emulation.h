@@ -51,6 +51,11 @@ void pack_stacked(const Terms& t, int side, int64_t unit, const float* src, int6
                   int64_t rows, int64_t cols, int64_t prows, int64_t pcols, DType kd, bool vnni, void* dst, Isa isa,
                   float* tmp);
 
+// Whether any of n fp32 values is beyond the split's reach: an infinity, or a finite value
+// above bfloat16's largest (whose high part can round to an infinity, the next part to NaN).
+// NaN is not: it propagates as float32's does. Vectorized for isa.
+bool beyond_bf16(const float* x, int64_t n, Isa isa);
+
 // C (+)= the sum over the terms of (part of A) x (part of B), parts a_step and b_step
 // elements apart; without a split, one product of a and b.
 inline void multiply(const Brgemm& k, const Terms& t, const void* a, int64_t a_step, const void* b, int64_t b_step,

@@ -53,6 +53,34 @@ def split(x, parts: int):
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
 
+def _beyond_in_xla(a):
+    return jnp.any(jnp.abs(a) > _BF16_MAX)
+
+
+@jax.custom_batching.custom_vmap
+def _beyond(*arrays):
+    f32 = [a for a in arrays if a.dtype == jnp.float32]  # read by the kernel, both cores
+    flags = [_beyond_in_xla(a) for a in arrays if a.dtype != jnp.float32]
+    if f32:
+        flags.append(jax.ffi.ffi_call("jb_beyond_bf16", jax.ShapeDtypeStruct((), jnp.bool_))(*f32))
+    return functools.reduce(jnp.logical_or, flags)
+
+
+@_beyond.def_vmap
+def _beyond_per_item(axis_size, batched, *arrays):
+    """Under vmap, each item's own answer (so that only items with an infinity run exactly)."""
+    flags = [jnp.any(jnp.abs(a.reshape(axis_size, -1)) > _BF16_MAX, axis=1) if b else
+             jnp.broadcast_to(_beyond(a), (axis_size,)) for a, b in zip(arrays, batched)]
+    return functools.reduce(jnp.logical_or, flags), True
+
+
+def beyond_bf16(*arrays):
+    """Whether any value of ``arrays`` (floating) is an infinity or beyond bfloat16's largest
+    finite value, the values whose bfloat16 parts cannot carry float32's product. A scalar
+    bool (per item under vmap)."""
+    return _beyond(*(jax.lax.stop_gradient(a) for a in arrays))
+
+
 def exact_on_infinity(*names):
     """Decorates an op that takes ``precision=``: where it would emulate float32 products
     and one of its arguments ``names`` (arrays, or pytrees of them) holds an infinity (or a
@@ -75,7 +103,7 @@ def exact_on_infinity(*names):
                 return op(*args, **kwargs)
             exact = signature.bind(*args, **kwargs)
             exact.arguments["precision"] = "highest"
-            infinite = functools.reduce(jnp.logical_or, [jnp.any(jnp.abs(a) > _BF16_MAX) for a in leaves])
+            infinite = beyond_bf16(*leaves)
             return jax.lax.cond(infinite, lambda: op(*exact.args, **exact.kwargs), lambda: op(*args, **kwargs))
         return run
     return decorate
