@@ -4,6 +4,11 @@ Every test runs with accelerate()'s dispatch policy off (the tests check what th
 compute; on some CPUs the policy leaves float32 dense layers stock), except those marked
 ``policy``.
 
+Every test runs with ``JAX_BRGEMM_EMULATE=0`` (exact float32 products whatever the precision
+asked), so that what a test computes does not depend on whether the CPU has AMX, unless it
+sets ``precision.EMULATE`` itself; tests/ops/test_precision.py checks the default, which
+follows the CPU, in processes of their own.
+
 The quick tier (``-m "not slow"``, the README's and CI's run) takes one case in four of a
 parametrized test with four or more, one in two of one with two or three, starting at a
 case its name picks (so that not every test keeps its first dtype); the full run takes
@@ -29,7 +34,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_brgemm.accelerate import policy
+os.environ.setdefault("JAX_BRGEMM_EMULATE", "0")  # read when jax_brgemm is imported, below
+
+from jax_brgemm.accelerate import policy  # noqa: E402
 
 
 _CACHE_ENV = "JAX_BRGEMM_TEST_COMPILATION_CACHE"

@@ -58,6 +58,8 @@ NB_MODULE(_jax_brgemm, m) {
   }, "Columns of jb_lstm_bptt's da (4K, padded) for a shape and compute dtype.");
   m.def("isa", [] { return jb::isa_name(jb::best_isa()); },
         "The kernel ISA in use: amx, avx512, avx2 or generic (JAX_BRGEMM_ISA lowers it).");
+  m.def("bf16_multiply", [] { return jb::dispatch().bf16_multiply == jb::DType::bf16 ? "bfloat16" : "float32"; },
+        "The dtype the kernels multiply bfloat16 operands in (JAX_BRGEMM_BF16 forces it).");
   m.def("isa_names", [] {
     nb::list names;
     for (jb::Isa isa : {jb::Isa::amx, jb::Isa::avx512, jb::Isa::avx2, jb::Isa::generic})

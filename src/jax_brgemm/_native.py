@@ -49,6 +49,8 @@ lstm_saved_gates_shape = _jax_brgemm.lstm_saved_gates_shape
 lstm_saved_width = _jax_brgemm.lstm_saved_width
 lstm_da_width = _jax_brgemm.lstm_da_width
 peak_flops_per_iter = _jax_brgemm.peak_flops_per_iter
+#: "bfloat16" or "float32": the dtype the kernels multiply bfloat16 operands in.
+bf16_multiply = _jax_brgemm.bf16_multiply
 
 
 def isa() -> str:

@@ -7,29 +7,31 @@ a ``lax.DotAlgorithmPreset``, or the strings JAX accepts) and, given None, follo
 ``DEFAULT``, ``'bfloat16_3x'`` and ``'tensorfloat32'`` are ``HIGH``, ``'float32'`` is
 ``HIGHEST``), and each request is one of four accuracies:
 
-==================================================  ===========  ==================================
-requested                                           accuracy     computed (``JAX_BRGEMM_EMULATE=1``)
-==================================================  ===========  ==================================
+==================================================  ===========  ======================================
+requested                                           accuracy     computed with AMX (``EMULATED``)
+==================================================  ===========  ======================================
 None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32
-HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  exact float32 (3 bf16 products)
-BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (6 bf16 products)
-BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     exact float32 (1 bf16 product)
-==================================================  ===========  ==================================
+HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  3 bfloat16 products
+BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (no faster emulated)
+BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     1 bfloat16 product
+==================================================  ===========  ======================================
 
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
-precision. With ``JAX_BRGEMM_EMULATE=1`` (read at import), every op (``jb.brgemm``,
-``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every convolution kind,
-``jb.dot_product_attention``, ``jb.lstm``), and the modules and ``accelerate()`` through them,
-computes the ``bf16_*`` accuracies as asked instead, from bfloat16 products summed in float32:
-the operands split into parts by the kernel as it copies, re-blocks or makes them
-(``cpp/layers/common/emulation.h``). An operand holding an
-infinity (or a value beyond bfloat16's largest, whose high part would be one) makes the op
-compute exact float32 instead: the infinity times another operand's low part (zero, or of
-the other sign) would give NaN where float32 gives an infinity. That can only pay with AMX, whose bfloat16 products run 6-14x the
-float32 FMA rate (AVX-512-BF16's ``vdpbf16ps`` runs them at twice the rate, so three cost
-1.5x one float32 product; AVX2 has no bfloat16 products); it stays opt-in until measured
-there.
+precision. Where the CPU multiplies bfloat16 much faster than float32 (AMX's tiles: 6-14x the
+FMA rate), every op (``jb.brgemm``, ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every
+convolution kind, ``jb.dot_product_attention``, ``jb.lstm``), and the modules and
+``accelerate()`` through them, computes the ``bf16_*`` accuracies that ``EMULATED`` lists from
+bfloat16 products summed in float32, as asked: the operands split into parts by the kernel as
+it copies, re-blocks or makes them (``cpp/layers/common/emulation.h``). Elsewhere (AVX-512-BF16's
+``vdpbf16ps`` runs bfloat16 products at twice the FMA rate at most, so three cost 1.5x one
+float32 product; AVX2 has none) every request is exact float32. ``JAX_BRGEMM_EMULATE=1``
+(read at import) emulates every ``bf16_*`` request on any CPU, ``=0`` none.
+
+An operand holding an infinity (or a value beyond bfloat16's largest, whose high part
+would be one) makes the op compute exact float32 instead: the infinity times another
+operand's low part (zero, or of the other sign) would give NaN where float32 gives an
+infinity.
 
 A request outside the table (float16 or float8 algorithms, unequal per-operand pairs) is a
 ``ValueError`` naming the argument.
@@ -42,8 +44,24 @@ import os
 import jax
 from jax import lax
 
-#: Compute the bf16_* accuracies from bfloat16 products (ops/emulation.py).
-EMULATE = os.environ.get("JAX_BRGEMM_EMULATE", "0") == "1"
+def _switch(value: str):
+    if value not in ("", "0", "1"):
+        raise ValueError(f"JAX_BRGEMM_EMULATE={value!r}: set it to 1 (emulate every bf16_* precision), "
+                         f"0 (compute every one as exact float32) or leave it unset (EMULATED decides)")
+    return {"1": True, "0": False}.get(value)
+
+
+#: JAX_BRGEMM_EMULATE: True emulates every bf16_* accuracy, False none, None follows EMULATED.
+EMULATE = _switch(os.environ.get("JAX_BRGEMM_EMULATE", ""))
+
+#: What this CPU multiplies bfloat16 in (``multiplier()``) -> the accuracies computed from
+#: bfloat16 products by default: those whose emulated MLP training step was measured faster
+#: than exact float32's (docs/performance.md, "Emulated float32").
+EMULATED = {
+    "amx": ("bf16", "bf16_3x"),  # bf16_6x: no faster than exact float32
+    "vdpbf16ps": (),  # at most twice the FMA rate: three products cost 1.5x one float32 one
+    "float32": (),  # bfloat16 widened: the emulation only adds work
+}
 
 _P, _A = lax.Precision, lax.DotAlgorithmPreset
 
@@ -103,7 +121,21 @@ HARNESS = {"float32": None, "bf16_3x": "BF16_BF16_F32_X3", "bf16_6x": "BF16_BF16
 PRODUCTS = {"float32": 0, "bf16": 1, "bf16_3x": 3, "bf16_6x": 6}
 
 
+def multiplier() -> str:
+    """What the kernels multiply bfloat16 operands with in this process: ``"amx"`` (tiles),
+    ``"vdpbf16ps"`` (AVX-512-BF16 dot products) or ``"float32"`` (widened to float32 FMAs).
+    ``JAX_BRGEMM_ISA`` and ``JAX_BRGEMM_BF16`` change it."""
+    from jax_brgemm import _native
+
+    if _native.isa() == "amx":
+        return "amx"
+    return "vdpbf16ps" if _native.bf16_multiply() == "bfloat16" else "float32"
+
+
 def computed(requested: str) -> str:
     """What the kernels compute for a requested accuracy: the requested one from bfloat16
-    products with ``JAX_BRGEMM_EMULATE=1``, exact float32 otherwise."""
-    return requested if EMULATE and requested != "float32" else "float32"
+    products where ``EMULATED`` lists it for this CPU (or ``JAX_BRGEMM_EMULATE=1`` forces
+    it), exact float32 otherwise."""
+    if requested == "float32" or EMULATE is False:
+        return "float32"
+    return requested if EMULATE or requested in EMULATED[multiplier()] else "float32"

@@ -2,6 +2,11 @@
 jax.default_matmul_precision), maps it to an accuracy by JAX's own equivalences, meets every
 one with exact float32 products, and refuses what it cannot compute, naming the argument."""
 
+import json
+import os
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -80,3 +85,53 @@ def test_modules_and_accelerate_take_the_layers_precision():
     with jb.accelerate(policy=False) as acc:
         jax.eval_shape(stock.apply, params, X)
     assert not acc.calls[0].accelerated and "precision" in acc.calls[0].reason
+
+
+TABLE_SCRIPT = """
+import json, re
+import jax, jax.numpy as jnp
+import jax_brgemm as jb
+from jax_brgemm import precision
+hlo = jax.jit(lambda x, w: jb.dense(x, w, precision="high")).lower(jnp.ones((4, 8)), jnp.ones((8, 4))).as_text()
+print(json.dumps({"isa": jb.isa(), "multiplier": precision.multiplier(),
+                  "computed": {a: precision.computed(a) for a in precision.PRODUCTS},
+                  "products": [int(p) for p in re.findall(r"products = (\\d+)", hlo)]}))
+"""
+
+
+def _table_in(env):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_BRGEMM_EMULATE"} | env
+    proc = subprocess.run([sys.executable, "-c", TABLE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+ISAS = ("amx", "avx512", "avx2", "generic")  # best first: JAX_BRGEMM_ISA can only lower it
+HOST_ISAS = ISAS[ISAS.index(jb.isa()):]
+
+
+@pytest.mark.parametrize("forced", [{"JAX_BRGEMM_ISA": isa} for isa in HOST_ISAS] +
+                         ([{"JAX_BRGEMM_ISA": "avx512", "JAX_BRGEMM_BF16": "dot"}] if "avx512" in HOST_ISAS else []))
+def test_the_default_follows_what_the_cpu_multiplies_bfloat16_with(forced):
+    """Without JAX_BRGEMM_EMULATE, each ISA (forced) computes what EMULATED lists for its
+    multiplier, and the kernels are asked for those products: bf16_3x's 3 on AMX only."""
+    got = _table_in(forced)
+    assert got["isa"] == forced["JAX_BRGEMM_ISA"]
+    want_multiplier = {"amx": "amx", "avx512": "vdpbf16ps" if "JAX_BRGEMM_BF16" in forced else "float32"}
+    assert got["multiplier"] == want_multiplier.get(got["isa"], "float32")
+    emulated = precision.EMULATED[got["multiplier"]]
+    assert got["computed"] == {a: a if a in emulated else "float32" for a in precision.PRODUCTS}
+    assert (3 in got["products"]) == ("bf16_3x" in emulated)  # (and 0: exact_on_infinity's branch)
+
+
+@pytest.mark.parametrize("switch,want", [("1", "bf16_3x"), ("0", "float32"), ("yes", None)])
+def test_the_switch_overrides_the_default(switch, want):
+    if want is None:
+        env = {k: v for k, v in os.environ.items() if k != "JAX_BRGEMM_EMULATE"} | {"JAX_BRGEMM_EMULATE": switch}
+        proc = subprocess.run([sys.executable, "-c", "import jax_brgemm"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode != 0 and "JAX_BRGEMM_EMULATE='yes'" in proc.stderr
+        return
+    got = _table_in({"JAX_BRGEMM_EMULATE": switch})
+    assert got["computed"]["bf16_3x"] == want and got["computed"]["float32"] == "float32"

@@ -12,6 +12,7 @@ from jax_brgemm.train.config import SetConfig, UsageError, check
 
 
 def test_bf16_3x_run_logs_its_precision_and_passes_the_checker(tiny):
+    """With the switch off (the tests' default) the run computes exact float32 and says so."""
     log_dir = tiny.root / "logs" / "bf16_3x"
     code = tiny.main("tiny", "--impl", "brgemm", "--precision", "bf16_3x", "--data-dir",
                      str(tiny.data), "--log-dir", str(log_dir))

@@ -56,7 +56,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
         ``jax.default_matmul_precision``), computed as ``jax_brgemm.precision`` says: exact
-        float32, or with ``JAX_BRGEMM_EMULATE=1`` from bfloat16 products (the kernel splits
+        float32, or where it emulates them (AMX) from bfloat16 products (the kernel splits
         the probabilities and their gradient where it makes them). An algorithm outside its
         table is a ValueError.
 

@@ -28,7 +28,7 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
         ``jax.default_matmul_precision``), met as ``jax_brgemm.precision`` says: exact float32
-        products, or bfloat16 ones with ``JAX_BRGEMM_EMULATE=1`` (``ops/emulation.py``). An
+        products, or bfloat16 ones where it emulates them (AMX; ``ops/emulation.py``). An
         algorithm outside its table is a ValueError.
 
     Leading dims broadcast numpy-style. Returns ``(..., M, N)``. Any size of 0 (a leading

@@ -73,7 +73,7 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
       precision: the accuracy asked of the products, as ``lax.conv_general_dilated`` takes
         it (a ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None
         follows ``jax.default_matmul_precision``), met as ``jax_brgemm.precision`` says:
-        exact float32 products, or with ``JAX_BRGEMM_EMULATE=1`` and float32 ``dtype``
+        exact float32 products, or where it emulates them (AMX) and float32 ``dtype``
         bfloat16 ones summed in float32 (``ops/emulation.py``), in every pass. An algorithm
         outside its table is a ValueError.
 

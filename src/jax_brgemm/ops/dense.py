@@ -47,8 +47,8 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
         accumulation, bias and activation are always float32.
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
-        ``jax.default_matmul_precision``); met by exact float32 products, or with
-        ``JAX_BRGEMM_EMULATE=1`` by bfloat16 ones in every pass (``jax_brgemm.precision``).
+        ``jax.default_matmul_precision``); met by exact float32 products, or where
+        ``jax_brgemm.precision`` emulates them (AMX) by bfloat16 ones in every pass.
         An algorithm outside its table is a ValueError.
 
     Returns:

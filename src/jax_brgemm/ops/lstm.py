@@ -74,7 +74,7 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
       precision: the accuracy asked of the products, as ``lax.dot_general`` takes it (a
         ``lax.Precision``, a pair, a ``lax.DotAlgorithmPreset`` or their names; None follows
         ``jax.default_matmul_precision``), computed as ``jax_brgemm.precision`` says: exact
-        float32, or with ``JAX_BRGEMM_EMULATE=1`` from bfloat16 products (the kernels split
+        float32, or where it emulates them (AMX) from bfloat16 products (the kernels split
         each step's h and gate gradient where they make them). An algorithm outside its
         table is a ValueError.
 

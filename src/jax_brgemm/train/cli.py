@@ -84,7 +84,8 @@ def build_parser(suite: Suite = SUITE) -> argparse.ArgumentParser:
                         help="accuracy of the float32 matrix products (--impl brgemm): "
                              "float32 (default), bf16_3x, bf16_6x or bf16, JAX's "
                              "BF16_BF16_F32_X3 / _X6 / BF16_BF16_F32; computed from bfloat16 "
-                             "products with JAX_BRGEMM_EMULATE=1, else by exact float32 "
+                             "products where jax_brgemm.precision emulates them (AMX; "
+                             "JAX_BRGEMM_EMULATE=1|0 forces it), else by exact float32 "
                              "products (jax_brgemm.precision); both are logged"),
     parser.add_argument("--data-dir", metavar="DIR",
                         help="directory holding every IDX file of the dataset (.gz or not); "
