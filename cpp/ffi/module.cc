@@ -3,12 +3,16 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "brgemm/brgemm.h"
 #include "brgemm/peak.h"
 #include "ffi/ffi_common.h"
+#include "layers/common/emulation.h"
 #include "layers/lstm/lstm.h"
 #include "parallel/job.h"
 #include "xla/ffi/api/c_api.h"
@@ -89,4 +93,31 @@ NB_MODULE(_jax_brgemm, m) {
     if (unit == "amx") return jb::peak_amx_flops_per_iter();
     throw std::invalid_argument("peak unit must be fma, vdpbf16ps or amx, got " + unit);
   }, "Floating-point operations per iteration of one jb_peak_probe work item.");
+  m.def("split_seconds", [](int64_t rows, int64_t cols, int64_t products, bool trans, int64_t repeats) {
+    // The emulation's split of one rows x cols fp32 block into its packed bf16 (VNNI) parts,
+    // and a memcpy of the same block, alternately on this thread: seconds each (medians).
+    const jb::emulation::Terms t = jb::emulation::terms(products);
+    const int64_t n = rows * cols, pr = (rows + 1) / 2 * 2;
+    std::vector<float> src(static_cast<size_t>(n)), copy(src.size()), tmp(static_cast<size_t>(pr * cols));
+    for (int64_t i = 0; i < n; ++i) src[size_t(i)] = float((i * 7919) % 1000) * 1.0009765625f - 500;
+    std::vector<uint16_t> dst(static_cast<size_t>(t.parts[1] * pr * cols));
+    std::vector<double> split, memcpy_;
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      jb::emulation::pack(t, 1, src.data(), jb::DType::f32, trans ? rows : cols, trans, rows, cols, rows, cols,
+                          jb::DType::bf16, true, dst.data(), pr * cols, jb::best_isa(), tmp.data());
+      const auto t1 = std::chrono::steady_clock::now();
+      std::memcpy(copy.data(), src.data(), size_t(n) * sizeof(float));
+      const auto t2 = std::chrono::steady_clock::now();
+      split.push_back(std::chrono::duration<double>(t1 - t0).count());
+      memcpy_.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[v.size() / 2];
+    };
+    return nb::make_tuple(median(split), median(memcpy_));
+  }, nb::arg("rows"), nb::arg("cols"), nb::arg("products"), nb::arg("trans"), nb::arg("repeats"),
+     "(split, memcpy): median seconds of the emulation's split of a rows x cols fp32 block into its\n"
+     "packed bf16 parts for `products` products (transposed or not), and of a memcpy of the block.");
 }

@@ -8,6 +8,7 @@
 
 #include "layers/common/operand.h"
 #include "layers/common/reblock.h"
+#include "layers/common/transpose.h"
 
 #if defined(JB_X86)
 #include <immintrin.h>
@@ -49,16 +50,16 @@ struct Out {
   int first, last;
 };
 
-// The parts of a rows x cols fp32 block (rows lds apart), zero beyond it up to prows x pcols,
-// one element at a time.
-void split_scalar(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows, int64_t pcols,
-                  const Out& o) {
+// The parts of a rows x cols fp32 block, zero beyond it up to prows x pcols: element (r, j) at
+// src[r * lds + j], or src[j * lds + r] when `trans`. One element at a time.
+void split_scalar(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols, int64_t prows,
+                  int64_t pcols, const Out& o) {
   with_type(o.kd, [&](auto ts) {
     using T = decltype(ts);
     const int64_t pr = o.vnni ? (prows + 1) / 2 * 2 : prows;
     for (int64_t r = 0; r < pr; ++r)
       for (int64_t j = 0; j < pcols; ++j) {
-        float x = r < rows && j < cols ? src[r * lds + j] : 0.0f;
+        float x = r < rows && j < cols ? src[trans ? j * lds + r : r * lds + j] : 0.0f;
         const int64_t at = o.vnni ? (r / 2) * o.ldd + 2 * j + (r & 1) : r * o.ldd + j;
         for (int p = 0; p < o.last; ++p) {
           const float h = round_bf16(x);
@@ -79,61 +80,80 @@ JB_TARGET_BF16 inline __mmask16 lanes(int64_t n) {
 
 JB_TARGET_BF16 inline __m512 load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
 
-// 16 bf16 values (the low or high half of v) as fp32.
+// 16 bf16 values as fp32.
 JB_TARGET_BF16 inline __m512 widen(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// split_scalar with vcvtne2ps2bf16: 32 values (16 columns of a row pair, or 32 of a row) per
-// conversion, each part stored where reblock::pack puts it.
-JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows,
-                               int64_t pcols, const Out& o) {
-  const int64_t es = int64_t(dtype_size(o.kd));
-  auto dst = [&](int p, int64_t e) { return static_cast<char*>(o.dst) + ((p - o.first) * o.step + e) * es; };
-  if (o.kd == DType::f32) {  // parts as fp32 (bf16 multiplied in fp32)
-    for (int64_t r = 0; r < prows; ++r)
-      for (int64_t j = 0; j < pcols; j += 16) {
-        __m512 x = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
-        for (int p = 0; p < o.last; ++p) {
-          const __m512 h = widen(__m256i(_mm512_cvtneps_pbh(x)));
-          x = _mm512_sub_ps(x, h);
-          if (p >= o.first) _mm512_mask_storeu_ps(dst(p, r * o.ldd + j), lanes(pcols - j), h);
-        }
-      }
-    return;
+// Where vcvtne2ps2bf16 and vpermw make and store the parts of 16 columns: element e of the
+// block (the first of the 16) and the columns to store (the rest are padding beyond pcols).
+struct Split16 {
+  const Out& o;
+  char* base(int p, int64_t e) const {
+    return static_cast<char*>(o.dst) + ((p - o.first) * o.step + e) * int64_t(dtype_size(o.kd));
   }
-  if (o.vnni) {  // rows r, r + 1 -> word j = (row r, row r + 1) of column j
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+  // Rows r, r + 1 (x0, x1) as VNNI pairs: word j = (row r, row r + 1) of column j.
+  JB_TARGET_BF16 void pairs(__m512 x0, __m512 x1, int64_t e, __mmask16 store) const {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
-    for (int64_t r = 0; r < prows; r += 2)
-      for (int64_t j = 0; j < pcols; j += 16) {
-        __m512 x0 = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
-        __m512 x1 = r + 1 < rows ? load(src + (r + 1) * lds + j, cols - j) : _mm512_setzero_ps();
-        for (int p = 0; p < o.last; ++p) {
-          const __m512i w = _mm512_permutexvar_epi16(pairs, __m512i(_mm512_cvtne2ps_pbh(x1, x0)));
-          x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-          x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
-          if (p >= o.first) _mm512_mask_storeu_epi32(dst(p, (r / 2) * o.ldd + 2 * j), lanes(pcols - j), w);
-        }
+    for (int p = 0; p < o.last; ++p) {
+      const __m512i w = _mm512_permutexvar_epi16(order, __m512i(_mm512_cvtne2ps_pbh(x1, x0)));
+      x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      if (p >= o.first) _mm512_mask_storeu_epi32(base(p, e), store, w);
+    }
+  }
+  // One row's 16 values, as bf16 or as fp32 parts.
+  JB_TARGET_BF16 void row(__m512 x, int64_t e, __mmask16 store) const {
+    for (int p = 0; p < o.last; ++p) {
+      const __m256i h = __m256i(_mm512_cvtneps_pbh(x));
+      const __m512 hf = widen(h);
+      x = _mm512_sub_ps(x, hf);
+      if (p < o.first) continue;
+      if (o.kd == DType::bf16) _mm256_mask_storeu_epi16(base(p, e), store, h);
+      else _mm512_mask_storeu_ps(base(p, e), store, hf);
+    }
+  }
+  // Rows [r0, r0 + 16) (r0 even) of 16 columns from j0, given as fp32 registers, up to prows.
+  JB_TARGET_BF16 void rows16(const __m512 (&v)[16], int64_t r0, int64_t j0, int64_t prows, __mmask16 store) const {
+    for (int w = 0; w < 16 && r0 + w < prows; w += o.vnni ? 2 : 1) {
+      if (o.vnni) pairs(v[w], v[w + 1], (r0 + w) / 2 * o.ldd + 2 * j0, store);
+      else row(v[w], (r0 + w) * o.ldd + j0, store);
+    }
+  }
+};
+
+// split_scalar with vcvtne2ps2bf16 (vcvtneps2bf16 for single rows); a transposed source in
+// 16 x 16 tiles transposed in registers. Tails and padding by masked loads and stores.
+JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols,
+                               int64_t prows, int64_t pcols, const Out& o) {
+  const Split16 out{o};
+  if (trans) {
+    __m512i t[16];
+    __m512 v[16];
+    for (int64_t r0 = 0; r0 < prows; r0 += 16)
+      for (int64_t j0 = 0; j0 < pcols; j0 += 16) {
+        for (int i = 0; i < 16; ++i)  // source row j0 + i: rows r0 .. r0 + 15 of column j0 + i
+          t[i] = j0 + i < cols ? _mm512_castps_si512(load(src + (j0 + i) * lds + r0, rows - r0)) : _mm512_setzero_si512();
+        transpose16(t);
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_castsi512_ps(t[i]);
+        out.rows16(v, r0, j0, prows, lanes(pcols - j0));
       }
     return;
   }
-  for (int64_t r = 0; r < prows; ++r)  // plain bf16 rows, 32 columns at a time
-    for (int64_t j = 0; j < pcols; j += 32) {
-      const float* row = src + r * lds + j;
-      __m512 lo = r < rows ? load(row, cols - j) : _mm512_setzero_ps();
-      __m512 hi = r < rows ? load(row + 16, cols - j - 16) : _mm512_setzero_ps();
-      const int64_t n = std::min<int64_t>(32, pcols - j);
-      const __mmask32 m = n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1);
-      for (int p = 0; p < o.last; ++p) {
-        const __m512i v = __m512i(_mm512_cvtne2ps_pbh(hi, lo));
-        lo = _mm512_sub_ps(lo, widen(_mm512_castsi512_si256(v)));
-        hi = _mm512_sub_ps(hi, widen(_mm512_extracti64x4_epi64(v, 1)));
-        if (p >= o.first) _mm512_mask_storeu_epi16(dst(p, r * o.ldd + j), m, v);
+  for (int64_t r = 0; r < prows; r += o.vnni ? 2 : 1)
+    for (int64_t j = 0; j < pcols; j += 16) {
+      const __m512 x0 = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
+      if (o.vnni) {
+        const __m512 x1 = r + 1 < rows ? load(src + (r + 1) * lds + j, cols - j) : _mm512_setzero_ps();
+        out.pairs(x0, x1, r / 2 * o.ldd + 2 * j, lanes(pcols - j));
+      } else {
+        out.row(x0, r * o.ldd + j, lanes(pcols - j));
       }
     }
 }
+
 // |x| > bf16's largest, NaN excluded (an unordered compare is false).
 JB_TARGET_BF16 bool beyond_simd(const float* x, int64_t n) {
   const __m512 largest = _mm512_set1_ps(kBf16Largest);
@@ -144,15 +164,15 @@ JB_TARGET_BF16 bool beyond_simd(const float* x, int64_t n) {
 }
 #endif  // JB_X86
 
-// The parts of a rows x cols fp32 block, the rest of prows x pcols zero: vectorized where
-// the ISA converts to bf16 itself (the same bits either way).
-void split(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t prows, int64_t pcols, const Out& o,
-           Isa isa) {
+// The parts of a block (split_scalar's arguments): vectorized where the ISA converts to bf16
+// itself, the same bits either way.
+void split(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols, int64_t prows, int64_t pcols,
+           const Out& o, Isa isa) {
 #if defined(JB_X86)
-  if (isa >= Isa::avx512) return split_simd(src, lds, rows, cols, prows, pcols, o);
+  if (isa >= Isa::avx512) return split_simd(src, lds, trans, rows, cols, prows, pcols, o);
 #endif
   (void)isa;
-  split_scalar(src, lds, rows, cols, prows, pcols, o);
+  split_scalar(src, lds, trans, rows, cols, prows, pcols, o);
 }
 
 }  // namespace
@@ -179,24 +199,23 @@ void pack(const Terms& t, int side, const void* src, DType src_dt, int64_t ld, b
   if (!t.split) return reblock::pack(src, src_dt, ld, trans, rows, cols, prows, pcols, kd, vnni, dst, isa);
   vnni = vnni && kd == DType::bf16;
   const Out o{dst, kd, vnni, vnni ? 2 * pcols : pcols, step, 0, t.parts[side]};
-  // Row-major fp32 is split as it is read; a transposed or bf16 block is first laid out
-  // in fp32 (transposed, padded) by reblock::pack's own paths.
-  if (!trans && src_dt == DType::f32)
-    return split(static_cast<const float*>(src), ld, rows, cols, prows, pcols, o, isa);
+  // fp32 is split as it is read; a bf16 source (whose parts past the first are zero) is
+  // widened by reblock::pack first.
+  if (src_dt == DType::f32) return split(static_cast<const float*>(src), ld, trans, rows, cols, prows, pcols, o, isa);
   reblock::pack(src, src_dt, ld, trans, rows, cols, prows, pcols, DType::f32, false, tmp, isa);
-  split(tmp, pcols, prows, pcols, prows, pcols, o, isa);
+  split(tmp, pcols, false, prows, pcols, prows, pcols, o, isa);
 }
 
 void split_rows(const Terms& t, int side, const float* src, int64_t lds, void* dst, DType kd, int64_t ldd,
                 int64_t step, int64_t rows, int64_t cols, int64_t zero_to) {
-  split(src, lds, rows, cols, rows, std::max(cols, zero_to), {dst, kd, false, ldd, step, 0, t.parts[side]},
+  split(src, lds, false, rows, cols, rows, std::max(cols, zero_to), {dst, kd, false, ldd, step, 0, t.parts[side]},
         best_isa());
 }
 
 void part_of(const float* src, int p, void* dst, DType kd, int64_t n, int64_t run, int64_t dst_run) {
   if (run <= 0) run = dst_run = n;
   const int64_t runs = run ? n / run : 0;
-  split(src, run, runs, run, runs, run, {dst, kd, false, dst_run, 0, p, p + 1}, best_isa());
+  split(src, run, false, runs, run, runs, run, {dst, kd, false, dst_run, 0, p, p + 1}, best_isa());
 }
 
 bool beyond_bf16(const float* x, int64_t n, Isa isa) {

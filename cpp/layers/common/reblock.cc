@@ -5,6 +5,7 @@
 // transposition as 8 x 8 transposes. All paths produce the same bits.
 #include "layers/common/reblock.h"
 #include "layers/common/target.h"
+#include "layers/common/transpose.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -98,31 +99,6 @@ JB_TARGET_AVX512 inline __m512i pairs_along(const S* p) {
     const __m256i lo = _mm512_cvtepi32_epi16(load16<S, uint16_t>(p));
     const __m256i hi = _mm512_cvtepi32_epi16(load16<S, uint16_t>(p + 16));
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  }
-}
-
-// r[i] word j -> r[j] word i.
-JB_TARGET_AVX512 inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], s[4][4];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // s[g][c], lane L: column 4L + c of rows 4g..4g+3
-    s[g][0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    s[g][1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    s[g][2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    s[g][3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes
-    const __m512i v0 = _mm512_shuffle_i32x4(s[0][c], s[1][c], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(s[0][c], s[1][c], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(s[2][c], s[3][c], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(s[2][c], s[3][c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
 }
 
