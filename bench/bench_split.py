@@ -1,0 +1,44 @@
+"""How fast the emulation splits float32 operands into their packed bfloat16 parts, against a
+memcpy of the same block: one thread, the split and the copy alternating in C++
+(``_jax_brgemm.split_seconds``), medians.
+
+    python bench/bench_split.py [--repeats 21]
+
+A float32 product from 1, 3 or 6 bfloat16 products splits each operand into 1, 2 or 3 parts
+(layers/common/emulation.h), written where the kernel reads them: VNNI pairs, as a weight
+panel. Each row is one block: 256 x 128 (a panel block, in L2), 1024 x 1024 (in L3) and
+4096 x 4096 (from memory); row-major (the forward's w) or transposed (the backward's w^T).
+Rates count the bytes read and written: 4 + 2 x parts per value for the split, 8 for the copy.
+Writes bench/results/<cpu-kind>/split.json.
+"""
+
+from __future__ import annotations
+
+import common
+import jax_brgemm as jb
+from jax_brgemm import _jax_brgemm
+
+BLOCKS = ((256, 128), (1024, 1024), (4096, 4096))
+PARTS = {1: 1, 3: 2, 6: 3}  # products -> parts of each operand
+
+
+def main(argv=None):
+    args = common.arg_parser(__doc__, 21).parse_args(argv)
+    print(f"CPU: {common.cpu_name()}; kernel ISA {jb.isa()}\n")
+    print("| block | products | layout | split GB/s | memcpy GB/s | split / memcpy |\n|---|---|---|---|---|---|")
+    rows = []
+    for r, c in BLOCKS:
+        repeats = args.repeats if r * c <= 1 << 20 else max(3, args.repeats // 4)
+        for products, parts in PARTS.items():
+            for trans in (False, True):
+                split, copy = _jax_brgemm.split_seconds(r, c, products, trans, repeats)
+                split_rate, copy_rate = (4 + 2 * parts) * r * c / split / 1e9, 8 * r * c / copy / 1e9
+                rows.append({"rows": r, "cols": c, "products": products, "transposed": trans,
+                             "split_gbps": split_rate, "memcpy_gbps": copy_rate, "ratio": split_rate / copy_rate})
+                print(f"| {r} x {c} | {products} | {'transposed' if trans else 'row-major'} | {split_rate:.1f} | "
+                      f"{copy_rate:.1f} | {split_rate / copy_rate:.2f} |", flush=True)
+    print("wrote", common.write_results("split", {"repeats": args.repeats, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
