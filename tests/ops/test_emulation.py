@@ -1,6 +1,6 @@
 """The bf16 emulation of float32 products (ops/emulation.py, JAX_BRGEMM_EMULATE=1): its
 error against a float64 reference is within 16x of exact float32's with three products and
-2x with six (one product is bf16's), over reductions of 256 to 65,536 products, odd sizes,
+no worse with six (one product is bf16's), over reductions of 256 to 65,536 products, odd sizes,
 zeros, subnormals and large magnitudes; its gradients are emulated to the same accuracy;
 bfloat16 inputs and the default stay exact."""
 
@@ -18,7 +18,7 @@ from jax_brgemm.ops import emulation
 PRESET = {"float32": "highest", "bf16_3x": "BF16_BF16_F32_X3", "bf16_6x": "BF16_BF16_F32_X6",
           "bf16": "BF16_BF16_F32"}
 # the emulation's error / exact float32's, at most (bf16: one product, ~2^-9 relative)
-BOUND = {"bf16_3x": 16, "bf16_6x": 2}
+BOUND = {"bf16_3x": 16, "bf16_6x": 1}
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_split_parts_sum_back_and_shrink():
         assert bool(jnp.all(jnp.abs(small.astype(jnp.float32)) <= 2.0 ** -8 * jnp.abs(big.astype(jnp.float32))))
 
 
-@pytest.mark.parametrize("batch,m,k,n", [(1, 8, 256, 16), (4, 5, 1024, 3), (2, 9, 32768, 7), (1, 3, 65536, 2)])
+@pytest.mark.parametrize("batch,m,k,n", [(1, 8, 256, 16), (4, 5, 1024, 3), (2, 9, 32768, 7), (1, 3, 65536, 2), (1, 4, 262144, 3)])
 def test_reductions_within_the_bounds(emulate, batch, m, k, n):
     rng = np.random.default_rng(k)
     a = rng.standard_normal((batch, m, k)).astype(np.float32)
@@ -279,8 +279,8 @@ def attention_and_grads(f, q, k, v, cot):
 def test_attention_and_its_gradients_are_emulated(emulate, accuracy):
     """The kernel splits P and dS into parts where it makes them: over two key chunks (the
     online softmax's rescaling), two query blocks, grouped heads, a causal mask and a bias,
-    one bfloat16 product has bfloat16's error, three about 2^-16's, six float32's (within 2x
-    of exact float32's, ours or stock XLA's)."""
+    one bfloat16 product has bfloat16's error, three about 2^-16's, six float32's (no worse than
+    exact float32's, ours or stock XLA's)."""
     rng = np.random.default_rng(9)
     q = rng.standard_normal((2, 70, 4, 16)).astype(np.float32)
     k, v = (rng.standard_normal((2, 600, 2, 16)).astype(np.float32) for _ in range(2))
@@ -298,7 +298,7 @@ def test_attention_and_its_gradients_are_emulated(emulate, accuracy):
     for g, e, x, ref in zip(got, exact, xla, want, strict=True):
         err, fp32 = rel_error(g, ref), max(rel_error(e, ref), rel_error(x, ref))
         assert {"bf16": 1e-4 < err < 2e-2, "bf16_3x": 2 * fp32 < err < 5e-5,
-                "bf16_6x": err <= 2 * fp32}[accuracy], (err, fp32)
+                "bf16_6x": err <= fp32}[accuracy], (err, fp32)
 
 
 @pytest.mark.parametrize("accuracy", ["bf16", "bf16_3x", "bf16_6x"])
@@ -309,7 +309,7 @@ def test_lstm_and_its_gradients_are_emulated(emulate, accuracy):
     from jax_brgemm.ops.lstm import reference
 
     rng = np.random.default_rng(10)
-    n, t, c, k = 5, 13, 37, 40
+    n, t, c, k = 20, 13, 163, 96  # every reduction (c + k, n * t) over 256 products, as the bounds are stated
     x = rng.standard_normal((n, t, c)).astype(np.float32)
     wi = (rng.standard_normal((c, 4 * k)) / np.sqrt(c)).astype(np.float32)
     wh = (rng.standard_normal((k, 4 * k)) / np.sqrt(k)).astype(np.float32)
@@ -334,7 +334,7 @@ def test_lstm_and_its_gradients_are_emulated(emulate, accuracy):
     for g, e, xl, ref in zip(got, exact, xla, want, strict=True):
         err, fp32 = rel_error(g, ref), max(rel_error(e, ref), rel_error(xl, ref))
         assert {"bf16": 1e-4 < err < 2e-2, "bf16_3x": 2 * fp32 < err < 5e-5,
-                "bf16_6x": err <= 2 * fp32}[accuracy], (err, fp32)
+                "bf16_6x": err <= 1.1 * fp32}[accuracy], (err, fp32)  # both at fp32 rounding: 0.8-1.02x
 
 
 @pytest.mark.parametrize("emulated", [False, True])
