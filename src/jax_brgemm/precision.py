@@ -7,22 +7,22 @@ a ``lax.DotAlgorithmPreset``, or the strings JAX accepts) and, given None, follo
 ``DEFAULT``, ``'bfloat16_3x'`` and ``'tensorfloat32'`` are ``HIGH``, ``'float32'`` is
 ``HIGHEST``), and each request is one of four accuracies:
 
-==================================================  ===========  ======================================
+==================================================  ===========  =====================================================
 requested                                           accuracy     computed with AMX (``EMULATED``)
-==================================================  ===========  ======================================
+==================================================  ===========  =====================================================
 None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32
-HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  3 bfloat16 products
+HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  3 bfloat16 products (convolutions: exact float32)
 BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (no faster emulated)
 BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     1 bfloat16 product
-==================================================  ===========  ======================================
+==================================================  ===========  =====================================================
 
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
 precision. Where the CPU multiplies bfloat16 much faster than float32 (AMX's tiles: 6-14x the
 FMA rate), every op (``jb.brgemm``, ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every
 convolution kind, ``jb.dot_product_attention``, ``jb.lstm``), and the modules and
-``accelerate()`` through them, computes the ``bf16_*`` accuracies that ``EMULATED`` lists from
-bfloat16 products summed in float32, as asked: the operands split into parts by the kernel as
+``accelerate()`` through them, computes the ``bf16_*`` accuracies that ``EMULATED`` lists for
+its family from bfloat16 products summed in float32, as asked: the operands split into parts by the kernel as
 it copies, re-blocks or makes them (``cpp/layers/common/emulation.h``). Elsewhere (AVX-512-BF16's
 ``vdpbf16ps`` runs bfloat16 products at twice the FMA rate at most, so three cost 1.5x one
 float32 product; AVX2 has none) every request is exact float32. ``JAX_BRGEMM_EMULATE=1``
@@ -44,6 +44,7 @@ import os
 import jax
 from jax import lax
 
+
 def _switch(value: str):
     if value not in ("", "0", "1"):
         raise ValueError(f"JAX_BRGEMM_EMULATE={value!r}: set it to 1 (emulate every bf16_* precision), "
@@ -54,14 +55,25 @@ def _switch(value: str):
 #: JAX_BRGEMM_EMULATE: True emulates every bf16_* accuracy, False none, None follows EMULATED.
 EMULATE = _switch(os.environ.get("JAX_BRGEMM_EMULATE", ""))
 
-#: What this CPU multiplies bfloat16 in (``multiplier()``) -> the accuracies computed from
-#: bfloat16 products by default: those whose emulated MLP training step was measured faster
-#: than exact float32's (docs/performance.md, "Emulated float32").
+#: What this CPU multiplies bfloat16 in (``multiplier()``) -> accuracy -> the op families
+#: (``family()``) that compute it from bfloat16 products by default: where their training
+#: steps were measured faster emulated than in exact float32 (docs/performance.md, "Emulated
+#: float32"). AMX's bf16_3x convolutions ran at 0.67x exact float32 and its bf16_6x steps no
+#: faster: exact there.
 EMULATED = {
-    "amx": ("bf16", "bf16_3x"),  # bf16_6x: no faster than exact float32
-    "vdpbf16ps": (),  # at most twice the FMA rate: three products cost 1.5x one float32 one
-    "float32": (),  # bfloat16 widened: the emulation only adds work
+    "amx": {"bf16": ("dense", "conv", "attention", "lstm"), "bf16_3x": ("dense", "attention", "lstm")},
+    "vdpbf16ps": {},  # at most twice the FMA rate: three products cost 1.5x one float32 one
+    "float32": {},  # bfloat16 widened: the emulation only adds work
 }
+
+
+def family(op: str) -> str:
+    """The op family of an op, layer or module name (``"jb.conv2d"``, ``"Conv"``,
+    ``"MultiHeadDotProductAttention"``, ...): conv, attention, lstm, or dense (jb.dense,
+    jb.brgemm and every other matrix product)."""
+    name = op.lower()
+    return next((f for f in ("conv", "attention", "lstm") if f in name), "dense")
+
 
 _P, _A = lax.Precision, lax.DotAlgorithmPreset
 
@@ -132,10 +144,11 @@ def multiplier() -> str:
     return "vdpbf16ps" if _native.bf16_multiply() == "bfloat16" else "float32"
 
 
-def computed(requested: str) -> str:
-    """What the kernels compute for a requested accuracy: the requested one from bfloat16
-    products where ``EMULATED`` lists it for this CPU (or ``JAX_BRGEMM_EMULATE=1`` forces
-    it), exact float32 otherwise."""
+def computed(requested: str, op: str = "jb.dense") -> str:
+    """What the kernels of ``op`` (an op, layer or module name: ``family()``) compute for a
+    requested accuracy: the requested one from bfloat16 products where ``EMULATED`` lists it
+    for this CPU and op family (or ``JAX_BRGEMM_EMULATE=1`` forces it), exact float32
+    otherwise."""
     if requested == "float32" or EMULATE is False:
         return "float32"
-    return requested if EMULATE or requested in EMULATED[multiplier()] else "float32"
+    return requested if EMULATE or family(op) in EMULATED[multiplier()].get(requested, ()) else "float32"

@@ -92,10 +92,14 @@ import json, re
 import jax, jax.numpy as jnp
 import jax_brgemm as jb
 from jax_brgemm import precision
-hlo = jax.jit(lambda x, w: jb.dense(x, w, precision="high")).lower(jnp.ones((4, 8)), jnp.ones((8, 4))).as_text()
+def products(f, *shapes):
+    hlo = jax.jit(f).lower(*(jnp.ones(s) for s in shapes)).as_text()
+    return sorted({int(p) for p in re.findall(r"products = (\\d+)", hlo)})
 print(json.dumps({"isa": jb.isa(), "multiplier": precision.multiplier(),
-                  "computed": {a: precision.computed(a) for a in precision.PRODUCTS},
-                  "products": [int(p) for p in re.findall(r"products = (\\d+)", hlo)]}))
+                  "computed": {f: {a: precision.computed(a, f) for a in precision.PRODUCTS}
+                               for f in ("dense", "conv", "attention", "lstm")},
+                  "dense": products(lambda x, w: jb.dense(x, w, precision="high"), (4, 8), (8, 4)),
+                  "conv": products(lambda x, w: jb.conv2d(x, w, precision="high"), (1, 5, 5, 8), (3, 3, 8, 4))}))
 """
 
 
@@ -120,9 +124,13 @@ def test_the_default_follows_what_the_cpu_multiplies_bfloat16_with(forced):
     assert got["isa"] == forced["JAX_BRGEMM_ISA"]
     want_multiplier = {"amx": "amx", "avx512": "vdpbf16ps" if "JAX_BRGEMM_BF16" in forced else "float32"}
     assert got["multiplier"] == want_multiplier.get(got["isa"], "float32")
-    emulated = precision.EMULATED[got["multiplier"]]
-    assert got["computed"] == {a: a if a in emulated else "float32" for a in precision.PRODUCTS}
-    assert (3 in got["products"]) == ("bf16_3x" in emulated)  # (and 0: exact_on_infinity's branch)
+    table = precision.EMULATED[got["multiplier"]]
+    assert got["computed"] == {f: {a: a if f in table.get(a, ()) else "float32" for a in precision.PRODUCTS}
+                               for f in ("dense", "conv", "attention", "lstm")}
+    for f in ("dense", "conv"):  # the kernels are asked for what computed() says (0: exact_on_infinity's branch)
+        assert (3 in got[f]) == (f in table.get("bf16_3x", ())), (f, got[f])
+    if got["multiplier"] == "amx":  # measured: bf16_3x convolutions slower than exact float32 there
+        assert got["computed"]["dense"]["bf16_3x"] == "bf16_3x" and got["computed"]["conv"]["bf16_3x"] == "float32"
 
 
 @pytest.mark.parametrize("switch,want", [("1", "bf16_3x"), ("0", "float32"), ("yes", None)])
@@ -134,4 +142,5 @@ def test_the_switch_overrides_the_default(switch, want):
         assert proc.returncode != 0 and "JAX_BRGEMM_EMULATE='yes'" in proc.stderr
         return
     got = _table_in({"JAX_BRGEMM_EMULATE": switch})
-    assert got["computed"]["bf16_3x"] == want and got["computed"]["float32"] == "float32"
+    for f in ("dense", "conv"):
+        assert got["computed"][f]["bf16_3x"] == want and got["computed"][f]["float32"] == "float32"

@@ -20,8 +20,9 @@ def test_bf16_3x_run_logs_its_precision_and_passes_the_checker(tiny):
     log_dir = only_set(log_dir)
     assert tiny.passes_checker(log_dir / "result_0.txt")
     events = read_events(log_dir / "result_0.txt")
+    exact = dict.fromkeys(("dense", "conv", "attention", "lstm"), "float32")
     assert [e["value"] for e in events if e["key"] == "matmul_precision"] == [
-        {"requested": "bf16_3x", "computed": "float32"}]
+        {"requested": "bf16_3x", "computed": "float32", "computed_by_op": exact}]
     assert json.loads((log_dir / "config.json").read_text())["precision"] == "bf16_3x"
 
 
@@ -48,6 +49,7 @@ def test_emulated_bf16_3x_run_takes_the_generic_step_and_passes_the_checker(tiny
     log_dir = only_set(log_dir)
     assert tiny.passes_checker(log_dir / "result_0.txt")
     events = read_events(log_dir / "result_0.txt")
+    emulated = dict.fromkeys(("dense", "conv", "attention", "lstm"), "bf16_3x")
     assert [e["value"] for e in events if e["key"] == "matmul_precision"] == [
-        {"requested": "bf16_3x", "computed": "bf16_3x"}]
+        {"requested": "bf16_3x", "computed": "bf16_3x", "computed_by_op": emulated}]
     assert taken and fused.train_step not in taken

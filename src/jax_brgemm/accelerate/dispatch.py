@@ -79,7 +79,8 @@ def _precision(module, exact: bool) -> str:
         return ""
     if asked == "float32":
         return ""
-    return f"precision {asked}, computed {'float32' if exact else jb_precision.computed(asked)}"
+    computed = "float32" if exact else jb_precision.computed(asked, type(module).__name__)
+    return f"precision {asked}, computed {computed}"
 
 
 def _step_by_step(where: str, scan: str, layer: str, fused: str, next_call, args, kwargs):

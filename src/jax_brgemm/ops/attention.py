@@ -75,7 +75,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             raise ValueError(f"{op}: {name} must be (B, {'T' if name == 'query' else 'S'}, heads, H) or "
                              f"unbatched without B (rank 3 or 4), got shape {tuple(a.shape)}")
     check.same_dtype(op, query=query, key=key, value=value)
-    computed = _precision.computed(_precision.accuracy(precision, op))
+    computed = _precision.computed(_precision.accuracy(precision, op), op)
     q, k, v = (a if a.ndim == 4 else a[None] for a in (query, key, value))
     b, t, n, h = q.shape
     if k.shape != v.shape:

@@ -43,7 +43,7 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     a = check.array(a, "a", op, check.OP_DTYPES)
     b = check.array(b, "b", op, check.OP_DTYPES)
     check.same_dtype(op, a=a, b=b)
-    computed = _precision.computed(_precision.accuracy(precision, op))
+    computed = _precision.computed(_precision.accuracy(precision, op), op)
     check.rank(a, "a", op, "(..., B, M, K)", at_least=3)
     check.rank(b, "b", op, "(..., B, K, N)", at_least=3)
     (nb, m, k), (nb2, k2, n) = a.shape[-3:], b.shape[-3:]

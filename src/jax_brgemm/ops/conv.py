@@ -89,7 +89,7 @@ def conv2d(x, kernel, bias=None, *, strides=(1, 1), padding="SAME", activation=N
     if bias is not None:
         bias = check.array(bias, "bias", _OP, check.OP_DTYPES)
     act = check.activation(activation, _OP)
-    computed = _precision.computed(_precision.accuracy(precision, _OP))
+    computed = _precision.computed(_precision.accuracy(precision, _OP), _OP)
     check.rank(kernel, "kernel", _OP, "HWIO (R, S, C, K)", exactly=4)
     check.rank(x, "x", _OP, "NHWC (N, H, W, C)", exactly=4)
     r, s, cg, k = kernel.shape

@@ -66,7 +66,7 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     if bias is not None:
         bias = check.array(bias, "bias", op, check.OP_DTYPES)
     act = check.activation(activation, op)
-    computed = _precision.computed(_precision.accuracy(precision, op))
+    computed = _precision.computed(_precision.accuracy(precision, op), op)
     check.rank(x, "x", op, "(..., C)", at_least=1)
     check.rank(kernel, "kernel", op, "(C, K)", exactly=2)
     c, k = kernel.shape

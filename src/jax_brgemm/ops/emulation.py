@@ -94,7 +94,8 @@ def exact_on_infinity(*names):
         def run(*args, **kwargs):
             try:
                 call = signature.bind(*args, **kwargs)
-                emulated = _precision.computed(_precision.accuracy(call.arguments.get("precision"), op.__name__))
+                emulated = _precision.computed(_precision.accuracy(call.arguments.get("precision"), op.__name__),
+                                              op.__name__)
             except (TypeError, ValueError):  # the op names the bad argument itself
                 return op(*args, **kwargs)
             leaves = [a for n in names for a in jax.tree.leaves(call.arguments.get(n))

@@ -95,7 +95,7 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     kernel_i = check.array(kernel_i, "kernel_i", op, check.OP_DTYPES)
     kernel_h = check.array(kernel_h, "kernel_h", op, check.OP_DTYPES)
     bias = check.array(bias, "bias", op, check.OP_DTYPES)
-    computed = _precision.computed(_precision.accuracy(precision, op))
+    computed = _precision.computed(_precision.accuracy(precision, op), op)
     check.rank(x, "x", op, "(T, N, C)" if time_major else "(N, T, C)", exactly=3)
     check.rank(kernel_h, "kernel_h", op, "(K, 4K)", exactly=2)
     k = kernel_h.shape[0]

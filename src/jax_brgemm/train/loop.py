@@ -210,9 +210,11 @@ def log_config(mll, cfg: RunConfig, seed: int, seed_source: str, topo=None):
     # lowest_numerical_precision_in_attn (no attention); _in_comm only when there is
     # communication (several devices: the gradients are all-reduced in fp32).
     mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, PRECISION[cfg.dtype])
-    # --precision: what the float32 products asked for and what the kernels computed
-    mll.event("matmul_precision", {"requested": cfg.precision,
-                                   "computed": jb_precision.computed(cfg.precision)})
+    # --precision: what the float32 products asked for and what the kernels computed (the
+    # dense layers', and each op family's: jax_brgemm.precision.EMULATED)
+    mll.event("matmul_precision", {"requested": cfg.precision, "computed": jb_precision.computed(cfg.precision),
+                                   "computed_by_op": {f: jb_precision.computed(cfg.precision, f)
+                                                      for f in ("dense", "conv", "attention", "lstm")}})
     if topo:
         mll.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
     for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM,
