@@ -122,6 +122,15 @@ void macro_tile(const BatchWalk& a, const BatchWalk& b, int64_t batch, int64_t k
   add_part(s, lds, part, rows, cols, true);
 }
 
+// f32_to_bf16's bits without its branch, so that the epilogue's loop vectorizes (as a scalar
+// loop it was 12 % of a bf16 layer step's samples).
+inline uint16_t bf16_bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
+}
+
 // Bias, activation and the conversion to C's dtype of a finished fp32 tile s.
 inline void finish_amx_tile(const BrgemmDesc& d, float* s, int64_t lds, int rows, int cols,
                             const float* bias, char* c) {
@@ -134,7 +143,7 @@ inline void finish_amx_tile(const BrgemmDesc& d, float* s, int64_t lds, int rows
       std::memcpy(reinterpret_cast<float*>(c) + i * d.ldc, row, size_t(cols) * sizeof(float));
     } else {
       uint16_t* dst = reinterpret_cast<uint16_t*>(c) + i * d.ldc;
-      for (int j = 0; j < cols; ++j) dst[j] = f32_to_bf16(row[j]);
+      for (int j = 0; j < cols; ++j) dst[j] = bf16_bits_of(row[j]);
     }
   }
 }
