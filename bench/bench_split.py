@@ -1,6 +1,6 @@
 """How fast the emulation splits float32 operands into their packed bfloat16 parts, against a
-memcpy of the same block: one thread, the split and the copy alternating in C++
-(``_jax_brgemm.split_seconds``), medians.
+memcpy of the same block: one thread, calls of ``_jax_brgemm.split_block`` (the split, or the
+copy, of one block many times over) timed alternately, medians per block.
 
     python bench/bench_split.py [--repeats 21]
 
@@ -14,12 +14,30 @@ Writes bench/results/<cpu-kind>/split.json.
 
 from __future__ import annotations
 
+import statistics
+import time
+
+import numpy as np
+
 import common
 import jax_brgemm as jb
 from jax_brgemm import _jax_brgemm
 
 BLOCKS = ((256, 128), (1024, 1024), (4096, 4096))
 PARTS = {1: 1, 3: 2, 6: 3}  # products -> parts of each operand
+
+
+def seconds(src, out, products, trans, rounds):
+    """Median seconds of one split (products > 0) or copy (0) of src, over `rounds` timed calls
+    of a few ms each."""
+    calls = max(1, int(1e6 // src.size))
+    _jax_brgemm.split_block(src, out, products, trans, 1)  # warm: out's pages touched
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        _jax_brgemm.split_block(src, out, products, trans, calls)
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
 
 
 def main(argv=None):
@@ -31,7 +49,9 @@ def main(argv=None):
         repeats = args.repeats if r * c <= 1 << 20 else max(3, args.repeats // 4)
         for products, parts in PARTS.items():
             for trans in (False, True):
-                split, copy = _jax_brgemm.split_seconds(r, c, products, trans, repeats)
+                src = np.random.default_rng(0).standard_normal((c, r) if trans else (r, c), dtype=np.float32)
+                out = np.empty(parts * (r + 1) // 2 * 2 * c * 2 + 4 * r * c, np.uint8)
+                split, copy = seconds(src, out, products, trans, repeats), seconds(src, out, 0, trans, repeats)
                 split_rate, copy_rate = (4 + 2 * parts) * r * c / split / 1e9, 8 * r * c / copy / 1e9
                 rows.append({"rows": r, "cols": c, "products": products, "transposed": trans,
                              "split_gbps": split_rate, "memcpy_gbps": copy_rate, "ratio": split_rate / copy_rate})

@@ -1,10 +1,9 @@
 // The nanobind extension: hands the FFI handlers to Python as capsules, once, at import.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -93,31 +92,23 @@ NB_MODULE(_jax_brgemm, m) {
     if (unit == "amx") return jb::peak_amx_flops_per_iter();
     throw std::invalid_argument("peak unit must be fma, vdpbf16ps or amx, got " + unit);
   }, "Floating-point operations per iteration of one jb_peak_probe work item.");
-  m.def("split_seconds", [](int64_t rows, int64_t cols, int64_t products, bool trans, int64_t repeats) {
-    // The emulation's split of one rows x cols fp32 block into its packed bf16 (VNNI) parts,
-    // and a memcpy of the same block, alternately on this thread: seconds each (medians).
-    const jb::emulation::Terms t = jb::emulation::terms(products);
-    const int64_t n = rows * cols, pr = (rows + 1) / 2 * 2;
-    std::vector<float> src(static_cast<size_t>(n)), copy(src.size()), tmp(static_cast<size_t>(pr * cols));
-    for (int64_t i = 0; i < n; ++i) src[size_t(i)] = float((i * 7919) % 1000) * 1.0009765625f - 500;
-    std::vector<uint16_t> dst(static_cast<size_t>(t.parts[1] * pr * cols));
-    std::vector<double> split, memcpy_;
+  m.def("split_block", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig> src, nb::ndarray<uint8_t, nb::c_contig> out,
+                          int64_t products, bool trans, int64_t repeats) {
+    // src (rows x cols, or cols x rows when trans) split `repeats` times into its packed bf16
+    // (VNNI) parts for `products` products, or with products = 0 copied, into out: for
+    // bench/bench_split.py to time (nothing here reads a clock: test_dispatch.py).
+    const int64_t rows = int64_t(src.shape(trans ? 1 : 0)), cols = int64_t(src.shape(trans ? 0 : 1));
+    const int64_t pr = (rows + 1) / 2 * 2, n = rows * cols;
+    const jb::emulation::Terms t = jb::emulation::terms(products ? products : 1);
+    const size_t need = products ? size_t(t.parts[1] * pr * cols) * 2 : size_t(n) * 4;
+    if (out.size() < need) throw std::invalid_argument("split_block: out holds fewer than " + std::to_string(need) + " bytes");
+    nb::gil_scoped_release release;
     for (int64_t r = 0; r < repeats; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
-      jb::emulation::pack(t, 1, src.data(), jb::DType::f32, trans ? rows : cols, trans, rows, cols, rows, cols,
-                          jb::DType::bf16, true, dst.data(), pr * cols, jb::best_isa(), tmp.data());
-      const auto t1 = std::chrono::steady_clock::now();
-      std::memcpy(copy.data(), src.data(), size_t(n) * sizeof(float));
-      const auto t2 = std::chrono::steady_clock::now();
-      split.push_back(std::chrono::duration<double>(t1 - t0).count());
-      memcpy_.push_back(std::chrono::duration<double>(t2 - t1).count());
+      if (!products) std::memcpy(out.data(), src.data(), size_t(n) * sizeof(float));
+      else jb::emulation::pack(t, 1, src.data(), jb::DType::f32, cols + (trans ? rows - cols : 0), trans, rows, cols,
+                               rows, cols, jb::DType::bf16, true, out.data(), pr * cols, jb::best_isa(), nullptr);
     }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v.empty() ? 0.0 : v[v.size() / 2];
-    };
-    return nb::make_tuple(median(split), median(memcpy_));
-  }, nb::arg("rows"), nb::arg("cols"), nb::arg("products"), nb::arg("trans"), nb::arg("repeats"),
-     "(split, memcpy): median seconds of the emulation's split of a rows x cols fp32 block into its\n"
-     "packed bf16 parts for `products` products (transposed or not), and of a memcpy of the block.");
+  }, nb::arg("src"), nb::arg("out"), nb::arg("products"), nb::arg("trans"), nb::arg("repeats"),
+     "Splits src (float32, C order; transposed: its columns are the block's rows) into its packed bf16\n"
+     "parts for `products` products, or with products = 0 memcpys it, into out, `repeats` times.");
 }

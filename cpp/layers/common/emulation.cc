@@ -87,32 +87,40 @@ JB_TARGET_BF16 inline __m512 widen(__m256i h) {
 
 // Where vcvtne2ps2bf16 and vpermw make and store the parts of 16 columns: element e of the
 // block (the first of the 16) and the columns to store (the rest are padding beyond pcols).
+// LAST (o.last) is a template constant, so the part loops unroll.
+template <int LAST>
 struct Split16 {
-  const Out& o;
-  char* base(int p, int64_t e) const {
-    return static_cast<char*>(o.dst) + ((p - o.first) * o.step + e) * int64_t(dtype_size(o.kd));
+  explicit Split16(const Out& o) : o(o), es(int64_t(dtype_size(o.kd))) {
+    for (int p = 0; p < LAST; ++p) part[p] = static_cast<char*>(o.dst) + (p - o.first) * o.step * es;
   }
+  const Out& o;
+  const int64_t es;
+  char* part[LAST];  // part p's block (p >= o.first)
   // Rows r, r + 1 (x0, x1) as VNNI pairs: word j = (row r, row r + 1) of column j.
   JB_TARGET_BF16 void pairs(__m512 x0, __m512 x1, int64_t e, __mmask16 store) const {
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
-    for (int p = 0; p < o.last; ++p) {
+#pragma GCC unroll 3
+    for (int p = 0; p < LAST; ++p) {
       const __m512i w = _mm512_permutexvar_epi16(order, __m512i(_mm512_cvtne2ps_pbh(x1, x0)));
-      x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-      x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
-      if (p >= o.first) _mm512_mask_storeu_epi32(base(p, e), store, w);
+      if (p + 1 < LAST) {
+        x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      }
+      if (p >= o.first) _mm512_mask_storeu_epi32(part[p] + e * es, store, w);
     }
   }
   // One row's 16 values, as bf16 or as fp32 parts.
   JB_TARGET_BF16 void row(__m512 x, int64_t e, __mmask16 store) const {
-    for (int p = 0; p < o.last; ++p) {
+#pragma GCC unroll 3
+    for (int p = 0; p < LAST; ++p) {
       const __m256i h = __m256i(_mm512_cvtneps_pbh(x));
       const __m512 hf = widen(h);
       x = _mm512_sub_ps(x, hf);
       if (p < o.first) continue;
-      if (o.kd == DType::bf16) _mm256_mask_storeu_epi16(base(p, e), store, h);
-      else _mm512_mask_storeu_ps(base(p, e), store, hf);
+      if (o.kd == DType::bf16) _mm256_mask_storeu_epi16(part[p] + e * es, store, h);
+      else _mm512_mask_storeu_ps(part[p] + e * es, store, hf);
     }
   }
   // Rows [r0, r0 + 16) (r0 even) of 16 columns from j0, given as fp32 registers, up to prows.
@@ -126,9 +134,10 @@ struct Split16 {
 
 // split_scalar with vcvtne2ps2bf16 (vcvtneps2bf16 for single rows); a transposed source in
 // 16 x 16 tiles transposed in registers. Tails and padding by masked loads and stores.
+template <int LAST>
 JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols,
                                int64_t prows, int64_t pcols, const Out& o) {
-  const Split16 out{o};
+  const Split16<LAST> out(o);
   if (trans) {
     __m512i t[16];
     __m512 v[16];
@@ -142,16 +151,24 @@ JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_
       }
     return;
   }
-  for (int64_t r = 0; r < prows; r += o.vnni ? 2 : 1)
-    for (int64_t j = 0; j < pcols; j += 16) {
-      const __m512 x0 = r < rows ? load(src + r * lds + j, cols - j) : _mm512_setzero_ps();
-      if (o.vnni) {
-        const __m512 x1 = r + 1 < rows ? load(src + (r + 1) * lds + j, cols - j) : _mm512_setzero_ps();
-        out.pairs(x0, x1, r / 2 * o.ldd + 2 * j, lanes(pcols - j));
-      } else {
-        out.row(x0, r * o.ldd + j, lanes(pcols - j));
-      }
+  const int64_t full = std::min(cols, pcols) / 16 * 16;  // columns of whole, unmasked vectors
+  for (int64_t r = 0; r < prows; r += o.vnni ? 2 : 1) {
+    const float* s0 = src + r * lds;
+    const bool in0 = r < rows, in1 = r + 1 < rows;
+    if (o.vnni && in1) {  // both rows real: the bulk of every block
+      const int64_t e = r / 2 * o.ldd;
+      for (int64_t j = 0; j < full; j += 16)
+        out.pairs(_mm512_loadu_ps(s0 + j), _mm512_loadu_ps(s0 + lds + j), e + 2 * j, __mmask16(0xffff));
+      for (int64_t j = full; j < pcols; j += 16)
+        out.pairs(load(s0 + j, cols - j), load(s0 + lds + j, cols - j), e + 2 * j, lanes(pcols - j));
+      continue;
     }
+    for (int64_t j = 0; j < pcols; j += 16) {
+      const __m512 x0 = in0 ? load(s0 + j, cols - j) : _mm512_setzero_ps();
+      if (o.vnni) out.pairs(x0, _mm512_setzero_ps(), r / 2 * o.ldd + 2 * j, lanes(pcols - j));
+      else out.row(x0, r * o.ldd + j, lanes(pcols - j));
+    }
+  }
 }
 
 // |x| > bf16's largest, NaN excluded (an unordered compare is false).
@@ -169,7 +186,10 @@ JB_TARGET_BF16 bool beyond_simd(const float* x, int64_t n) {
 void split(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols, int64_t prows, int64_t pcols,
            const Out& o, Isa isa) {
 #if defined(JB_X86)
-  if (isa >= Isa::avx512) return split_simd(src, lds, trans, rows, cols, prows, pcols, o);
+  if (isa >= Isa::avx512) {
+    auto run = o.last == 1 ? split_simd<1> : o.last == 2 ? split_simd<2> : split_simd<3>;
+    return run(src, lds, trans, rows, cols, prows, pcols, o);
+  }
 #endif
   (void)isa;
   split_scalar(src, lds, trans, rows, cols, prows, pcols, o);
