@@ -15,12 +15,14 @@ checkpoints, are the stock ones by construction::
         y = apply(params, x)                   # on the kernels: traced again, for the context
     y = apply(params, x)                       # stock again (its first trace, from the cache)
 
-The package: ``context`` (the state, the jit-cache key, the report), ``patches`` (what is
-replaced in flax while a context is open), ``dispatch`` (the rule table, from a rule's
-decision to the result), the rules (``rules``, ``attention``, ``recurrent``, ``scans``) and
-the dispatch ``policy``.
+The package, in floors, each module importing only those below it: ``state`` (the contexts
+entered in this thread, the jit-cache key, the report's records) and the dispatch ``policy``;
+the rules (``scans``, ``rules``, ``attention``, ``recurrent``); ``dispatch`` (the rule table,
+from a rule's decision to the result); ``patches`` (what is replaced in flax while a context
+is open); ``context`` (``accelerate()`` itself).
 """
 
-from jax_brgemm.accelerate.context import Accelerate, Call, accelerate
+from jax_brgemm.accelerate.context import Accelerate, accelerate
+from jax_brgemm.accelerate.state import Call
 
 __all__ = ["Accelerate", "Call", "accelerate"]

@@ -19,7 +19,7 @@ import flax.linen as nn
 from flax.nnx.nn import attention as stock_attention
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from jax_brgemm.accelerate.context import state
+from jax_brgemm.accelerate.state import state
 from jax_brgemm.accelerate.rules import _bind
 from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.attention import attention_on_kernels

@@ -1,74 +1,15 @@
-"""The ``accelerate()`` context: its one piece of state, what it keys jit caches on, and the
-report of the calls it saw.
-
-Entering a context (the outermost one of the process) installs the interception
-(``patches``), and the last exit removes it, so flax is exactly itself outside. Whether a
-call is intercepted depends on the thread's state only: the contexts entered in this
-thread, and a value of ``jax.make_user_context`` that JAX's tracing and compilation caches
-key on, so a jitted function traced outside runs stock inside and the other way round.
+"""The ``accelerate()`` context, the package's top floor: entering one (the outermost of the
+process) installs the interception (``patches``), and the last exit removes it, so flax is
+exactly itself outside; inside, a call is intercepted by this thread's state only (``state``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import threading
 import warnings
 
-import jax
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """One intercepted layer call: the module's path (an NNX module, which has none: its
-    class and sizes) and class, and how it ran."""
-
-    path: str
-    layer: str
-    accelerated: bool
-    reason: str  # why it fell back to the stock module ("" when accelerated)
-    # the stock recurrent scan (or cell call) this call is one time step of, "" if none:
-    # such a layer runs on the kernels once per step, the recurrence itself stays stock
-    step_of: str = ""
-    # on the kernels with a precision other than float32: what it asked and what ran
-    precision: str = ""
-
-    def __str__(self):
-        how = ("brgemm" + (f", {self.precision}" if self.precision else "") if self.accelerated
-               else f"stock ({self.reason})")
-        step = f", per step of {self.step_of}" if self.step_of else ""
-        return f"{self.path or '<top>'} [{self.layer}]: {how}{step}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What changes the traced program: part of the jit-cache key."""
-
-    policy: bool
-
-
-# None outside every context; the innermost context's Options inside (thread-local).
-_KEY = jax.make_user_context(None)
-
-
-class _State(threading.local):
-    """This thread's contexts and what the interception tracks while it traces."""
-
-    def __init__(self):
-        self.contexts: list[Accelerate] = []
-        self.entered: list = []        # per context: the _KEY(...) and linen managers entered
-        self.stock_scans: list[str] = []  # stock recurrent scans around the current call
-        self.sublayers: dict = {}      # id(projection) -> (attention module, attribute)
-        self.probing = 0               # > 0 while a scanned body runs abstractly
-
-
-state = _State()
-
-
-def options() -> Options | None:
-    """This thread's innermost context's options, None outside every context (or while a
-    scanned body is probed)."""
-    return None if state.probing else _KEY.value
+from jax_brgemm.accelerate import patches
+from jax_brgemm.accelerate.state import CACHE_KEY, Call, Options, state
 
 
 class Accelerate(contextlib.ContextDecorator):
@@ -89,7 +30,7 @@ class Accelerate(contextlib.ContextDecorator):
         self.calls = []
         patches.acquire()
         entered = contextlib.ExitStack()
-        entered.enter_context(_KEY(Options(self.policy)))
+        entered.enter_context(CACHE_KEY(Options(self.policy)))
         if not state.contexts:  # linen's interceptors are per thread already
             entered.enter_context(patches.linen_interception())
         state.contexts.append(self)
@@ -184,41 +125,3 @@ _NOTHING_SEEN = (
     "context. The likely cause: a jitted function already traced inside an equal context "
     "ran from jax.jit's cache (its program is on the kernels, but nothing was recorded), or "
     "it ran in another thread, or the model has no flax Dense / Linear, Conv or RNN layers.")
-
-
-def record(path: str, layer: str, reason: str, precision: str = "") -> None:
-    """Adds a call to the report of this thread's innermost context (once)."""
-    call = Call(path, layer, not reason, reason, state.stock_scans[-1] if state.stock_scans else "",
-                "" if reason else precision)
-    calls = state.contexts[-1].calls
-    if call not in calls:
-        calls.append(call)
-
-
-@contextlib.contextmanager
-def stock_scan(layer: str, why: str):
-    """Marks, in this thread, a stock recurrent scan that runs its cell step by step (``why``
-    the fused kernels did not take it): layer calls inside are per-step work of that scan."""
-    state.stock_scans.append(f"{layer}: {why}")
-    try:
-        yield
-    finally:
-        state.stock_scans.pop()
-
-
-def in_stock_scan() -> bool:
-    return bool(state.stock_scans)
-
-
-@contextlib.contextmanager
-def probing():
-    """While a scanned body runs abstractly (``scans``), nothing is intercepted."""
-    state.probing += 1
-    try:
-        yield
-    finally:
-        state.probing -= 1
-
-
-# last: the replacements installed on entering read this module's state
-from jax_brgemm.accelerate import patches  # noqa: E402

@@ -13,7 +13,7 @@ from flax.nnx.nn import recurrent as nnx_recurrent
 
 from jax_brgemm import precision as jb_precision
 from jax_brgemm.accelerate import attention, recurrent, rules
-from jax_brgemm.accelerate.context import in_stock_scan, options, record, stock_scan
+from jax_brgemm.accelerate.state import in_stock_scan, options, record, stock_scan
 
 #: Stock linen class -> rule (exactly these classes: a subclass may compute otherwise).
 LINEN_RULES = {

@@ -17,8 +17,8 @@ import threading
 
 import flax.linen as nn
 
-from jax_brgemm.accelerate import scans
-from jax_brgemm.accelerate.context import options
+from jax_brgemm.accelerate import dispatch, scans
+from jax_brgemm.accelerate.state import options
 
 _lock = threading.RLock()  # a class defined while installing re-enters through the hook
 _users = 0  # contexts open in any thread
@@ -51,8 +51,6 @@ def release() -> None:
 
 def linen_interception():
     """linen's interceptor for this thread (``nn.intercept_methods``, a context manager)."""
-    from jax_brgemm.accelerate import dispatch
-
     return nn.intercept_methods(dispatch.linen_call)
 
 
@@ -62,8 +60,6 @@ def _replace(owner: type, name: str, value) -> None:
 
 
 def _install() -> None:
-    from jax_brgemm.accelerate import dispatch
-
     for cls in dispatch.NNX_CLASSES:
         if "__call__" in cls.__dict__:
             _replace(cls, "__call__", _nnx_router(cls.__dict__["__call__"], dispatch.nnx_call))

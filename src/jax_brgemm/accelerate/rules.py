@@ -17,7 +17,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jax_brgemm.accelerate import policy
-from jax_brgemm.accelerate.context import options
+from jax_brgemm.accelerate.state import options
 from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.attention import dense_general_on_kernels
 from jax_brgemm.nn.conv import conv_on_kernels, conv_transpose_on_kernels

@@ -31,7 +31,7 @@ import jax
 from flax.core import lift
 from flax.core.scope import in_filter
 
-from jax_brgemm.accelerate.context import probing
+from jax_brgemm.accelerate.state import probing
 from jax_brgemm.nn._adapt import Decision
 
 LSTM_CELLS = (nn.OptimizedLSTMCell, nn.LSTMCell)
