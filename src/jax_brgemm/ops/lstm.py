@@ -404,10 +404,10 @@ def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_m
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
     xh2 = xh.reshape(rows, xh.shape[2])
     products = _precision.PRODUCTS[accuracy]  # the passes split da, xh and W as they re-block
-    dx = fc_passes.backward_data_call(da2, wi, products).reshape(xh.shape[:2] + (c,))
+    dx = fc_passes.backward_data(da2, wi, products).reshape(xh.shape[:2] + (c,))
     # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
     # every step, one GEMM reducing over all rows into C + K output rows.
-    dwr = fc_passes.weight_update_call(xh2, da2, (c + k, 4 * k), wi.dtype, False, products)[0]
+    dwr = fc_passes.weight_update(xh2, da2, (c + k, 4 * k), wi.dtype, False, products)[0]
     return (dx.astype(x.dtype), dwr[:c], dwr[c:], db.astype(b.dtype), dc0.astype(c0.dtype),
             dh0.astype(h0.dtype))
 
