@@ -25,14 +25,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 from jax.interpreters import ad
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, partitioning
-from jax_brgemm.ops.primitive import define, is_zero, over_leading, unbroadcast, undefined, zero, zero_like
+from jax_brgemm.ops.primitive import (define, is_zero, over_leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
@@ -242,13 +242,6 @@ def _in_xla(fn):
     return lambda *args, **params: over_leading(partial(fn, **params), _ranks(*args), *args)
 
 
-def _avals(fn, single=False):
-    def abstract(*avals, **params):
-        outs = jax.eval_shape(partial(fn, **params), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-        return ShapedArray(outs.shape, outs.dtype) if single else tuple(ShapedArray(o.shape, o.dtype) for o in outs)
-    return abstract
-
-
 # --- the primitives -------------------------------------------------------------------------
 # attention_p: (o, stats) on the kernels. Its JVP is tangent_p, linear in the tangents of q,
 # k, v and bias, whose transpose (reverse mode) is the backward call; tangent_p itself (forward
@@ -256,10 +249,10 @@ def _avals(fn, single=False):
 # XLA: the kernels have no pass for them. stats are internal (nothing reads a tangent of
 # them); o and stats, functions of q, k, v and bias, enter the derivatives through those.
 
-attention_p = define("jb_attention", _avals(_forward_ffi), _forward_call, core_ranks=_ranks)
-tangent_p = define("jb_attention_tangent", _avals(_in_xla(_stock_tangent), single=True), _in_xla(_stock_tangent),
+attention_p = define("jb_attention", shapes_of(_forward_ffi), _forward_call, core_ranks=_ranks)
+tangent_p = define("jb_attention_tangent", shapes_of(_in_xla(_stock_tangent), single=True), _in_xla(_stock_tangent),
                    core_ranks=_ranks, multiple_results=False, partitioned=False)
-backward_p = define("jb_attention_backward", _avals(_backward_ffi), _backward_call, core_ranks=_ranks)
+backward_p = define("jb_attention_backward", shapes_of(_backward_ffi), _backward_call, core_ranks=_ranks)
 
 
 def _attention(q, k, v, bias, mask, scale, kind):

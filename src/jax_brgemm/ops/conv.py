@@ -16,21 +16,20 @@ Reverse mode is the transpose of the forward's tangent, split in separate calls 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.core import ShapedArray
 from jax.interpreters import ad
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
-from jax_brgemm.ops.primitive import define, is_zero, leading, unbroadcast, undefined, zero, zero_like
+from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
@@ -278,14 +277,6 @@ def _update(x, dz, *, w_shape, w_dtype, with_bias, cfg):
     return tuple(jax.ffi.ffi_call("jb_conv_upd", (dw, db))(x, dz, **_attrs(cfg)))
 
 
-def _avals(fn, single=False):
-    """An abstract evaluation from the call's own ShapeDtypeStructs."""
-    def abstract(*avals, **params):
-        outs = jax.eval_shape(partial(fn, **params), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-        return ShapedArray(outs.shape, outs.dtype) if single else tuple(ShapedArray(o.shape, o.dtype) for o in outs)
-    return abstract
-
-
 def _linear(cfg):
     """The same geometry without the activation (the passes below are linear)."""
     return (fc_passes.NONE,) + tuple(cfg[1:])
@@ -317,7 +308,7 @@ def _conv_upd(x, dz, w_shape, w_dtype, with_bias, cfg):
 # the output's pixels), backward by data and weight update. cfg (activation, strides, pads,
 # dilations, groups, accuracy) is static.
 
-forward_p = define("jb_conv_forward", _avals(_forward), _forward, core_ranks=(4, 4, 1), partitioned=False)
+forward_p = define("jb_conv_forward", shapes_of(_forward), _forward, core_ranks=(4, 4, 1), partitioned=False)
 
 
 def _forward_jvp(primals, tangents, *, cfg):
@@ -364,7 +355,7 @@ def _forward_transpose(cts, x, kernel, bias, *, cfg):
 ad.primitive_jvps[forward_p] = _forward_jvp
 ad.primitive_transposes[forward_p] = _forward_transpose
 
-backward_data_p = define("jb_conv_backward_data", _avals(_backward, single=True), _backward, core_ranks=(4, 4),
+backward_data_p = define("jb_conv_backward_data", shapes_of(_backward, single=True), _backward, core_ranks=(4, 4),
                          multiple_results=False, partitioned=False)
 
 
@@ -380,7 +371,7 @@ def _backward_data_transpose_kernel(ct, dz, kernel, *, x_shape, cfg):
 
 ad.defbilinear(backward_data_p, _backward_data_transpose_dz, _backward_data_transpose_kernel)
 
-weight_update_p = define("jb_conv_weight_update", _avals(_update), _update, core_ranks=(4, 4), partitioned=False)
+weight_update_p = define("jb_conv_weight_update", shapes_of(_update), _update, core_ranks=(4, 4), partitioned=False)
 
 
 def _weight_update_jvp(primals, tangents, *, w_shape, w_dtype, with_bias, cfg):

@@ -36,13 +36,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 from jax.interpreters import ad
 
 from jax_brgemm import _activations
 from jax_brgemm._native import ACTIVATION_CODES
 from jax_brgemm.ops import partitioning
-from jax_brgemm.ops.primitive import define, is_zero, leading, unbroadcast, undefined, zero, zero_like
+from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 __all__ = ["ACTIVATION_CODES", "GELU", "NONE", "activation_grad", "backward_data", "forward",
            "preactivation_grad", "saved_for_backward", "weight_update"]
@@ -149,27 +149,18 @@ def _upd_target(w_shape, w_dtype, with_bias, products):
                                      with_bias=with_bias, products=products), (_R, _R), (_SUM, _SUM))
 
 
-def _call(target, ffi, first, *operands, **params):
+def _call(target, ffi, *operands, **params):
     """The partitionable call at top level, the bare one under leading dims."""
-    if first.ndim == 2:
+    if operands[0].ndim == 2:
         return target(**params)(*operands)
     return ffi(*operands, **params)
-
-
-def _shapes(fn, single=False):
-    """An abstract evaluation from the call's own ShapeDtypeStructs."""
-    def abstract(*avals, **params):
-        outs = jax.eval_shape(partial(fn, **params), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-        outs = tuple(ShapedArray(o.shape, o.dtype) for o in outs)
-        return outs[0] if single else outs
-    return abstract
 
 
 # --- forward --------------------------------------------------------------------------------
 
 forward_p = define(
-    "jb_fc_forward", _shapes(_fwd_ffi),
-    lambda x, kernel, b, *, act, products: _call(_fwd_target, _fwd_ffi, x, x, kernel, b, act=act, products=products),
+    "jb_fc_forward", shapes_of(_fwd_ffi),
+    lambda x, kernel, b, *, act, products: _call(_fwd_target, _fwd_ffi, x, kernel, b, act=act, products=products),
     core_ranks=(2, 2, 1))
 
 
@@ -218,8 +209,8 @@ ad.primitive_transposes[forward_p] = _forward_transpose
 # --- activation gradient ----------------------------------------------------------------------
 
 activation_grad_p = define(
-    "jb_fc_activation_grad", _shapes(_act_grad_ffi, single=True),
-    lambda dy, saved, *, act: _call(_act_grad_target, _act_grad_ffi, dy, dy, saved, act=act)[0],
+    "jb_fc_activation_grad", shapes_of(_act_grad_ffi, single=True),
+    lambda dy, saved, *, act: _call(_act_grad_target, _act_grad_ffi, dy, saved, act=act)[0],
     core_ranks=(2, 2), multiple_results=False)
 
 
@@ -250,8 +241,8 @@ ad.primitive_transposes[activation_grad_p] = _activation_grad_transpose
 # --- backward by data: bilinear in (dz, kernel) ---------------------------------------------
 
 backward_data_p = define(
-    "jb_fc_backward_data", _shapes(_bwd_ffi, single=True),
-    lambda dz, kernel, *, products: _call(_bwd_target, _bwd_ffi, dz, dz, kernel, products=products)[0],
+    "jb_fc_backward_data", shapes_of(_bwd_ffi, single=True),
+    lambda dz, kernel, *, products: _call(_bwd_target, _bwd_ffi, dz, kernel, products=products)[0],
     core_ranks=(2, 2), multiple_results=False)
 
 
@@ -277,8 +268,8 @@ ad.defbilinear(backward_data_p, _backward_data_transpose_dz, _backward_data_tran
 
 # --- weight update: bilinear in (x, dz) -------------------------------------------------------
 
-weight_update_p = define("jb_fc_weight_update", _shapes(_upd_ffi), lambda x, dz, **params: _call(
-    _upd_target, _upd_ffi, x, x, dz, **params), core_ranks=(2, 2))
+weight_update_p = define("jb_fc_weight_update", shapes_of(_upd_ffi), lambda x, dz, **params: _call(
+    _upd_target, _upd_ffi, x, dz, **params), core_ranks=(2, 2))
 
 
 def _weight_update_jvp(primals, tangents, *, w_shape, w_dtype, with_bias, products):

@@ -20,10 +20,11 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["define", "is_zero", "leading", "over_leading", "unbroadcast", "undefined",
+__all__ = ["define", "is_zero", "leading", "over_leading", "shapes_of", "unbroadcast", "undefined",
            "zero", "zero_like"]
 
 
@@ -58,6 +59,15 @@ def _batch(p, core_ranks, args, dims, **params):
         moved.append(a.reshape(a.shape[:1] + (1,) * (lead - r) + a.shape[1:]))
     out = p.bind(*moved, **params)
     return out, ((0,) * len(out) if p.multiple_results else 0)
+
+
+def shapes_of(fn: Callable, single: bool = False) -> Callable:
+    """An abstract evaluation: ``fn``'s (the call's) result shapes, by ``jax.eval_shape``."""
+    def abstract(*avals, **params):
+        outs = jax.eval_shape(partial(fn, **params), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        outs = tuple(ShapedArray(o.shape, o.dtype) for o in jax.tree.leaves(outs))
+        return outs[0] if single else outs
+    return abstract
 
 
 def over_leading(fn: Callable, core_ranks: Sequence[int], *args):
