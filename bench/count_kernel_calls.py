@@ -6,7 +6,9 @@ For every model and dtype of ``bench/bench_accelerate.py``, the jitted ``jax.gra
 step is traced inside ``jax_brgemm.accelerate()`` (and ``accelerate(policy=False)``, every
 layer on the kernels) and lowered, not compiled, nor run: ``jax.jit(step).lower(...)``'s
 StableHLO text, whose ``custom_call @jb_...`` names are counted per target. A change to how
-the ops are differentiated must keep every count the same or lower it. Not a timing.
+the ops are differentiated must keep every count the same or lower it. Not a timing. Writes
+bench/results/<cpu-kind>/kernel_calls.json (or --json OUT): the dispatch policy's choices
+depend on the CPU kind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import collections
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 import bench_accelerate as ba
+import common
 import jax_brgemm as jb
 
 _CALL = re.compile(r"custom_call @(jb_\w+)")
@@ -65,7 +69,7 @@ def count(name, dtype, policy=True):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(ba.MODELS), choices=list(ba.MODELS))
-    p.add_argument("--json", help="also write the counts to this file")
+    p.add_argument("--json", default=str(common.RESULTS / "kernel_calls.json"), help="where to write the counts")
     args = p.parse_args(argv)
     rows = []
     for dname, dtype in ba.DTYPES.items():
@@ -76,9 +80,9 @@ def main(argv=None):
                              "total": sum(calls.values()), "calls": calls})
                 print(f"{name:12s} {dname:9s} {'policy' if policy else 'all   '} "
                       f"{rows[-1]['total']:4d}  {calls}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
