@@ -56,8 +56,8 @@ def passes(n, c, dtype):
     da = bptt(*bptt_args)[0]
     da2 = da.reshape(n * T, da.shape[2])  # the gradient and its rows' padding
     xh2 = xh.reshape(n * T, xh.shape[2])
-    dx = jax.jit(fc_passes.backward_data_call)
-    upd = jax.jit(lambda a, d: fc_passes.weight_update_call(a, d, (c + k, 4 * k), jnp.float32,
+    dx = jax.jit(fc_passes.backward_data)
+    upd = jax.jit(lambda a, d: fc_passes.weight_update(a, d, (c + k, 4 * k), jnp.float32,
                                                             False)[0])
 
     module = jb.nn.LSTM(k, dtype=dtype)

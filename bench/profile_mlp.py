@@ -280,16 +280,16 @@ def alone_fns(n, dtype):
         act = relu if i < len(widths) - 2 else none
         x, w, b, dz = arr(n, c), arr(c, k, dtype=jnp.float32) / 32, arr(k, dtype=jnp.float32), arr(n, k)
         fns[f"Dense_{i} jb_fc_fwd"] = (
-            jax.jit(lambda x, w, b, a=act: fc_passes.forward_call(x, w, b, a)), (x, w, b))
+            jax.jit(lambda x, w, b, a=act: fc_passes.forward(x, w, b, a)), (x, w, b))
         fns[f"Dense_{i} jb_fc_upd_sgd"] = (jax.jit(
             lambda x, dz, w, m, b, mb: (x, dz, *sgd_update(
                 x, dz, w, m, b, mb, 0.01, momentum=0.9, nesterov=True, weight_decay=0.0)),
             donate_argnums=(2, 3, 4, 5)), (x, dz, jnp.copy(w), jnp.zeros_like(w), jnp.copy(b), jnp.zeros_like(b)))
         if i > 0:  # the first layer's input needs no gradient
-            fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(fc_passes.backward_data_call), (dz, w))
+            fns[f"Dense_{i} jb_fc_bwd"] = (jax.jit(fc_passes.backward_data), (dz, w))
         if act == relu:
             fns[f"Dense_{i} jb_fc_act_grad"] = (
-                jax.jit(lambda dy, y: fc_passes.activation_grad_call(dy, y, relu)),
+                jax.jit(lambda dy, y: fc_passes.activation_grad(dy, y, relu)),
                 (dz, jax.nn.relu(dz)))
     return fns
 

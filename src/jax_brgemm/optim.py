@@ -234,7 +234,7 @@ def _fused_step(loss_fn, tx, rule, has_aux, sites, leaves, treedef, opt_state, a
     for s in sites:
         x, y = saved[s.kernel]
         dy = dys[s.kernel]
-        dz = dy if s.act == fc_passes.NONE else fc_passes.activation_grad_call(dy, y, s.act)
+        dz = dy if s.act == fc_passes.NONE else fc_passes.activation_grad(dy, y, s.act)
         b = None if s.bias is None else leaves[s.bias]
         state = [(o[s.kernel], None if s.bias is None else o[s.bias]) for o in old]
         if rule.kind == "sgd":

@@ -260,12 +260,6 @@ def test_grad_of_grad_runs_on_the_kernel():
     assert "jb_brgemm" in hlo and " dot(" not in hlo
 
 
-def test_forward_mode_is_one_clear_error():
-    a, b = operands((2, 3, 4), (2, 4, 5), F32)
-    with pytest.raises(TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"):
-        jax.jvp(lambda a: jb.brgemm(a, b), (a,), (a,))
-
-
 # --- the ISA ---------------------------------------------------------------------------------
 
 ISAS = ("generic", "avx2", "avx512", "amx")  # lowest first

@@ -356,20 +356,6 @@ def test_third_order():
     assert_close(third(f)(x), third(r)(x), 1e-4)
 
 
-FORWARD_MODE = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
-
-
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
-def test_forward_mode_is_one_clear_error(transform):
-    x, kernel, bias = data((3,), 5, 4)
-    f = lambda x: jnp.sum(jb.dense(x, kernel, bias, activation="relu"))
-    run = {"jvp": lambda: jax.jvp(f, (x,), (x,)),
-           "jacfwd": lambda: jax.jacfwd(f)(x),
-           "hessian": lambda: jax.hessian(f)(x)}[transform]
-    with pytest.raises(TypeError, match=FORWARD_MODE):
-        run()
-
-
 def test_activation_table_comes_from_cpp():
     """Names and codes are C++'s (jb::kActivationNames); every name has its jnp twin, in one
     table that the public names share (not copies of it)."""

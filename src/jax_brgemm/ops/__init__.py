@@ -1,1 +1,2 @@
-"""Differentiable custom-call ops: each an XLA FFI call with a custom VJP."""
+"""Differentiable custom-call ops: each kernel pass an XLA FFI call as a JAX primitive with
+JVP, transpose and batching rules (``primitive.py``)."""

@@ -1,5 +1,5 @@
-"""jb.dot_product_attention: scaled dot-product attention as BRGEMM custom calls with a
-custom VJP.
+"""jb.dot_product_attention: scaled dot-product attention as BRGEMM custom calls,
+differentiable in both modes.
 
 Two XLA FFI calls into ``cpp/layers/attention`` (flash-style: the T x S scores are never
 stored, a query block keeps one tile of them):
@@ -11,10 +11,10 @@ stored, a query block keeps one tile of them):
   saved statistics), and, when the bias is differentiated, the gradient of a full
   ``(B, N, T, S)`` bias, summed here over the dims the bias broadcasts along.
 
-Second and higher derivatives go through the stock formula: the backward call is itself a
-``custom_vjp`` function whose VJP is that of ``jax.nn.dot_product_attention``'s VJP, so
-``jax.grad`` of ``jax.grad`` is exact (not on the kernels). Forward mode (``jax.jvp``) is not
-supported, as for every ``custom_vjp`` function.
+The value and the gradient run on these calls (the gradient is the transpose of the
+tangent, see the primitives at the end). The forward-mode tangent and second and higher
+derivatives go through the stock formula, ``jax.nn.dot_product_attention``'s, in XLA: exact,
+not on the kernels (they have no pass for them).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
+from jax.interpreters import ad
 
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, partitioning
+from jax_brgemm.ops.primitive import (define, is_zero, over_leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
@@ -128,22 +130,19 @@ def _scale(scale, h, op):
 
 
 # --- the custom calls --------------------------------------------------------------------
-# vmap_method="expand_dims": under vmap every operand gets the mapped dims in front (size 1
-# when unmapped); the handlers fold them into the batch and read unmapped operands in place.
-# Each call is batch-partitionable (partitioning.rows): under jit with the batch B sharded,
-# it runs per shard; a bias or mask broadcast over B is replicated, and the gradient of
-# such a bias is a per-shard partial sum, psum'ed.
+# Leading dims (vmap's, ops/primitive.py) go to the handlers as they are: they fold them into
+# the batch and read unmapped operands in place. At top level each call is
+# batch-partitionable (partitioning.rows): under jit with the batch B sharded, it runs per
+# shard; a bias or mask broadcast over B is replicated, and the gradient of such a bias is a
+# per-shard partial sum, psum'ed. An absent bias or mask is an empty array.
 
 
 def _or_empty(a, dtype):
     return jnp.zeros((0,), dtype) if a is None else a
 
 
-def _forward_ffi(q, k, v, bias, mask, *, scale, kind):
-    b, t, n, _ = q.shape
-    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t, 2), jnp.float32))
-    return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs, vmap_method="expand_dims")(
-        q, k, v, bias, mask, scale=np.float32(scale), **_attrs(kind)))
+def _present(a):
+    return a.shape[-1] != 0
 
 
 def _attrs(kind):
@@ -153,16 +152,24 @@ def _attrs(kind):
     return {"causal": bool(causal), "products": np.int64(products)}
 
 
+def _forward_ffi(q, k, v, bias, mask, *, scale, kind):
+    lead, (b, t, n, _) = q.shape[:-4], q.shape[-4:]
+    lead = jnp.broadcast_shapes(lead, *(a.shape[:-4] for a in (k, v, bias, mask) if a.ndim > 1))
+    outs = (jax.ShapeDtypeStruct(lead + q.shape[-4:], q.dtype), jax.ShapeDtypeStruct(lead + (b, n, t, 2), jnp.float32))
+    return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs)(q, k, v, bias, mask, scale=np.float32(scale), **_attrs(kind)))
+
+
 def _backward_ffi(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
-    b, t, n, _ = q.shape
-    full = (b, n, t, k.shape[1])
-    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(full if want_dbias else (0,), jnp.float32))
-    dq, dk, dv, dbias = jax.ffi.ffi_call("jb_attention_bwd", outs, vmap_method="expand_dims")(
+    lead = jnp.broadcast_shapes(*(a.shape[:-4] for a in (q, k, v, bias, mask, o, stats, do) if a.ndim > 1))
+    b, t, n, _ = q.shape[-4:]
+    full = (b, n, t, k.shape[-3])
+    outs = (jax.ShapeDtypeStruct(lead + q.shape[-4:], q.dtype), jax.ShapeDtypeStruct(lead + k.shape[-4:], k.dtype),
+            jax.ShapeDtypeStruct(lead + v.shape[-4:], v.dtype),
+            jax.ShapeDtypeStruct(lead + (full if want_dbias else (0,)), jnp.float32))
+    dq, dk, dv, dbias = jax.ffi.ffi_call("jb_attention_bwd", outs)(
         q, k, v, bias, mask, o, stats, do, scale=np.float32(scale), **_attrs(kind))
     if want_dbias:  # back to the bias's shape: summed over the dims it broadcasts along
-        axes = tuple(i for i, (d, f) in enumerate(zip(bias.shape, full)) if d == 1 and f != 1)
+        axes = tuple(dbias.ndim - 4 + i for i, (d, f) in enumerate(zip(bias.shape[-4:], full)) if d == 1 and f != 1)
         dbias = jnp.sum(dbias, axis=axes, keepdims=True) if axes else dbias
     return dq, dk, dv, dbias
 
@@ -172,7 +179,7 @@ _R, _SUM = partitioning.ROWS, partitioning.SUM
 
 def _batch_kind(a, b):
     """Split a bias or mask with the batch when it has the batch's B; else replicate it."""
-    return _R if a is not None and a.shape[0] == b else None
+    return _R if _present(a) and a.shape[0] == b else None
 
 
 @partitioning.cached
@@ -189,84 +196,113 @@ def _backward_target(scale, kind, want_dbias, bias_kind, mask_kind):
         (_R, _R, _R, bias_kind, mask_kind, _R, _R, _R), (_R, _R, _R, bias_kind or _SUM))
 
 
-def _forward_call(q, k, v, bias, mask, scale, kind):
+def _forward_call(q, k, v, bias, mask, *, scale, kind):
+    if q.ndim > 4:
+        return _forward_ffi(q, k, v, bias, mask, scale=scale, kind=kind)
     b = q.shape[0]
-    target = _forward_target(scale, kind, _batch_kind(bias, b), _batch_kind(mask, b))
-    return target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_))
+    return _forward_target(scale, kind, _batch_kind(bias, b), _batch_kind(mask, b))(q, k, v, bias, mask)
 
 
-def _backward_call(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
+def _backward_call(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
+    if q.ndim > 4:
+        return _backward_ffi(q, k, v, bias, mask, o, stats, do, scale=scale, kind=kind, want_dbias=want_dbias)
     b = q.shape[0]
     target = _backward_target(scale, kind, want_dbias, _batch_kind(bias, b), _batch_kind(mask, b))
-    dq, dk, dv, dbias = target(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_),
-                               o, stats, do)
-    return dq, dk, dv, dbias if want_dbias else None
+    return target(q, k, v, bias, mask, o, stats, do)
+
+
+# --- the stock formula, for the derivatives the kernels do not compute ------------------------
 
 
 def _reference(q, k, v, bias, mask, scale, kind):
+    bias, mask = (a if _present(a) else None for a in (bias, mask))
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=kind[0])
 
 
-# --- the differentiable functions ----------------------------------------------------------
+def _stock_tangent(tq, tk, tv, tb, q, k, v, bias, mask, *_, scale, kind):
+    """The output's tangent, by the stock formula's JVP (the T x S scores in XLA)."""
+    f = lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind)  # noqa: E731
+    return jax.jvp(f, (q, k, v, bias), (tq, tk, tv, tb.astype(bias.dtype)))[1]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _stock_grads(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
+    """The backward call's results by the stock formula's VJP (o and stats unread)."""
+    _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind), q, k, v, bias)
+    dq, dk, dv, dbias = vjp(do)
+    return dq, dk, dv, dbias if want_dbias else jnp.zeros((0,), jnp.float32)
+
+
+def _ranks(*args):
+    """Every operand's own rank: 4, or 1 for an absent (empty) bias or mask."""
+    return tuple(4 if _present(a) else 1 for a in args)
+
+
+def _in_xla(fn):
+    """``fn`` over the leading dims of vmap, for the derivatives computed in XLA."""
+    return lambda *args, **params: over_leading(partial(fn, **params), _ranks(*args), *args)
+
+
+# --- the primitives -------------------------------------------------------------------------
+# attention_p: (o, stats) on the kernels. Its JVP is tangent_p, linear in the tangents of q,
+# k, v and bias, whose transpose (reverse mode) is the backward call; tangent_p itself (forward
+# mode) and the derivatives of the backward call (second order) are the stock formula's, in
+# XLA: the kernels have no pass for them. stats are internal (nothing reads a tangent of
+# them); o and stats, functions of q, k, v and bias, enter the derivatives through those.
+
+attention_p = define("jb_attention", shapes_of(_forward_ffi), _forward_call, core_ranks=_ranks)
+tangent_p = define("jb_attention_tangent", shapes_of(_in_xla(_stock_tangent), single=True), _in_xla(_stock_tangent),
+                   core_ranks=_ranks, multiple_results=False, partitioned=False)
+backward_p = define("jb_attention_backward", shapes_of(_backward_ffi), _backward_call, core_ranks=_ranks)
+
+
 def _attention(q, k, v, bias, mask, scale, kind):
     """(o, stats): the attention and its rows' softmax statistics."""
-    return _forward_call(q, k, v, bias, mask, scale, kind)
+    return attention_p.bind(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_), scale=scale, kind=kind)
 
 
-def _attention_fwd(q, k, v, bias, mask, scale, kind):
-    # symbolic_zeros: arguments come as CustomVJPPrimal(value, perturbed). The bias gradient
-    # (a full (B, N, T, S) array before its reduction) is computed only when it is needed.
-    want_dbias = bias is not None and bias.perturbed
-    q, k, v = q.value, k.value, v.value
-    bias = None if bias is None else bias.value
-    mask = None if mask is None else mask.value
-    o, stats = _attention(q, k, v, bias, mask, scale, kind)  # differentiable for an outer grad
-    return (o, stats), (q, k, v, bias, mask, o, stats, () if want_dbias else None)
+def _attention_jvp(primals, tangents, *, scale, kind):
+    q, k, v, bias, mask = primals
+    o, stats = attention_p.bind(*primals, scale=scale, kind=kind)
+    if all(is_zero(t) for t in tangents[:4]):
+        return (o, stats), (zero(o), zero(stats))
+    # a zero tangent as zeros (a constant: the transpose computes no gradient for it)
+    tq, tk, tv, tb = (jnp.zeros(a.shape, a.dtype) if is_zero(t) else t for a, t in zip(primals[:4], tangents[:4]))
+    to = tangent_p.bind(tq, tk, tv, tb, q, k, v, bias, mask, o, stats, scale=scale, kind=kind)
+    return (o, stats), (to, zero(stats))
 
 
-def _attention_bwd(scale, kind, res, cotangents):
-    q, k, v, bias, mask, o, stats, want = res
-    do = cotangents[0]  # the statistics are internal: nothing differentiates them
-    if isinstance(do, SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    dq, dk, dv, dbias = _grads(q, k, v, bias, mask, o, stats, do.astype(o.dtype), scale, kind,
-                               want is not None)
-    return dq, dk, dv, dbias, None
+def _tangent_transpose(ct, tq, tk, tv, tb, q, k, v, bias, mask, o, stats, *, scale, kind):
+    tangents = (tq, tk, tv, tb)
+    if is_zero(ct):
+        return [zero_like(t) if undefined(t) else None for t in tangents] + [None] * 7
+    want_dbias = undefined(tb) and _present(bias)
+    grads = backward_p.bind(q, k, v, bias, mask, o, stats, ct.astype(o.dtype), scale=scale, kind=kind,
+                            want_dbias=want_dbias)
+    cts = [unbroadcast(g.astype(t.aval.dtype), t.aval.shape) if undefined(t) and (i < 3 or want_dbias) else
+           (zero_like(t) if undefined(t) else None) for i, (g, t) in enumerate(zip(grads, tangents))]
+    return cts + [None] * 7
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+def _in_xla_jvp(fn, prim):
+    """A JVP rule: the stock formula's, for the derivatives the kernels do not compute (the
+    mask, a boolean, has none)."""
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        floats = [i for i, p in enumerate(primals) if jnp.issubdtype(p.dtype, jnp.floating)]
+
+        def of_floats(*args):
+            full = list(primals)
+            for i, a in zip(floats, args):
+                full[i] = a
+            return _in_xla(fn)(*full, **params)
+
+        t_in = [jnp.zeros(primals[i].shape, primals[i].dtype) if is_zero(tangents[i]) else tangents[i] for i in floats]
+        _, t_out = jax.jvp(of_floats, [primals[i] for i in floats], t_in)
+        return out, t_out
+    return jvp
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _grads(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
-    """(dq, dk, dv, dbias or None) of the attention at (q, k, v, bias) for the cotangent do;
-    o and stats are the forward's results there."""
-    return _backward_call(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias)
-
-
-def _grads_fwd(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias):
-    out = _grads(q, k, v, bias, mask, o, stats, do, scale, kind, want_dbias)
-    return out, (q, k, v, bias, mask, o, stats, do)
-
-
-def _grads_bwd(scale, kind, want_dbias, res, cotangents):
-    # The derivative of the gradients, from the stock formula's VJP. o and stats are functions
-    # of (q, k, v, bias): their dependence is inside the derivative taken here, so they get 0.
-    q, k, v, bias, mask, o, stats, do = res
-    gq, gk, gv, gbias = cotangents
-
-    def first_order(q, k, v, bias, do):
-        _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind), q, k, v, bias)
-        return vjp(do)
-
-    _, vjp2 = jax.vjp(first_order, q, k, v, bias, do)
-    if bias is not None and not want_dbias:
-        gbias = jnp.zeros(bias.shape, bias.dtype)
-    d_q, d_k, d_v, d_bias, d_do = vjp2((gq, gk, gv, gbias))
-    return d_q, d_k, d_v, d_bias, None, jnp.zeros_like(o), jnp.zeros_like(stats), d_do
-
-
-_grads.defvjp(_grads_fwd, _grads_bwd)
+ad.primitive_jvps[attention_p] = _attention_jvp
+ad.primitive_transposes[tangent_p] = _tangent_transpose
+ad.primitive_jvps[tangent_p] = _in_xla_jvp(_stock_tangent, tangent_p)
+ad.primitive_jvps[backward_p] = _in_xla_jvp(_stock_grads, backward_p)

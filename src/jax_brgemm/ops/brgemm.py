@@ -7,10 +7,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
+from jax.interpreters import ad
 
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, partitioning
+from jax_brgemm.ops.primitive import define, is_zero, unbroadcast, undefined, zero, zero_like
 
 _F32, _BF16, _F64 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(np.float64)
 
@@ -36,8 +39,8 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     (which exists with ``jax_enable_x64`` only: a NumPy float64 array is float32 otherwise,
     as JAX canonicalizes it), with a float64 result and ``c``.
 
-    Differentiable to any order in reverse mode (the backward is BRGEMM calls, themselves
-    differentiable); forward mode (``jax.jvp``) is not supported.
+    Differentiable to any order in both modes: a primitive whose JVP and transpose are
+    BRGEMM calls (the tangent ``da @ b + a @ db`` two of them, accumulating).
     """
     op = "jb.brgemm"
     a = check.array(a, "a", op, check.OP_DTYPES)
@@ -62,12 +65,9 @@ def brgemm(a, b, c=None, *, out_dtype=None, precision=None):
     lead = check.broadcast(op, **leads)
     if 0 in (nb, m, k, n) or 0 in lead or a.dtype == _F64:
         return _brgemm_xla(a, b, c, out)
-    if computed != "float32" and a.dtype == _F32:  # bfloat16 products (precision.py)
-        y = emulation.brgemm(a, b, computed)
-        return y if c is None else y + c
-    if c is None:
-        return _brgemm(a, b, out)
-    return _brgemm_acc(a, b, c, c.shape)
+    # float32 products from bfloat16 ones where the precision asks it (precision.py)
+    products = _precision.PRODUCTS[computed] if a.dtype == _F32 else 0
+    return brgemm_p.bind(a, b, *(() if c is None else (c,)), out_dtype=out, products=products)
 
 
 def _out_dtype(op, ab_dtype, c, out_dtype):
@@ -109,23 +109,13 @@ def _brgemm_xla(a, b, c, out_dtype):
     return y.astype(out_dtype)
 
 
-def unbroadcast(x, shape):
-    """Sums x over the dims that broadcasting added or expanded, back to `shape`."""
-    extra = x.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, s in enumerate(shape) if s == 1 and x.shape[extra + i] != 1)
-    return jnp.sum(x, axis=axes).reshape(shape) if axes else x
-
-
 def _ffi(*operands, out_dtype, products=0):
     a, b = operands[:2]
     c = operands[2] if len(operands) == 3 else None
     lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3], () if c is None else c.shape[:-2])
     out = jax.ShapeDtypeStruct(lead + (a.shape[-2], b.shape[-1]), out_dtype)
-    # expand_dims: vmap hands unbatched operands over with a size-1 leading dim, which the
-    # handler broadcasts in place instead of materializing copies.
     target = "jb_brgemm" if c is None else "jb_brgemm_acc"
-    return (jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(*operands, products=np.int64(products)),)
+    return (jax.ffi.ffi_call(target, out)(*operands, products=np.int64(products)),)
 
 
 @partitioning.cached
@@ -133,70 +123,63 @@ def _target(kinds, out_dtype, products):
     return partitioning.rows(partial(_ffi, out_dtype=out_dtype, products=products), kinds, (partitioning.ROWS,))
 
 
-def call_kernel(a, b, out_dtype, products=0):
-    """The kernel's ``sum_i a_i @ b_i`` (not differentiable: the op's VJPs call it); float32
-    operands' products emulated from ``products`` bfloat16 ones (ops/emulation.py), 0 exact."""
-    return _call(a, b, None, out_dtype, products)
-
-
-def _call(a, b, c, out_dtype, products=0):
-    operands = (a, b) if c is None else (a, b, c)
-    lead = jnp.broadcast_shapes(*(x.shape[:-3] for x in (a, b)),
-                                *(() if c is None else (c.shape[:-2],)))
-    # Batch-partitionable over the first leading dim: operands that have it (not
-    # broadcast into it) are split with it; the others are replicated.
-    ranks = (a.ndim - 3, b.ndim - 3) + (() if c is None else (c.ndim - 2,))
-    kinds = tuple(partitioning.ROWS if lead and r == len(lead) and x.shape[0] == lead[0]
-                  else None for x, r in zip(operands, ranks))
+def _call(a, b, *c, out_dtype, products):
+    """The kernel: ``c + sum_i a_i @ b_i``, float32 operands' products emulated from
+    ``products`` bfloat16 ones (ops/emulation.py), 0 exact."""
+    operands = (a, b, *c)
+    lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3], *(x.shape[:-2] for x in c))
     if not lead:
         return _ffi(*operands, out_dtype=out_dtype, products=products)[0]
+    # Batch-partitionable over the first leading dim: operands that have it (not
+    # broadcast into it) are split with it; the others are replicated.
+    ranks = (a.ndim - 3, b.ndim - 3) + tuple(x.ndim - 2 for x in c)
+    kinds = tuple(partitioning.ROWS if r == len(lead) and x.shape[0] == lead[0] else None
+                  for x, r in zip(operands, ranks))
     return _target(kinds, np.dtype(out_dtype), products)(*operands)[0]
 
 
-def _grads(a, b, g):
-    """Cotangents of a and b for out = sum_i a_i @ b_i: both are (differentiable) BRGEMMs."""
-    g = g.astype(a.dtype)  # bf16 operands take a bf16 cotangent; accumulation stays fp32
-    g_shared = g[..., None, None, :, :]  # (..., 1, 1, M, N): shared by every i
-    # da_i = g @ b_i^T and db_i = a_i^T @ g: batch-reduce calls with a reduction of one,
-    # the i's becoming a leading dim.
-    da = _brgemm(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], np.dtype(a.dtype))
-    db = _brgemm(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, np.dtype(b.dtype))
-    return unbroadcast(da, a.shape), unbroadcast(db, b.shape)
+def _abstract(a, b, *c, out_dtype, products):
+    lead = jnp.broadcast_shapes(a.shape[:-3], b.shape[:-3], *(x.shape[:-2] for x in c))
+    return ShapedArray(lead + (a.shape[-2], b.shape[-1]), out_dtype)
 
 
-# Both fwd rules compute their output by calling the custom_vjp function itself, so an outer
-# differentiation (grad of grad) never meets a bare ffi_call.
+# ``c + sum_i a_i @ b_i``: bilinear in (a, b), linear in c. Its JVP is the same kernel twice,
+# each tangent accumulated into the next call's c; its transpose is batch-reduces with a
+# reduction of one (da_i = g @ b_i^T, db_i = a_i^T @ g) and, for c, g itself.
+brgemm_p = define("jb_brgemm", _abstract, _call, core_ranks=(3, 3, 2), multiple_results=False)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _brgemm(a, b, out_dtype):
-    return _call(a, b, None, out_dtype)
+def _brgemm_jvp(primals, tangents, *, out_dtype, products):
+    (a, b, *c), (ta, tb, *tc) = primals, tangents
+    out = brgemm_p.bind(a, b, *c, out_dtype=out_dtype, products=products)
+    acc = [] if not c or is_zero(tc[0]) else [tc[0]]
+    if not is_zero(ta):
+        acc = [brgemm_p.bind(ta, b, *acc, out_dtype=out_dtype, products=products)]
+    if not is_zero(tb):
+        acc = [brgemm_p.bind(a, tb, *acc, out_dtype=out_dtype, products=products)]
+    if not acc:
+        return out, zero(out)
+    return out, jnp.broadcast_to(acc[0], out.shape)
 
 
-def _brgemm_fwd(a, b, out_dtype):
-    return _brgemm(a, b, out_dtype), (a, b)
+def _brgemm_transpose(g, a, b, *c, out_dtype, products):
+    if undefined(a) and undefined(b):
+        raise NotImplementedError("jb_brgemm is linear in a or in b, not in both")
+    if is_zero(g):
+        return [zero_like(x) if undefined(x) else None for x in (a, b, *c)]
+    cts = [None, None] + [unbroadcast(g, x.aval.shape) if undefined(x) else None for x in c]
+    if undefined(a):
+        g_shared = g.astype(a.aval.dtype)[..., None, None, :, :]  # (..., 1, 1, M, N): shared by every i
+        da = brgemm_p.bind(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], out_dtype=np.dtype(a.aval.dtype),
+                           products=products)
+        cts[0] = unbroadcast(da, a.aval.shape)
+    if undefined(b):
+        g_shared = g.astype(b.aval.dtype)[..., None, None, :, :]
+        db = brgemm_p.bind(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, out_dtype=np.dtype(b.aval.dtype),
+                           products=products)
+        cts[1] = unbroadcast(db, b.aval.shape)
+    return cts
 
 
-def _brgemm_bwd(out_dtype, res, g):
-    return _grads(*res, g)
-
-
-_brgemm.defvjp(_brgemm_fwd, _brgemm_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _brgemm_acc(a, b, c, c_shape):
-    return _call(a, b, c, c.dtype)
-
-
-def _brgemm_acc_fwd(a, b, c, c_shape):
-    return _brgemm_acc(a, b, c, c_shape), (a, b)
-
-
-def _brgemm_acc_bwd(c_shape, res, g):
-    a, b = res
-    da, db = _grads(a, b, g)
-    return da, db, unbroadcast(g, c_shape)
-
-
-_brgemm_acc.defvjp(_brgemm_acc_fwd, _brgemm_acc_bwd)
+ad.primitive_jvps[brgemm_p] = _brgemm_jvp
+ad.primitive_transposes[brgemm_p] = _brgemm_transpose

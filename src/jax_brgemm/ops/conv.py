@@ -1,4 +1,4 @@
-"""jb.conv2d: a 2-D convolution (NHWC x HWIO) as BRGEMM custom calls with a custom VJP.
+"""jb.conv2d: a 2-D convolution (NHWC x HWIO) as BRGEMM custom calls, each a JAX primitive.
 
 Forward, backward-by-data and weight update are each one XLA FFI call into
 ``cpp/layers/conv`` (the paper's Algorithm 4 and its dual convolutions):
@@ -10,24 +10,26 @@ Forward, backward-by-data and weight update are each one XLA FFI call into
 * ``jb_conv_bwd``: ``dx``, the dual convolution of ``dz`` with the transposed kernel.
 * ``jb_conv_upd``: ``dkernel`` and ``dbias``, reduced over the batch without races.
 
-The backward is split in separate calls so that XLA drops ``dx`` where nobody needs it
-(the first layer of a network).
+Reverse mode is the transpose of the forward's tangent, split in separate calls so that no
+``dx`` is computed where nobody needs it (the first layer of a network).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
 
 from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
+from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
@@ -232,8 +234,8 @@ def spatial_ints(value, name, rank, below_one=ValueError, op=_OP):
 
 
 # --- the custom calls --------------------------------------------------------------------
-# vmap_method="expand_dims": under vmap every operand arrives with the batch dims in front
-# (size 1 when unbatched); with a shared kernel the handlers fold them into the mini-batch.
+# Leading dims (vmap's, ops/primitive.py) go to the handlers as they are: with a shared kernel
+# they fold them into the mini-batch.
 
 
 def _attrs(cfg):  # the geometry, and the emulated products of the accuracy computed
@@ -245,8 +247,8 @@ def _attrs(cfg):  # the geometry, and the emulated products of the accuracy comp
 
 def _out_shape(x_shape, k_shape, cfg):
     (sh, sw), ((pt, pb), (pl, pr)), (dh, dw) = cfg[1:4]
-    n, h, w, _ = x_shape
-    r, s, _, k = k_shape
+    n, h, w, _ = x_shape[-4:]
+    r, s, _, k = k_shape[-4:]
     return (n, (h + pt + pb - (r - 1) * dh - 1) // sh + 1, (w + pl + pr - (s - 1) * dw - 1) // sw + 1, k)
 
 
@@ -254,59 +256,25 @@ def _out_shape(x_shape, k_shape, cfg):
 # parts itself and sums their products (the products attr; ops/emulation.py).
 
 
-def _forward(x, kernel, bias, cfg):
+def _forward(x, kernel, b, *, cfg):
     act = cfg[0]
-    shape = _out_shape(x.shape, kernel.shape, cfg)
-    b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    lead = leading((x, 4), (kernel, 4), (b, 1))
+    shape = lead + _out_shape(x.shape, kernel.shape, cfg)
     y = jax.ShapeDtypeStruct(shape, x.dtype)
-    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else (0,), x.dtype)
-    return jax.ffi.ffi_call("jb_conv_fwd", (y, z), vmap_method="expand_dims")(
-        x, kernel, b, act=np.int32(act), **_attrs(cfg))
+    z = jax.ShapeDtypeStruct(shape if act == fc_passes.GELU else lead + (0,), x.dtype)
+    return tuple(jax.ffi.ffi_call("jb_conv_fwd", (y, z))(x, kernel, b, act=np.int32(act), **_attrs(cfg)))
 
 
-def _backward(dz, kernel, x_shape, cfg):
-    out = jax.ShapeDtypeStruct(x_shape, dz.dtype)
-    return jax.ffi.ffi_call("jb_conv_bwd", out, vmap_method="expand_dims")(dz, kernel, **_attrs(cfg))
+def _backward(dz, kernel, *, x_shape, cfg):
+    out = jax.ShapeDtypeStruct(leading((dz, 4), (kernel, 4)) + x_shape, dz.dtype)
+    return jax.ffi.ffi_call("jb_conv_bwd", out)(dz, kernel, **_attrs(cfg))
 
 
-def _update(x, dz, w_shape, w_dtype, with_bias, cfg):
-    dw = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    db = jax.ShapeDtypeStruct((w_shape[-1] if with_bias else 0,), jnp.float32)
-    return jax.ffi.ffi_call("jb_conv_upd", (dw, db), vmap_method="expand_dims")(x, dz, **_attrs(cfg))
-
-
-# --- the differentiable passes -------------------------------------------------------------
-# As in ops/fc_passes.py: each pass is a custom_vjp function whose bwd is made of the
-# others and whose fwd computes its outputs by calling itself, so an outer differentiation
-# (grad of grad) sees only differentiable functions. The geometry (activation, strides,
-# pads, dilations, groups) is static.
-
-
-def _conv(x, kernel, bias, cfg):
-    return _conv_pass(x, kernel, bias, cfg)[0]
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _conv_pass(x, kernel, bias, cfg):
-    """(y, z) = (act(conv(x, kernel) + bias), the pre-activation for gelu or an empty array)."""
-    return _forward(x, kernel, bias, cfg)
-
-
-def _conv_pass_fwd(x, kernel, bias, cfg):
-    y, z = _conv_pass(x, kernel, bias, cfg)
-    return (y, z), (x, kernel, bias, fc_passes.saved_for_backward(cfg[0], y, z))
-
-
-def _conv_pass_bwd(cfg, res, cotangents):
-    x, kernel, bias, saved = res
-    gy, gz = cotangents
-    dz = fc_passes.preactivation_grad(cfg[0], gy.astype(x.dtype), gz, saved)
-    dx = _conv_bwd_pass(dz, kernel, x.shape, cfg)
-    dw, db = _conv_upd(x, dz, kernel.shape, np.dtype(kernel.dtype), bias is not None, cfg)
-    return dx, dw, None if bias is None else db.astype(bias.dtype)
-
-
-_conv_pass.defvjp(_conv_pass_fwd, _conv_pass_bwd)
+def _update(x, dz, *, w_shape, w_dtype, with_bias, cfg):
+    lead = leading((x, 4), (dz, 4))
+    dw = jax.ShapeDtypeStruct(lead + w_shape, w_dtype)
+    db = jax.ShapeDtypeStruct(lead + ((w_shape[-1],) if with_bias else (0,)), jnp.float32)
+    return tuple(jax.ffi.ffi_call("jb_conv_upd", (dw, db))(x, dz, **_attrs(cfg)))
 
 
 def _linear(cfg):
@@ -314,46 +282,129 @@ def _linear(cfg):
     return (fc_passes.NONE,) + tuple(cfg[1:])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _no_bias(x):
+    return jnp.zeros((1,) * (x.ndim - 4) + (0,), jnp.float32)
+
+
+def _conv(x, kernel, bias, cfg):
+    b = _no_bias(x) if bias is None else bias.astype(jnp.float32)
+    return forward_p.bind(x, kernel, b, cfg=cfg)[0]
+
+
 def _conv_bwd_pass(dz, kernel, x_shape, cfg):
-    """dx: the transposed convolution of dz (the dual convolution)."""
-    return _backward(dz, kernel, x_shape, cfg)
+    return backward_data_p.bind(dz, kernel, x_shape=tuple(x_shape[-4:]), cfg=_linear(cfg))
 
 
-def _conv_bwd_pass_fwd(dz, kernel, x_shape, cfg):
-    return _conv_bwd_pass(dz, kernel, x_shape, cfg), (dz, kernel)
-
-
-def _conv_bwd_pass_bwd(x_shape, cfg, res, g):
-    # <g, conv^T_w(dz)> = <conv_w(g), dz>: d dz = conv_w(g), d w = upd(g, dz)
-    dz, kernel = res
-    g = g.astype(dz.dtype)
-    d_dz = _conv(g, kernel, None, _linear(cfg))
-    d_kernel, _ = _conv_upd(g, dz, kernel.shape, np.dtype(kernel.dtype), False, cfg)
-    return d_dz.astype(dz.dtype), d_kernel
-
-
-_conv_bwd_pass.defvjp(_conv_bwd_pass_fwd, _conv_bwd_pass_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _conv_upd(x, dz, w_shape, w_dtype, with_bias, cfg):
-    """(dkernel in w_dtype, dbias: the sums of dz over (N, P, Q) in float32, or empty)."""
-    return _update(x, dz, w_shape, w_dtype, with_bias, cfg)
+    return weight_update_p.bind(x, dz, w_shape=tuple(w_shape[-4:]), w_dtype=np.dtype(w_dtype),
+                                with_bias=with_bias, cfg=_linear(cfg))
 
 
-def _conv_upd_fwd(x, dz, w_shape, w_dtype, with_bias, cfg):
-    return _conv_upd(x, dz, w_shape, w_dtype, with_bias, cfg), (x, dz)
+# --- the passes as primitives ----------------------------------------------------------------
+# As in ops/fc_passes.py: without its activation the forward is linear in x and in (kernel,
+# bias), and forward, backward by data (the dual convolution) and weight update are each
+# other's transposes. The forward's JVP is act'(saved) * (conv(x, dkernel) + dbias +
+# conv(dx, kernel)); its transpose, reverse mode, is the activation gradient (the FC pass over
+# the output's pixels), backward by data and weight update. cfg (activation, strides, pads,
+# dilations, groups, accuracy) is static.
+
+forward_p = define("jb_conv_forward", shapes_of(_forward), _forward, core_ranks=(4, 4, 1), partitioned=False)
 
 
-def _conv_upd_bwd(w_shape, w_dtype, with_bias, cfg, res, cotangents):
+def _forward_jvp(primals, tangents, *, cfg):
+    (x, kernel, bias), (dx, dkernel, dbias) = primals, tangents
+    act = cfg[0]
+    y, z = forward_p.bind(x, kernel, bias, cfg=cfg)
+    dbias = None if bias.shape[-1] == 0 or is_zero(dbias) else dbias
+    terms = []
+    if not is_zero(dkernel):
+        terms.append(forward_p.bind(x, dkernel, _no_bias(x) if dbias is None else dbias, cfg=_linear(cfg))[0])
+        dbias = None
+    if not is_zero(dx):
+        terms.append(forward_p.bind(dx, kernel, _no_bias(x), cfg=_linear(cfg))[0])
+    if dbias is not None:  # a bias tangent alone: broadcast in XLA
+        lead = dbias.shape[:-1]
+        terms.append(jnp.broadcast_to(dbias.reshape(lead + (1, 1, 1, -1)).astype(y.dtype), y.shape))
+    if not terms:
+        return (y, z), (zero(y), zero(z))
+    dz = sum(terms[1:], terms[0])
+    if act == fc_passes.NONE:
+        return (y, z), (dz, zero(z))
+    k = y.shape[-1]
+    saved = fc_passes.saved_for_backward(act, y, z)
+    dy = fc_passes.activation_grad(dz.reshape(-1, k), saved.reshape(-1, k), act).reshape(y.shape)
+    return (y, z), (dy, dz if act == fc_passes.GELU else zero(z))
+
+
+def _forward_transpose(cts, x, kernel, bias, *, cfg):
+    if cfg[0] != fc_passes.NONE or undefined(x) == undefined(kernel):
+        raise NotImplementedError("jb_conv_forward is transposed in x or in (kernel, bias) only, without an activation")
+    ct = cts[0]
+    if undefined(x):
+        if is_zero(ct):
+            return zero_like(x), None, None
+        return unbroadcast(_conv_bwd_pass(ct, kernel, x.aval.shape, cfg), x.aval.shape), None, None
+    with_bias = undefined(bias)
+    if is_zero(ct):
+        return None, zero_like(kernel), zero_like(bias) if with_bias else None
+    dw, db = _conv_upd(x, ct, kernel.aval.shape, kernel.aval.dtype, with_bias, cfg)
+    db = unbroadcast(db.astype(bias.aval.dtype), bias.aval.shape) if with_bias else None
+    return None, unbroadcast(dw, kernel.aval.shape), db
+
+
+ad.primitive_jvps[forward_p] = _forward_jvp
+ad.primitive_transposes[forward_p] = _forward_transpose
+
+backward_data_p = define("jb_conv_backward_data", shapes_of(_backward, single=True), _backward, core_ranks=(4, 4),
+                         multiple_results=False, partitioned=False)
+
+
+def _backward_data_transpose_dz(ct, dz, kernel, *, x_shape, cfg):
+    # <ct, conv^T_w(dz)> = <conv_w(ct), dz>
+    return unbroadcast(_conv(ct, kernel, None, cfg).astype(dz.aval.dtype), dz.aval.shape)
+
+
+def _backward_data_transpose_kernel(ct, dz, kernel, *, x_shape, cfg):
+    dw, _ = _conv_upd(ct, dz, kernel.aval.shape, kernel.aval.dtype, False, cfg)
+    return unbroadcast(dw, kernel.aval.shape)
+
+
+ad.defbilinear(backward_data_p, _backward_data_transpose_dz, _backward_data_transpose_kernel)
+
+weight_update_p = define("jb_conv_weight_update", shapes_of(_update), _update, core_ranks=(4, 4), partitioned=False)
+
+
+def _weight_update_jvp(primals, tangents, *, w_shape, w_dtype, with_bias, cfg):
+    (x, dz), (t_x, t_dz) = primals, tangents
+    params = dict(w_shape=w_shape, w_dtype=w_dtype, cfg=cfg)
+    dw, db = weight_update_p.bind(x, dz, with_bias=with_bias, **params)
+    t_dw, t_db = [], zero(db)
+    if not is_zero(t_x):
+        t_dw.append(weight_update_p.bind(t_x, dz, with_bias=False, **params)[0])
+    if not is_zero(t_dz):
+        w, b = weight_update_p.bind(x, t_dz, with_bias=with_bias, **params)
+        t_dw.append(w)
+        t_db = b if with_bias else t_db
+    return (dw, db), (sum(t_dw[1:], t_dw[0]) if t_dw else zero(dw), t_db)
+
+
+def _weight_update_transpose(cts, x, dz, *, w_shape, w_dtype, with_bias, cfg):
     # <g_w, upd(x, dz)> + <g_b, sum dz> = <conv_{g_w}(x) + g_b, dz>
-    x, dz = res
-    g_w, g_b = cotangents
-    g_w = g_w.astype(x.dtype)
-    d_x = _conv_bwd_pass(dz, g_w, x.shape, _linear(cfg))
-    d_dz = _conv(x, g_w, g_b if with_bias else None, _linear(cfg))
-    return d_x.astype(x.dtype), d_dz.astype(dz.dtype)
+    g_w, g_b = cts
+    g_b = g_b if with_bias and not is_zero(g_b) else None
+    if undefined(x):
+        if is_zero(g_w):
+            return zero_like(x), None
+        d_x = _conv_bwd_pass(dz, g_w.astype(dz.dtype), x.aval.shape, cfg)
+        return unbroadcast(d_x.astype(x.aval.dtype), x.aval.shape), None
+    if is_zero(g_w) and g_b is None:
+        return None, zero_like(dz)
+    if is_zero(g_w):
+        d_dz = jnp.broadcast_to(g_b.reshape(g_b.shape[:-1] + (1, 1, 1, -1)), dz.aval.shape)
+    else:
+        d_dz = _conv(x, g_w.astype(x.dtype), g_b, cfg)
+    return None, unbroadcast(d_dz.astype(dz.aval.dtype), dz.aval.shape)
 
 
-_conv_upd.defvjp(_conv_upd_fwd, _conv_upd_bwd)
+ad.primitive_jvps[weight_update_p] = _weight_update_jvp
+ad.primitive_transposes[weight_update_p] = _weight_update_transpose

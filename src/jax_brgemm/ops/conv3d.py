@@ -4,7 +4,7 @@ The batch-reduce of a 3-D convolution runs over the taps ``(t, r, s)`` and the c
 The depth taps are folded into the channels: for every output depth ``o`` the ``T`` input
 planes ``o * sd + t * dd`` are laid side by side (per feature group), and the kernel's
 depth taps become its input channels. What is left is a 2-D convolution of
-``N * D_out`` images with ``T * C`` channels, run by ``jb.conv2d`` with its custom VJP; the
+``N * D_out`` images with ``T * C`` channels, run by ``jb.conv2d`` with its primitives; the
 gradients of the fold (slices and a transpose) are XLA's. The fold copies the input ``T``
 times, once per depth tap (none for ``T = 1``). A depthwise layer (one input channel per
 group) is not folded, which would make groups of ``T`` channels: it is ``T`` depthwise 2-D

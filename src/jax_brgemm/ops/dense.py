@@ -1,11 +1,12 @@
 """jb.dense: a fully-connected layer, ``y = activation(x @ kernel + bias)``, on the BRGEMM
-kernels, differentiable to any order in reverse mode.
+kernels, differentiable to any order in both modes.
 
-It runs as the fully-connected passes of ``ops/fc_passes.py``: one call for the forward
-(bias and activation fused), and for the backward the activation's gradient ``dz`` once,
-then backward by data and the weight update as separate calls, so that XLA drops the first
-where nobody needs ``dx`` (the first layer of a network) and with it a third of the
-backward's work.
+It runs as the fully-connected passes of ``ops/fc_passes.py``, each a primitive: one call
+for the forward (bias and activation fused); its tangent is the activation's derivative
+times ``x @ dkernel + dbias`` and ``dx @ kernel``, two more forward calls; and reverse mode,
+the transpose of that tangent, is the activation's gradient ``dz`` once, then backward by
+data and the weight update as separate calls, none for a ``dx`` nobody needs (the first
+layer of a network): a third of the backward's work.
 
 Two pieces of that backward are public here for a caller that applies its optimizer
 itself: ``act_grad`` (``dz`` from the layer's output), ``sgd_update`` and ``adamw_update``
@@ -125,7 +126,7 @@ def act_grad(dy, y, activation):
     act = check.activation(activation, "act_grad")
     if act == fc_passes.GELU:
         raise ValueError("act_grad: gelu's derivative is not a function of its output")
-    return dy if act == fc_passes.NONE else fc_passes.activation_grad_call(dy, y, act)
+    return dy if act == fc_passes.NONE else fc_passes.activation_grad(dy, y, act)
 
 
 def sgd_update(x, dz, kernel, kernel_trace, bias, bias_trace, lr, *, momentum, nesterov,

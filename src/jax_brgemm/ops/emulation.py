@@ -9,8 +9,8 @@ mid.mid + hi.lo + lo.hi), one for ``bf16``. Those products are one more batch-re
 the (term, i) pairs, so a single call accumulates every product of a tile into the same
 float32 accumulators. Every kernel splits its operands itself where it copies or re-blocks
 them (the ``products`` attr of jb.brgemm, the FC, convolution, attention and LSTM passes);
-``split`` here is the same split in XLA, for the tests. The gradients are
-emulated products at the same accuracy.
+``split`` here is the same split in XLA, for the tests. The derivatives (the passes' JVP
+and transpose rules) are emulated products at the same accuracy.
 
 An infinite operand is the one input whose parts cannot carry float32's result: its high
 part times the other operand's low part (zero, or of the other sign) gives NaN where the
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_brgemm import precision as _precision
 
@@ -108,38 +106,3 @@ def exact_on_infinity(*names):
             return jax.lax.cond(infinite, lambda: op(*exact.args, **exact.kwargs), lambda: op(*args, **kwargs))
         return run
     return decorate
-
-
-def brgemm(a, b, accuracy: str):
-    """``sum_i a[..., i, :, :] @ b[..., i, :, :]`` in float32 (``jb.brgemm``'s layouts,
-    float32 operands) from the bfloat16 products ``TERMS[accuracy]``, smallest first."""
-    return _emulated(a, b, accuracy)
-
-
-def _call(a, b, accuracy):
-    from jax_brgemm.ops.brgemm import call_kernel  # (the op module imports this one)
-
-    return call_kernel(a, b, np.dtype(jnp.float32), _precision.PRODUCTS[accuracy])
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _emulated(a, b, accuracy):
-    return _call(a, b, accuracy)
-
-
-def _emulated_fwd(a, b, accuracy):
-    return _emulated(a, b, accuracy), (a, b)
-
-
-def _emulated_bwd(accuracy, res, g):
-    # as jb.brgemm's: da_i = g @ b_i^T, db_i = a_i^T @ g, each an emulated product
-    from jax_brgemm.ops.brgemm import unbroadcast
-
-    a, b = res
-    g_shared = g.astype(jnp.float32)[..., None, None, :, :]
-    da = _emulated(g_shared, jnp.swapaxes(b, -1, -2)[..., :, None, :, :], accuracy)
-    db = _emulated(jnp.swapaxes(a, -1, -2)[..., :, None, :, :], g_shared, accuracy)
-    return unbroadcast(da, a.shape), unbroadcast(db, b.shape)
-
-
-_emulated.defvjp(_emulated_fwd, _emulated_bwd)

@@ -1,4 +1,4 @@
-"""jb.lstm: a whole LSTM sequence as BRGEMM custom calls with a custom VJP.
+"""jb.lstm: a whole LSTM sequence as BRGEMM custom calls, differentiable in both modes.
 
 The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
 
@@ -24,6 +24,9 @@ carry and its gradient, moved per row.
 
 Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
 each kind for the whole map); mapped weights run one element at a time (``lax.map``).
+
+The forward and the gradients run on the kernels (primitives at the end of this file);
+forward-mode tangents and second derivatives are the reference scan's, in XLA.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from functools import lru_cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
+from jax_brgemm.ops.primitive import (define, is_zero, over_leading, shapes_of, unbroadcast, undefined, zero,
+                                      zero_like)
 
 # jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
 _AUTOMATIC = 0
@@ -341,61 +347,35 @@ def _bptt_vmappable(time_major, accuracy):
     return bptt
 
 
-# --- differentiation ----------------------------------------------------------------------
-# First order runs on the kernels: the forward saves what bptt reads, the backward is bptt
-# and two fully-connected passes. The backward is itself a custom_vjp whose own backward
-# differentiates the reference's VJP in XLA, so grad of grad (and higher) is exact through
-# stock autodiff. The saved tensors are functions of the arguments that the backward's
-# derivative accounts for through the arguments themselves: their cotangents are zero.
-# Every fwd rule computes its outputs by calling its own custom_vjp function, so an outer
-# differentiation never meets a bare custom call. ``steps`` (each row's last step, or
-# empty) is an integer argument: no cotangent. ``accuracy`` is the products' (precision.py).
+# --- the primitives -------------------------------------------------------------------------
+# lstm_p: the forward on the kernels, saving what bptt reads when ``save``. Its JVP runs the
+# saving forward and tangent_p, linear in the arguments' tangents, whose transpose (reverse
+# mode) is backward_p: bptt and two fully-connected passes over every step, on the kernels.
+# tangent_p itself (forward mode) and the derivatives of backward_p (second order) are the
+# reference scan's, in XLA: the recurrence of a tangent has no kernel. The saved tensors are
+# functions of the arguments, which those derivatives account for through the arguments
+# themselves. ``steps`` (each row's last step, or empty) is an integer: no tangent.
+# ``accuracy`` is the products' (precision.py). Leading dims (vmap's) are mapped by jax.vmap
+# over the unbatched calls, whose own vmap rules fold them into the mini-batch.
+
+_ARGS = (3, 2, 2, 1, 2, 2)  # the ranks of x, kernel_i, kernel_h, bias, c0, h0
+_SAVED = (4, 3, 3)  # gates, cell states, xh
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _lstm(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
-    y, c_t, h_t, *_ = forward_call(x, wi, wh, b, c0, h0, time_major, False, steps, accuracy)
-    return (c_t, h_t), y
+def _forward(x, wi, wh, b, c0, h0, steps, *, time_major, save, accuracy):
+    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, save, steps, accuracy))
 
 
-def _lstm_fwd(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
-    y, c_t, h_t, *saved = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy)
-    return ((c_t, h_t), y), (x, wi, wh, b, c0, h0, *saved, steps)
+def _stock_tangent(tx, twi, twh, tb, tc0, th0, x, wi, wh, b, c0, h0, gates, cs, xh, steps, *, time_major,
+                   accuracy):
+    _, ((tc, th), ty) = jax.jvp(lambda *a: reference(*a, time_major, steps), (x, wi, wh, b, c0, h0),
+                                (tx, twi, twh, tb, tc0, th0))
+    return ty, tc, th
 
 
-def _lstm_bwd(time_major, accuracy, res, g):
-    (dc_t, dh_t), dy = g
-    *res, steps = res
-    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major, accuracy), None)
-
-
-_lstm.defvjp(_lstm_fwd, _lstm_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
-    """``(y, c_T, h_T, gates, cell states, xh)``: the forward that saves for bptt."""
-    return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, True, steps, accuracy))
-
-
-def _forward_saving_fwd(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
-    outs = _forward_saving(x, wi, wh, b, c0, h0, steps, time_major, accuracy)
-    return outs, (x, wi, wh, b, c0, h0, *outs[3:], steps)
-
-
-def _forward_saving_bwd(time_major, accuracy, res, g):
-    dy, dc_t, dh_t, *_ = g  # the saved tensors' cotangents are zero (see above)
-    *res, steps = res
-    return (*_backward(*res, dc_t, dh_t, dy, steps, time_major, accuracy), None)
-
-
-_forward_saving.defvjp(_forward_saving_fwd, _forward_saving_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(13, 14))
-def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy):
+def _kernel_grads(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, *, time_major, accuracy, wants):
     """The gradients of x, wi, wh, b, c0, h0 from the cotangents of the carry (c_T, h_T, or
-    each row's after its step in ``steps``) and y."""
+    each row's after its step in ``steps``) and y; zeros for those not in ``wants``."""
     dt = xh.dtype
     da, db, dc0, dh0 = bptt_call(wh, gates, cs, c0, dy.astype(dt), dc_t.astype(jnp.float32),
                                  dh_t.astype(dt), time_major, steps, accuracy)
@@ -404,30 +384,94 @@ def _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_m
     da2 = da.reshape(rows, da.shape[2])  # 4K columns and the padding, which the passes skip
     xh2 = xh.reshape(rows, xh.shape[2])
     products = _precision.PRODUCTS[accuracy]  # the passes split da, xh and W as they re-block
-    dx = fc_passes.backward_data_call(da2, wi, products).reshape(xh.shape[:2] + (c,))
-    # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed over
-    # every step, one GEMM reducing over all rows into C + K output rows.
-    dwr = fc_passes.weight_update_call(xh2, da2, (c + k, 4 * k), wi.dtype, False, products)[0]
-    return (dx.astype(x.dtype), dwr[:c], dwr[c:], db.astype(b.dtype), dc0.astype(c0.dtype),
-            dh0.astype(h0.dtype))
+    dx = jnp.zeros(x.shape, x.dtype)
+    if wants[0]:
+        dx = fc_passes.backward_data(da2, wi, products).reshape(xh.shape[:2] + (c,)).astype(x.dtype)
+    dwi, dwh = jnp.zeros(wi.shape, wi.dtype), jnp.zeros(wh.shape, wh.dtype)
+    if wants[1] or wants[2]:
+        # dW and dR in one pass over the forward's [x_t | h_{t-1} | 0]: xh^T @ da summed
+        # over every step, one GEMM reducing over all rows into C + K output rows.
+        dwr = fc_passes.weight_update(xh2, da2, (c + k, 4 * k), wi.dtype, False, products)[0]
+        dwi, dwh = dwr[:c], dwr[c:]
+    return dx, dwi, dwh, db.astype(b.dtype), dc0.astype(c0.dtype), dh0.astype(h0.dtype)
 
 
-def _backward_fwd(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy):
-    grads = _backward(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, time_major, accuracy)
-    return grads, (x, wi, wh, b, c0, h0, dc_t, dh_t, dy, steps)
+def _stock_grads(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, *, time_major, accuracy, wants):
+    _, vjp = jax.vjp(lambda *a: reference(*a, time_major, steps), x, wi, wh, b, c0, h0)
+    grads = vjp(((dc_t.astype(c0.dtype), dh_t.astype(h0.dtype)), dy.astype(x.dtype)))
+    return tuple(g if w else jnp.zeros_like(g) for g, w in zip(grads, wants))
 
 
-def _backward_bwd(time_major, accuracy, res, g):
-    args, cotangents, steps = res[:6], res[6:9], res[9]
-
-    def reference_vjp(args, cotangents):
-        dc_t, dh_t, dy = cotangents
-        _, vjp = jax.vjp(lambda *a: reference(*a, time_major, steps), *args)
-        return vjp(((dc_t, dh_t), dy))
-
-    _, vjp = jax.vjp(reference_vjp, args, cotangents)
-    d_args, d_cotangents = vjp(tuple(g))
-    return (*d_args, None, None, None, *d_cotangents, None)
+def _mapped(fn, ranks):
+    """``fn`` over vmap's leading dims, and its abstract evaluation."""
+    run = lambda *args, **params: over_leading(partial(fn, **params), ranks, *args)  # noqa: E731
+    return run, shapes_of(run)
 
 
-_backward.defvjp(_backward_fwd, _backward_bwd)
+_FORWARD_RANKS = _ARGS + (1,)
+_TANGENT_RANKS = _ARGS + _ARGS + _SAVED + (1,)
+_BACKWARD_RANKS = _ARGS + _SAVED + (2, 2, 3, 1)
+lstm_p = define("jb_lstm", *reversed(_mapped(_forward, _FORWARD_RANKS)), core_ranks=_FORWARD_RANKS,
+                partitioned=False)
+tangent_p = define("jb_lstm_tangent", *reversed(_mapped(_stock_tangent, _TANGENT_RANKS)),
+                   core_ranks=_TANGENT_RANKS, partitioned=False)
+backward_p = define("jb_lstm_backward", *reversed(_mapped(_kernel_grads, _BACKWARD_RANKS)),
+                    core_ranks=_BACKWARD_RANKS)
+
+
+def _lstm(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
+    y, c_t, h_t, *_ = lstm_p.bind(x, wi, wh, b, c0, h0, steps, time_major=time_major, save=False,
+                                  accuracy=accuracy)
+    return (c_t, h_t), y
+
+
+def _lstm_jvp(primals, tangents, *, time_major, save, accuracy):
+    y, c_t, h_t, *saved = lstm_p.bind(*primals, time_major=time_major, save=True, accuracy=accuracy)
+    outs = [y, c_t, h_t] + (saved if save else [jnp.zeros(o.shape, o.dtype) for o in _mapped(
+        _forward, _FORWARD_RANKS)[1](*primals, time_major=time_major, save=False, accuracy=accuracy)[3:]])
+    if all(is_zero(t) for t in tangents[:6]):
+        return outs, [zero(o) for o in outs]
+    # a zero tangent as zeros (a constant: the transpose computes no gradient for it)
+    t_args = [jnp.zeros(p.shape, p.dtype) if is_zero(t) else t for p, t in zip(primals[:6], tangents[:6])]
+    ty, tc, th = tangent_p.bind(*t_args, *primals[:6], *saved, primals[6], time_major=time_major, accuracy=accuracy)
+    return outs, [ty, tc, th] + [zero(o) for o in outs[3:]]
+
+
+def _tangent_transpose(cts, *args, time_major, accuracy):
+    tangents, rest = args[:6], args[6:]
+    wants = tuple(undefined(t) for t in tangents)
+    if all(is_zero(ct) for ct in cts):
+        return [zero_like(t) if w else None for t, w in zip(tangents, wants)] + [None] * 10
+    x, wi, wh, b, c0, h0, gates, cs, xh, steps = rest
+    y = jax.ShapeDtypeStruct(x.shape[:-1] + wh.shape[-2:-1], x.dtype)
+    ct_y, ct_c, ct_h = (jnp.zeros(a.shape, a.dtype) if is_zero(ct) else ct for ct, a in zip(cts, (y, c0, h0)))
+    grads = backward_p.bind(x, wi, wh, b, c0, h0, gates, cs, xh, ct_c, ct_h, ct_y, steps, time_major=time_major,
+                            accuracy=accuracy, wants=wants)
+    return [unbroadcast(g.astype(t.aval.dtype), t.aval.shape) if w else None
+            for g, t, w in zip(grads, tangents, wants)] + [None] * 10
+
+
+def _in_xla_jvp(fn, prim):
+    """A JVP rule: the reference's, for the derivatives the kernels do not compute (the
+    saved tensors and ``steps`` get none, see above)."""
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        floats = [i for i, p in enumerate(primals) if jnp.issubdtype(p.dtype, jnp.floating)]
+        run = _mapped(fn, _TANGENT_RANKS if prim is tangent_p else _BACKWARD_RANKS)[0]
+
+        def of_floats(*args):
+            full = list(primals)
+            for i, a in zip(floats, args):
+                full[i] = a
+            return run(*full, **params)
+
+        t_in = [jnp.zeros(primals[i].shape, primals[i].dtype) if is_zero(tangents[i]) else tangents[i]
+                for i in floats]
+        return out, jax.jvp(of_floats, [primals[i] for i in floats], t_in)[1]
+    return jvp
+
+
+ad.primitive_jvps[lstm_p] = _lstm_jvp
+ad.primitive_transposes[tangent_p] = _tangent_transpose
+ad.primitive_jvps[tangent_p] = _in_xla_jvp(_stock_tangent, tangent_p)
+ad.primitive_jvps[backward_p] = _in_xla_jvp(_stock_grads, backward_p)
