@@ -84,7 +84,8 @@ def test_policy_default_and_off_are_two_programs():
 
 
 def _kernel_calls_traced(fn, *args):
-    """``(fn(*args), the jb_ kernel calls traced while it ran)``."""
+    """``(fn(*args), the jb_ kernel calls traced while it ran)``, each target once (a pass's
+    ffi_call is made for its primitive's abstract evaluation and again for its lowering)."""
     traced, inner = [], jax.ffi.ffi_call
 
     def counting(target, *a, **k):
@@ -93,7 +94,7 @@ def _kernel_calls_traced(fn, *args):
 
     jax.ffi.ffi_call = counting
     try:
-        return fn(*args), [t for t in traced if str(t).startswith("jb_")]
+        return fn(*args), list(dict.fromkeys(t for t in traced if str(t).startswith("jb_")))
     finally:
         jax.ffi.ffi_call = inner
 

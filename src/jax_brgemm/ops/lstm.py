@@ -403,20 +403,21 @@ def _stock_grads(x, wi, wh, b, c0, h0, gates, cs, xh, dc_t, dh_t, dy, steps, *, 
 
 
 def _mapped(fn, ranks):
-    """``fn`` over vmap's leading dims, and its abstract evaluation."""
-    run = lambda *args, **params: over_leading(partial(fn, **params), ranks, *args)  # noqa: E731
-    return run, shapes_of(run)
+    """``fn`` over vmap's leading dims."""
+    return lambda *args, **params: over_leading(partial(fn, **params), ranks, *args)
+
+
+def _define(name, fn, ranks, partitioned):
+    return define(name, shapes_of(_mapped(fn, ranks)), _mapped(fn, ranks), core_ranks=ranks, partitioned=partitioned)
 
 
 _FORWARD_RANKS = _ARGS + (1,)
 _TANGENT_RANKS = _ARGS + _ARGS + _SAVED + (1,)
 _BACKWARD_RANKS = _ARGS + _SAVED + (2, 2, 3, 1)
-lstm_p = define("jb_lstm", *reversed(_mapped(_forward, _FORWARD_RANKS)), core_ranks=_FORWARD_RANKS,
-                partitioned=False)
-tangent_p = define("jb_lstm_tangent", *reversed(_mapped(_stock_tangent, _TANGENT_RANKS)),
-                   core_ranks=_TANGENT_RANKS, partitioned=False)
-backward_p = define("jb_lstm_backward", *reversed(_mapped(_kernel_grads, _BACKWARD_RANKS)),
-                    core_ranks=_BACKWARD_RANKS)
+lstm_p = _define("jb_lstm", _forward, _FORWARD_RANKS, partitioned=False)
+tangent_p = _define("jb_lstm_tangent", _stock_tangent, _TANGENT_RANKS, partitioned=False)
+# (its FC passes lower through custom_partitioning)
+backward_p = _define("jb_lstm_backward", _kernel_grads, _BACKWARD_RANKS, partitioned=True)
 
 
 def _lstm(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
@@ -427,8 +428,8 @@ def _lstm(x, wi, wh, b, c0, h0, steps, time_major, accuracy):
 
 def _lstm_jvp(primals, tangents, *, time_major, save, accuracy):
     y, c_t, h_t, *saved = lstm_p.bind(*primals, time_major=time_major, save=True, accuracy=accuracy)
-    outs = [y, c_t, h_t] + (saved if save else [jnp.zeros(o.shape, o.dtype) for o in _mapped(
-        _forward, _FORWARD_RANKS)[1](*primals, time_major=time_major, save=False, accuracy=accuracy)[3:]])
+    outs = [y, c_t, h_t] + (saved if save else [jnp.zeros(o.shape, o.dtype) for o in shapes_of(_mapped(
+        _forward, _FORWARD_RANKS))(*primals, time_major=time_major, save=False, accuracy=accuracy)[3:]])
     if all(is_zero(t) for t in tangents[:6]):
         return outs, [zero(o) for o in outs]
     # a zero tangent as zeros (a constant: the transpose computes no gradient for it)
@@ -457,7 +458,7 @@ def _in_xla_jvp(fn, prim):
     def jvp(primals, tangents, **params):
         out = prim.bind(*primals, **params)
         floats = [i for i, p in enumerate(primals) if jnp.issubdtype(p.dtype, jnp.floating)]
-        run = _mapped(fn, _TANGENT_RANKS if prim is tangent_p else _BACKWARD_RANKS)[0]
+        run = _mapped(fn, _TANGENT_RANKS if prim is tangent_p else _BACKWARD_RANKS)
 
         def of_floats(*args):
             full = list(primals)

@@ -15,8 +15,9 @@ device. :func:`rows` wraps one call's ffi_call function in
 
 On one device, inside ``shard_map`` (already per shard), and under ``jax.export`` of a
 single-device function, custom_partitioning lowers the plain call: nothing changes there.
-``jax.vmap`` goes to the plain call's own vmap rule (``custom_vmap``), since
-custom_partitioning has none.
+The calls are the impls of primitives (``ops/primitive.py``), whose batching rules handle
+``jax.vmap`` before a call is made: custom_partitioning, which has no vmap rule, never sees
+a batch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import itertools
 from typing import Callable, Sequence
 
 import jax
-from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -117,18 +117,7 @@ def rows(call: Callable, operands: Sequence, results: Sequence) -> Callable:
         return rule, options
 
     partitioned.def_partition(partition=partition, sharding_rule=sharding_rule)
-
-    @custom_vmap
-    def f(*args):
-        return tuple(partitioned(*args))
-
-    @f.def_vmap
-    def _vmap(axis_size, in_batched, *args):
-        in_axes = tuple(0 if b else None for b in in_batched)
-        out = jax.vmap(call, in_axes=in_axes, out_axes=0, axis_size=axis_size)(*args)
-        return tuple(out), (True,) * len(out)
-
-    return f
+    return lambda *args: tuple(partitioned(*args))
 
 
 def cached(make: Callable) -> Callable:
