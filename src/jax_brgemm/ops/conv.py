@@ -16,6 +16,7 @@ Reverse mode is the transpose of the forward's tangent, split in separate calls 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import jax
@@ -28,8 +29,8 @@ from jax_brgemm import _activations
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
-from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined, zero,
-                                      zero_like)
+from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined,
+                                      weight_update_jvp, zero, zero_like)
 
 _OP = "jb.conv2d"
 _STOCK = "flax.linen.Conv (or jax.lax.conv_general_dilated)"
@@ -374,18 +375,6 @@ ad.defbilinear(backward_data_p, _backward_data_transpose_dz, _backward_data_tran
 weight_update_p = define("jb_conv_weight_update", shapes_of(_update), _update, core_ranks=(4, 4), partitioned=False)
 
 
-def _weight_update_jvp(primals, tangents, *, w_shape, w_dtype, with_bias, cfg):
-    (x, dz), (t_x, t_dz) = primals, tangents
-    params = dict(w_shape=w_shape, w_dtype=w_dtype, cfg=cfg)
-    dw, db = weight_update_p.bind(x, dz, with_bias=with_bias, **params)
-    t_dw, t_db = [], zero(db)
-    if not is_zero(t_x):
-        t_dw.append(weight_update_p.bind(t_x, dz, with_bias=False, **params)[0])
-    if not is_zero(t_dz):
-        w, b = weight_update_p.bind(x, t_dz, with_bias=with_bias, **params)
-        t_dw.append(w)
-        t_db = b if with_bias else t_db
-    return (dw, db), (sum(t_dw[1:], t_dw[0]) if t_dw else zero(dw), t_db)
 
 
 def _weight_update_transpose(cts, x, dz, *, w_shape, w_dtype, with_bias, cfg):
@@ -406,5 +395,5 @@ def _weight_update_transpose(cts, x, dz, *, w_shape, w_dtype, with_bias, cfg):
     return None, unbroadcast(d_dz.astype(dz.aval.dtype), dz.aval.shape)
 
 
-ad.primitive_jvps[weight_update_p] = _weight_update_jvp
+ad.primitive_jvps[weight_update_p] = partial(weight_update_jvp, weight_update_p)
 ad.primitive_transposes[weight_update_p] = _weight_update_transpose

@@ -41,8 +41,8 @@ from jax.interpreters import ad
 from jax_brgemm import _activations
 from jax_brgemm._native import ACTIVATION_CODES
 from jax_brgemm.ops import partitioning
-from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined, zero,
-                                      zero_like)
+from jax_brgemm.ops.primitive import (define, is_zero, leading, shapes_of, unbroadcast, undefined,
+                                      weight_update_jvp, zero, zero_like)
 
 __all__ = ["ACTIVATION_CODES", "GELU", "NONE", "activation_grad", "backward_data", "forward",
            "preactivation_grad", "saved_for_backward", "weight_update"]
@@ -272,19 +272,6 @@ weight_update_p = define("jb_fc_weight_update", shapes_of(_upd_ffi), lambda x, d
     _upd_target, _upd_ffi, x, dz, **params), core_ranks=(2, 2))
 
 
-def _weight_update_jvp(primals, tangents, *, w_shape, w_dtype, with_bias, products):
-    x, dz = primals
-    t_x, t_dz = tangents
-    params = dict(w_shape=w_shape, w_dtype=w_dtype, products=products)
-    dw, db = weight_update_p.bind(x, dz, with_bias=with_bias, **params)
-    t_dw, t_db = [], zero(db)
-    if not is_zero(t_x):
-        t_dw.append(weight_update_p.bind(t_x, dz, with_bias=False, **params)[0])
-    if not is_zero(t_dz):
-        w, t_db = weight_update_p.bind(x, t_dz, with_bias=with_bias, **params)
-        t_dw.append(w)
-        t_db = t_db if with_bias else zero(db)
-    return (dw, db), (sum(t_dw[1:], t_dw[0]) if t_dw else zero(dw), t_db)
 
 
 def _weight_update_transpose(cts, x, dz, *, w_shape, w_dtype, with_bias, products):
@@ -307,5 +294,5 @@ def _weight_update_transpose(cts, x, dz, *, w_shape, w_dtype, with_bias, product
     return None, unbroadcast(_widen(d, dz.aval.shape[-1]).astype(dz.aval.dtype), dz.aval.shape)
 
 
-ad.primitive_jvps[weight_update_p] = _weight_update_jvp
+ad.primitive_jvps[weight_update_p] = partial(weight_update_jvp, weight_update_p)
 ad.primitive_transposes[weight_update_p] = _weight_update_transpose

@@ -116,3 +116,19 @@ def zero_like(a):
 def undefined(a) -> bool:
     """``a`` is the operand a transpose rule is linear in."""
     return ad.is_undefined_primal(a)
+
+
+def weight_update_jvp(update_p: Primitive, primals, tangents, *, with_bias, **params):
+    """The JVP of a weight update ``(dw, db) = update_p(x, dz)``, bilinear in (x, dz) (db, dz's
+    sum, linear in dz alone): the update of each tangent against the other primal, two more
+    calls of the same primitive. ``functools.partial(weight_update_jvp, update_p)`` is the rule."""
+    (x, dz), (t_x, t_dz) = primals, tangents
+    dw, db = update_p.bind(x, dz, with_bias=with_bias, **params)
+    t_dw, t_db = [], zero(db)
+    if not is_zero(t_x):
+        t_dw.append(update_p.bind(t_x, dz, with_bias=False, **params)[0])
+    if not is_zero(t_dz):
+        w, b = update_p.bind(x, t_dz, with_bias=with_bias, **params)
+        t_dw.append(w)
+        t_db = b if with_bias else t_db
+    return (dw, db), (sum(t_dw[1:], t_dw[0]) if t_dw else zero(dw), t_db)
