@@ -15,7 +15,13 @@
 //                 -> da (x's layout, lstm::da_width features: the first 4K, then padding),
 //                    db (4K,) f32, dc0 (N, K) f32, dh0 (N, K)
 //                 attrs time_major, products
-// x, y, h, dy, dh and da share the compute dtype (float32 or bfloat16); w and r are
+//   jb_lstm_tangent  r (K, 4K), gates, cs, c0 (the forward's), tp0, tp1 (x's layout, 4K
+//                 features, or (0,) for zero: the pre-activations' tangent but its
+//                 recurrent part), tb (4K,) or (N, 4K) f32, tc0 (N, K) f32, th0 (N, K),
+//                 last_step (N,) s32 or (0,)
+//                 -> ty (x's layout, K features), tc_T (N, K) f32, th_T (N, K): forward mode
+//                 attrs time_major, products
+// x, y, h, dy, dh, da, tp, th and ty share the compute dtype (float32 or bfloat16); w and r are
 // float32 or bfloat16 (cast inside the call).
 #include <string>
 #include <vector>
@@ -148,9 +154,63 @@ ffi::Error lstm_bptt(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gate
   return guarded(op, [&] { lstm::bptt(ex, dispatch(), s, a); });
 }
 
+ffi::Error lstm_tangent(ffi::ThreadPool pool, ffi::AnyBuffer r, ffi::AnyBuffer gates, F32 cs, F32 c0,
+                        ffi::AnyBuffer tp0, ffi::AnyBuffer tp1, F32 tb, F32 tc0, ffi::AnyBuffer th0,
+                        ffi::Buffer<ffi::S32> last_step, ffi::Result<ffi::AnyBuffer> ty, F32Out tc_last,
+                        ffi::Result<ffi::AnyBuffer> th_last, bool time_major, int64_t products) {
+  const char* op = "jb_lstm_tangent";
+  JB_TRY(dt, kernel_dtype(op, {{"ty", ty->element_type()}}));
+  JB_TRY(w_dt, kernel_dtype(op, {{"r", r.element_type()}}));
+  const auto rd = r.dimensions(), yd = ty->dimensions();
+  if (rd.size() != 2 || yd.size() != 3) return invalid("jb_lstm_tangent: r needs rank 2 and ty rank 3");
+  const int64_t k = rd[0], g = 4 * k;
+  const int64_t t = time_major ? yd[0] : yd[1], n = time_major ? yd[1] : yd[0];
+  JB_CHECK(expect_dims(op, "r", rd, {k, g}));
+  JB_CHECK(expect_dims(op, "ty", yd, seq_dims(time_major, t, n, k)));
+  const lstm::Shape s{t, n, 0, k, dt, time_major, products};
+  JB_CHECK(expect_dims(op, "gates", gates.dimensions(), gate_dims(s)));
+  JB_CHECK(expect_dims(op, "cs", cs.dimensions(), {t, n, k}));
+  JB_CHECK(expect_dims(op, "c0", c0.dimensions(), {n, k}));
+  const ffi::AnyBuffer* tps[2] = {&tp0, &tp1};
+  for (int i = 0; i < 2; ++i)
+    if (tps[i]->element_count() != 0)
+      JB_CHECK(expect_dims(op, i ? "tp1" : "tp0", tps[i]->dimensions(), seq_dims(time_major, t, n, g)));
+  const bool tb_rows = tb.dimensions().size() == 2;
+  JB_CHECK(expect_dims(op, "tb", tb.dimensions(), tb_rows ? std::vector<int64_t>{n, g} : std::vector<int64_t>{g}));
+  JB_CHECK(expect_dims(op, "tc0", tc0.dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "th0", th0.dimensions(), {n, k}));
+  JB_TRY(steps, last_steps(op, last_step, n));
+  JB_CHECK(expect_dims(op, "tc_last", tc_last->dimensions(), {n, k}));
+  JB_CHECK(expect_dims(op, "th_last", th_last->dimensions(), {n, k}));
+  JB_CHECK(expect_dtype(op, ty->element_type(),
+                        {{"gates", gates.element_type()}, {"tp0", tp0.element_type()}, {"tp1", tp1.element_type()},
+                         {"th0", th0.element_type()}, {"th_last", th_last->element_type()}}));
+
+  lstm::TangentArgs a;
+  a.r = view(r, w_dt);
+  a.gates = view(gates, dt);
+  a.cs = cs.typed_data();
+  a.c0 = c0.typed_data();
+  for (int i = 0; i < 2; ++i)
+    if (tps[i]->element_count() != 0) a.tp[i] = view(*tps[i], dt);
+  a.tb = tb.typed_data();
+  a.tb_rows = tb_rows;
+  a.tc0 = tc0.typed_data();
+  a.th0 = view(th0, dt);
+  a.last_step = steps;
+  a.ty = view(ty, dt);
+  a.tc_last = tc_last->typed_data();
+  a.th_last = view(th_last, dt);
+  const Executor ex = executor(pool);
+  return guarded(op, [&] { lstm::tangent(ex, dispatch(), s, a); });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_fwd, lstm_fwd, ffi_util::bind(lstm_fwd, "time_major", "variant", "products"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_bptt, lstm_bptt, ffi_util::bind(lstm_bptt, "time_major", "products"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_lstm_tangent, lstm_tangent,
+                              ffi_util::bind(lstm_tangent, "time_major", "products"));
 
 }  // namespace jb

@@ -135,6 +135,51 @@ struct BackwardLoop {
   }
 };
 
+// Tx: the compute dtype's storage, Th: the multiply dtype's.
+template <class Tx, class Th>
+struct TangentLoop {
+  static JB_INLINE void run(const CellTangent& a) {
+    const int64_t cols = a.cols, k = a.gate_cols, ps = a.pre_stride, gs = a.gate_stride;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      float* pre = a.pre + r * a.pre_ld;
+      // The pre-activation tangent's other terms, into the tile row (hot in L1).
+      const float* tb = a.tb + r * a.tb_ld;
+      for (int q = 0; q < kGates; ++q)
+        for (int64_t j = 0; j < cols; ++j) pre[q * ps + j] += tb[q * k + j];
+      for (const void* piece : a.tp) {
+        if (!piece) continue;
+        const Tx* tp = static_cast<const Tx*>(piece) + r * a.tp_ld;
+        for (int q = 0; q < kGates; ++q)
+          for (int64_t j = 0; j < cols; ++j) pre[q * ps + j] += to_f32(tp[q * k + j]);
+      }
+      const Tx* gates = static_cast<const Tx*>(a.gates) + r * a.gates_ld;
+      const float* c = a.c + r * a.c_ld;
+      const float* c_prev = a.c_prev + r * a.c_ld;
+      float* tc = a.tc + r * a.c_ld;
+      Tx* ty = static_cast<Tx*>(a.ty) + r * a.ty_ld;
+      Th* th = a.th_next ? static_cast<Th*>(a.th_next) + r * a.th_ld : nullptr;
+      // tc is updated element by element in place; every other array is distinct.
+#pragma GCC ivdep
+      for (int64_t j = 0; j < cols; ++j) {
+        const float i = to_f32(gates[j]), f = to_f32(gates[gs + j]), g = to_f32(gates[2 * gs + j]),
+                    o = to_f32(gates[3 * gs + j]);
+        const float ta_i = pre[j] * i * (1.0f - i);
+        const float ta_f = pre[ps + j] * f * (1.0f - f);
+        const float ta_g = pre[2 * ps + j] * (1.0f - g * g);
+        const float ta_o = pre[3 * ps + j] * o * (1.0f - o);
+        const float tcv = ta_f * c_prev[j] + f * tc[j] + ta_i * g + i * ta_g;
+        const float tch = tanh_f(c[j]);
+        const float thv = ta_o * tch + o * (1.0f - tch * tch) * tcv;
+        tc[j] = tcv;
+        ty[j] = from_f32<Tx>(thv);
+        pre[j] = thv;  // kept for th_next, below (a separate loop: no condition in this one)
+      }
+      if (th)
+        for (int64_t j = 0; j < cols; ++j) th[j] = from_f32<Th>(pre[j]);
+    }
+  }
+};
+
 }  // namespace
 
 CellForwardFn cell_forward(DType dt, DType mul_dt, Isa isa) {
@@ -147,6 +192,12 @@ CellBackwardFn cell_backward(DType dt, DType mul_dt, Isa isa) {
   if (dt == DType::f32) return target::variant<BackwardLoop<float, float>>(isa);
   return mul_dt == DType::f32 ? target::variant<BackwardLoop<uint16_t, float>>(isa)
                               : target::variant<BackwardLoop<uint16_t, uint16_t>>(isa);
+}
+
+CellTangentFn cell_tangent(DType dt, DType mul_dt, Isa isa) {
+  if (dt == DType::f32) return target::variant<TangentLoop<float, float>>(isa);
+  return mul_dt == DType::f32 ? target::variant<TangentLoop<uint16_t, float>>(isa)
+                              : target::variant<TangentLoop<uint16_t, uint16_t>>(isa);
 }
 
 }  // namespace jb::lstm

@@ -1,5 +1,6 @@
 // The element-wise LSTM cell of one (N-block, K-block) tile piece, fused after its gate
-// blocks (forward) or after its dh BRGEMM (backward through time). One loop per direction,
+// blocks (forward), after its dh BRGEMM (backward through time) or after its th @ R BRGEMM
+// (the tangent, forward mode). One loop per direction,
 // compiled for the baseline, AVX2 and AVX-512 (target::variant) and picked once by a plan.
 #pragma once
 
@@ -51,12 +52,35 @@ struct CellBackward {
   float* db;                 // this N-block's partial bias gradient
 };
 
+// The tangent cell's operands (forward mode), likewise.
+struct CellTangent {
+  int64_t rows, cols;
+  float* pre;                // th_{t-1} @ R, gate q at column q * pre_stride; tp and tb added in place
+  int64_t pre_ld, pre_stride;
+  const void* tp[2];         // the rest of the pre-activation tangent (dt), gate q at q * gate_cols; or null
+  int64_t tp_ld, gate_cols;
+  const float* tb;           // the bias tangent, gate q at q * gate_cols, rows tb_ld apart (0: shared)
+  int64_t tb_ld;
+  const void* gates;         // the saved activated gates (dt); gate q at q * gate_stride
+  int64_t gates_ld, gate_stride;
+  const float* c;            // c_t; c_prev and tc share its leading dimension
+  const float* c_prev;       // c_{t-1}
+  int64_t c_ld;
+  float* tc;                 // in: tc_{t-1}, out: tc_t
+  void* ty;                  // th_t in dt
+  int64_t ty_ld;
+  void* th_next;             // th_t in the multiply dtype, the next step's A; or null
+  int64_t th_ld;
+};
+
 using CellForwardFn = void (*)(const CellForward&);
 using CellBackwardFn = void (*)(const CellBackward&);
+using CellTangentFn = void (*)(const CellTangent&);
 
 // The cell for a compute dtype, multiply dtype and kernel ISA.
 CellForwardFn cell_forward(DType dt, DType mul_dt, Isa isa);
 CellBackwardFn cell_backward(DType dt, DType mul_dt, Isa isa);
+CellTangentFn cell_tangent(DType dt, DType mul_dt, Isa isa);
 
 // Orders an item's streamed stores (the cells' non-temporal saves) before whatever reads
 // them after the pass.

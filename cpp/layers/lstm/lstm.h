@@ -18,6 +18,9 @@
 //          tiles: da_t, and dc_{t-1} in place. The bias gradient is summed per N-block on
 //          the way (race-free, each block has one owner per step), the initial carry's
 //          gradient (dc_0, dh_0 = da_0 @ R^T) comes out at the end.
+// tangent  forward mode: per step, items (K-block, group of N-blocks) as the forward's,
+//          th_{t-1} @ R by BRGEMM into a gate tile, then the gates' and cell's derivatives
+//          times it (TangentArgs below); the tangents of x, W, R come in precomputed.
 // The rest of the backward is two big passes of the fully-connected layer over all time
 // steps at once, after the loop (cpp/layers/fc, called from jax_brgemm/ops/lstm.py):
 // dx = da @ W^T and [dW; dR] = [x | h_prev]^T @ da, where da is every step's gate gradient
@@ -97,6 +100,31 @@ struct BpttArgs {
   OutView dh0;
 };
 
+// Forward mode: the tangent of the forward's outputs from its operands' tangents (tx, tW,
+// tR, tb, tc0, th0), linear in them, from the forward's saved gates and cell states. The
+// part of every step's pre-activation tangent that is not recurrent, tx_t @ W + x_t @ tW +
+// h_{t-1} @ tR, comes in (from the fully-connected passes over every step at once, in up to
+// two pieces); per step the pass adds th_{t-1} @ R by BRGEMM and the bias tangent, then
+//   ta = tpre * (s(1 - s) for i, f, o; 1 - g^2 for g)   (from the saved activated gates)
+//   tc_t = ta_f * c_{t-1} + f * tc_{t-1} + ta_i * g + i * ta_g
+//   th_t = ta_o * tanh(c_t) + o * (1 - tanh(c_t)^2) * tc_t
+// With last_step, row n's carry tangent is the one after its step last_step[n].
+struct TangentArgs {
+  InView r;                        // R (K, 4K)
+  InView gates;                    // the forward's saves
+  const float* cs = nullptr;
+  const float* c0 = nullptr;       // (N, K)
+  InView tp[2];                    // x's layout, 4K features, dt; null: zero
+  const float* tb = nullptr;       // (4K), or (N, 4K) with tb_rows (one per row of the batch)
+  bool tb_rows = false;
+  const float* tc0 = nullptr;      // (N, K)
+  InView th0;
+  const int32_t* last_step = nullptr;  // (N), as the forward's; null: T-1 for every row
+  OutView ty;                      // x's layout, K features
+  float* tc_last = nullptr;        // (N, K) each
+  OutView th_last;
+};
+
 // Blocking of the per-step work: rows = N-block, cols = K-block (the reduction block is
 // chosen per pass), of the forward and of the backward through time.
 Blocking step_blocking(const Shape& s, int64_t threads, const Dispatch& dp);
@@ -126,5 +154,10 @@ void forward(const Executor& ex, const Dispatch& dp, const Shape& s, const Forwa
 // Backward through time from the forward's saved gates and cell states.
 void bptt(const Executor& ex, const Dispatch& dp, const Shape& s, const BpttArgs& a,
           const Blocking* force = nullptr);
+
+// The forward's tangent (an empty sequence passes the carry's tangent through). s.c is
+// not read.
+void tangent(const Executor& ex, const Dispatch& dp, const Shape& s, const TangentArgs& a,
+             const Blocking* force = nullptr);
 
 }  // namespace jb::lstm

@@ -37,6 +37,7 @@ PlanKey key_of(const Shape& s, int64_t threads, const Dispatch& dp, const Blocki
 
 PlanCache<12, ForwardPlan> forward_plans;
 PlanCache<12, BpttPlan> bptt_plans;
+PlanCache<12, TangentPlan> tangent_plans;
 
 }  // namespace
 
@@ -179,6 +180,21 @@ BpttPlan::BpttPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t 
   term_offsets(terms, depth_blocks, da_part, depth, r_part, block_elems, &da_offs, &r_offs);
 }
 
+TangentPlan::TangentPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads)
+    : StepPlan(dp, s, chosen, threads),
+      depth(padded_block(s.k, vnni ? 2 : 1, kMaxDepth)),
+      depth_blocks(round_up(s.k, depth) / depth),
+      a_ld(padded_ld(depth_blocks * depth, mul_bytes)),
+      block_elems(reblock::block_elems(depth, sub_width, vnni)),
+      tile_ld(padded_ld(kGates * b.cols, sizeof(float))),
+      kernels(desc(depth, a_ld, sub_width, tile_ld), s.n, s.k, b.rows, sub_width, dp.isa),
+      cell(cell_tangent(s.dt, mul_dt, dp.isa)),
+      a_part(s.n * a_ld),
+      w_part(kGates * k_blocks * subpanels * depth_blocks * block_elems) {
+  if (b.cols > kMaxCols) throw std::invalid_argument("lstm tangent: K-blocks are at most 128 columns");
+  term_offsets(terms, depth_blocks, a_part, depth, w_part, block_elems, &a_offs, &w_offs);
+}
+
 void term_offsets(const emulation::Terms& t, int64_t blocks, int64_t a_part, int64_t a_block, int64_t b_part,
                   int64_t b_block, std::vector<int64_t>* a_offs, std::vector<int64_t>* b_offs) {
   if (!t.split) return;
@@ -200,6 +216,16 @@ std::shared_ptr<const BpttPlan> bptt_plan(const Dispatch& dp, const Shape& s, in
                                           const Blocking* force) {
   return bptt_plans.get(key_of(s, threads, dp, force), [&] {
     return BpttPlan(dp, s, force ? *force : bptt_blocking(s, threads, dp), threads);
+  });
+}
+
+// The tangent's items are the forward's over R alone (C = 0 in its panel heuristic).
+std::shared_ptr<const TangentPlan> tangent_plan(const Dispatch& dp, const Shape& s, int64_t threads,
+                                                const Blocking* force) {
+  Shape r = s;
+  r.c = 0;
+  return tangent_plans.get(key_of(r, threads, dp, force), [&] {
+    return TangentPlan(dp, r, force ? *force : step_blocking(r, threads, dp), threads);
   });
 }
 

@@ -124,6 +124,29 @@ struct BpttPlan : StepPlan {
   std::vector<int64_t> da_offs, r_offs;
 };
 
+// The tangent (forward mode): the forward's items over R alone, in its re-blocked panels
+// [gate][K-block][sub-panel][K / depth][depth][sub]; two alternating N-row buffers hold
+// th_{t-1} in the multiply dtype (its parts, emulating), zero-padded to whole blocks of depth.
+struct TangentPlan : StepPlan {
+  TangentPlan(const Dispatch& dp, const Shape& s, Blocking chosen, int64_t threads);
+
+  // Element offset of sub-panel j of R's panel of (gate, K-block kb).
+  int64_t panel(int gate, int64_t kb, int64_t j) const {
+    return ((gate * k_blocks + kb) * subpanels + j) * depth_blocks * block_elems;
+  }
+
+  const int64_t depth, depth_blocks;  // blocks of K: the batch of the th @ R BRGEMM
+  const int64_t a_ld;                 // th buffers' columns
+  const int64_t block_elems;          // one sub-panel's re-blocked batch element
+  const int64_t tile_ld;              // the gate tile's: rows of four K-blocks
+  const KernelSet kernels;            // a gate block into the tile
+  const CellTangentFn cell;
+  // Emulation: elements between the parts of a th buffer and of the panels, and the BRGEMM's
+  // batch over (term, block): the buffer's and the panel's offsets.
+  const int64_t a_part, w_part;
+  std::vector<int64_t> a_offs, w_offs;
+};
+
 // The (term, block) batch of an emulated BRGEMM over `blocks` batch elements: A's block i of
 // part p at p * a_part + i * a_block, likewise for B.
 void term_offsets(const emulation::Terms& t, int64_t blocks, int64_t a_part, int64_t a_block, int64_t b_part,
@@ -134,5 +157,7 @@ std::shared_ptr<const ForwardPlan> forward_plan(const Dispatch& dp, const Shape&
                                                 const Blocking* force);
 std::shared_ptr<const BpttPlan> bptt_plan(const Dispatch& dp, const Shape& s, int64_t threads,
                                           const Blocking* force);
+std::shared_ptr<const TangentPlan> tangent_plan(const Dispatch& dp, const Shape& s, int64_t threads,
+                                                const Blocking* force);
 
 }  // namespace jb::lstm
