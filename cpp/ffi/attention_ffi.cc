@@ -2,19 +2,22 @@
 // cpp/layers/attention; asynchronous where the work is large enough to split.
 //
 //   jb_attention_fwd  q (.., T, N, H), k (.., S, K, H), v like k, bias (.., n, t, s) f32
-//                     or empty, mask (.., n, t, s) pred or empty
+//                     or empty, mask (.., n, t, s) pred or empty, keep (.., n, t,
+//                     ceil(S / 8)) u8 or empty (the dropout's bits, attention.h's Inputs)
 //                     -> o (.., T, N, H), stats (.., N, T, 2) f32 (row max and sum)
-//   jb_attention_bwd  q, k, v, bias, mask as above, o, stats, dout (o's shape)
+//   jb_attention_bwd  q, k, v, bias, mask, keep as above, o, stats, dout (o's shape)
 //                     -> dq (q's shape), dk, dv (.., S, K, H), dbias (.., N, T, S) f32 or
 //                        empty (not wanted)
 //   attrs scale (f32), causal (bool), products (i64: fp32 emulated from that many bf16
-//         products, 0 exact; attention.h's Shape::products)
+//         products, 0 exact; attention.h's Shape::products), keep_scale (f32: a kept
+//         weight's factor, 1 / keep_prob)
 //
 // The output's leading dims (..) are the items (the batch, and vmap's dims under
 // vmap_method="expand_dims"); every operand's leading dims broadcast to them, and bias and
 // mask dims n, t, s are each N, T, S or 1 (broadcast). q, k, v, o, dout and the gradients
 // share one dtype, float32 or bfloat16.
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,18 +49,22 @@ std::vector<int64_t> dims_of(const Items& items, std::initializer_list<int64_t> 
 struct Decoded {
   attention::Shape s;
   Items items;
-  std::vector<int64_t> q_offs, k_offs, v_offs, bias_offs, mask_offs;
+  std::vector<int64_t> q_offs, k_offs, v_offs, bias_offs, mask_offs, keep_offs;
   std::vector<int64_t> o_offs, g_offs, s_offs;  // the backward's saved operands
   attention::Inputs in;
 };
 
-// Bias or mask: absent when empty; else (.., n, t, s) with n, t, s each full or 1.
+// Bias, mask or keep: absent when empty; else (.., n, t, s) with n, t, s each full or 1 (for
+// keep, bits: s is the row's bytes, exactly ceil(S / 8)).
 template <class Buffer>
 ffi::Error broadcast(const char* op, const char* name, const Buffer& b, const Decoded& dec,
-                     attention::Broadcast* out, std::vector<int64_t>* offs) {
+                     attention::Broadcast* out, std::vector<int64_t>* offs, bool bits = false) {
   if (b.element_count() == 0) return ffi::Error::Success();
   const auto d = b.dimensions();
-  const int64_t full[3] = {dec.s.heads, dec.s.t, dec.s.s};
+  const int64_t full[3] = {dec.s.heads, dec.s.t, bits ? (dec.s.s + 7) / 8 : dec.s.s};
+  if (bits && (d.size() == 0 || d[d.size() - 1] != full[2]))
+    return invalid(std::string(op) + ": " + name + " has shape " + dims_str(d) + ", expected rows of ceil(S / 8) = " +
+                   std::to_string(full[2]) + " bytes");
   bool ok = d.size() >= 3;
   for (size_t i = 0; ok && i < 3; ++i) ok = d[d.size() - 3 + i] == full[i] || d[d.size() - 3 + i] == 1;
   if (!ok)
@@ -77,12 +84,16 @@ ffi::Error broadcast(const char* op, const char* name, const Buffer& b, const De
 
 // Checks q, k, v, bias and mask against the output's items (`out`, shaped like q).
 ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, const F32& bias,
-                  ffi::AnyBuffer mask, ffi::AnyBuffer::Dimensions out, float scale, bool causal, int64_t products,
-                  Decoded* dec) {
+                  ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::AnyBuffer::Dimensions out, float scale, bool causal,
+                  int64_t products, float keep_scale, Decoded* dec) {
   JB_TRY(dt, kernel_dtype(op, {{"q", q.element_type()}, {"k", k.element_type()}, {"v", v.element_type()}}));
   dec->s.dt = dt;
   if (mask.element_count() && mask.element_type() != ffi::DataType::PRED && mask.element_type() != ffi::DataType::U8)
     return invalid(std::string(op) + ": mask must be bool");
+  if (keep.element_count() && keep.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": keep must be uint8 (the dropout's bits)");
+  if (keep.element_count() && !(keep_scale >= 1.0f && std::isfinite(keep_scale)))
+    return invalid(std::string(op) + ": keep_scale must be 1 / keep_prob, finite and >= 1");
   const auto kd = k.dimensions();
   if (out.size() < 3 || kd.size() < 3) return invalid(std::string(op) + ": q and k need rank >= 3");
   Decoded& d = *dec;
@@ -110,16 +121,18 @@ ffi::Error decode(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBu
   d.in.q_offs = d.q_offs.data(), d.in.k_offs = d.k_offs.data(), d.in.v_offs = d.v_offs.data();
   JB_CHECK(broadcast(op, "bias", bias, d, &d.in.bias, &d.bias_offs));
   JB_CHECK(broadcast(op, "mask", mask, d, &d.in.mask, &d.mask_offs));
+  JB_CHECK(broadcast(op, "keep", keep, d, &d.in.keep, &d.keep_offs, true));
+  d.in.keep_scale = keep_scale;
   return ffi::Error::Success();
 }
 
 ffi::Error attention_fwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
-                         ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale, bool causal,
-                         int64_t products) {
+                         ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::Result<ffi::AnyBuffer> o, F32Out stats,
+                         float scale, bool causal, int64_t products, float keep_scale) {
   const char* op = "jb_attention_fwd";
   auto decoded = std::make_shared<Decoded>();  // its offset arrays live as long as the job
   Decoded& d = *decoded;
-  JB_CHECK(decode(op, q, k, v, bias, mask, o->dimensions(), scale, causal, products, &d));
+  JB_CHECK(decode(op, q, k, v, bias, mask, keep, o->dimensions(), scale, causal, products, keep_scale, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o->element_type()}}));
   JB_CHECK(expect_dims(op, "stats", stats->dimensions(), dims_of(d.items, {d.s.heads, d.s.t, 2})));
   if (o->element_count() == 0) {  // H = 0: nothing to attend with
@@ -134,14 +147,14 @@ ffi::Error attention_fwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 }
 
 ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
-                         ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                          ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal,
-                         int64_t products) {
+                         int64_t products, float keep_scale) {
   const char* op = "jb_attention_bwd";
   auto decoded = std::make_shared<Decoded>();
   Decoded& d = *decoded;
-  JB_CHECK(decode(op, q, k, v, bias, mask, dq->dimensions(), scale, causal, products, &d));
+  JB_CHECK(decode(op, q, k, v, bias, mask, keep, dq->dimensions(), scale, causal, products, keep_scale, &d));
   JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o.element_type()}, {"dout", dout.element_type()},
                                                {"dq", dq->element_type()}, {"dk", dk->element_type()},
                                                {"dv", dv->element_type()}}));
@@ -169,27 +182,27 @@ ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 // Asynchronous where the work is large enough to split (ffi_common.h's Launch).
 ffi::Future attention_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
-                                ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> o, F32Out stats, float scale,
-                                bool causal, int64_t products) {
+                                ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::Result<ffi::AnyBuffer> o, F32Out stats,
+                                float scale, bool causal, int64_t products, float keep_scale) {
   Launch launch(pool);
-  return launch.finish(attention_fwd(launch, q, k, v, bias, mask, o, stats, scale, causal, products));
+  return launch.finish(attention_fwd(launch, q, k, v, bias, mask, keep, o, stats, scale, causal, products, keep_scale));
 }
 
 ffi::Future attention_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
-                                ffi::AnyBuffer mask, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer dout,
-                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::AnyBuffer o, F32 stats,
+                                ffi::AnyBuffer dout, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                                 ffi::Result<ffi::AnyBuffer> dv, F32Out dbias, float scale, bool causal,
-                                int64_t products) {
+                                int64_t products, float keep_scale) {
   Launch launch(pool);
-  return launch.finish(
-      attention_bwd(launch, q, k, v, bias, mask, o, stats, dout, dq, dk, dv, dbias, scale, causal, products));
+  return launch.finish(attention_bwd(launch, q, k, v, bias, mask, keep, o, stats, dout, dq, dk, dv, dbias, scale,
+                                     causal, products, keep_scale));
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd_async,
-                              ffi_util::bind(attention_fwd_async, "scale", "causal", "products"));
+                              ffi_util::bind(attention_fwd_async, "scale", "causal", "products", "keep_scale"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd_async,
-                              ffi_util::bind(attention_bwd_async, "scale", "causal", "products"));
+                              ffi_util::bind(attention_bwd_async, "scale", "causal", "products", "keep_scale"));
 
 }  // namespace jb

@@ -1,7 +1,8 @@
 // The attention layer's forward and backward against plain loops in double precision: fp32
 // and bf16, odd and unequal sequence lengths, grouped-query heads, causal masking, bias and
-// mask broadcast along any dims, fully masked rows, forced small blocks (the online softmax
-// over many chunks, edge blocks), split panels, every ISA and both bf16 multiply paths.
+// mask broadcast along any dims, fully masked rows, dropout bits (broadcast over the batch
+// and heads, or not), forced small blocks (the online softmax over many chunks, edge
+// blocks), split panels, every ISA and both bf16 multiply paths.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -31,6 +32,8 @@ struct Case {
   int64_t threads = 2;
   at::Blocks force{};
   int64_t products = 0;  // fp32 emulated from bf16 products (0: exact)
+  std::array<int64_t, 2> keep{};  // dropout bits' (B, N), each 1 or full; {0, 0}: no dropout
+  float keep_prob = 0.75f;
 };
 
 // |got - want| <= tol * (1 + max |want|), reporting the first few mismatches.
@@ -76,16 +79,29 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
         for (int64_t i = 0; i < c.mask[2]; i += 3)
           for (int64_t j = 0; j < c.mask[3]; ++j) mask[size_t(mb.index(b, n, i, j))] = 0;
 
+  // The dropout's bits, (kb, kn, T, ceil(S / 8)) bytes, and its factor per element.
+  const bool has_keep = c.keep[0] > 0;
+  const int64_t row_bytes = (c.s + 7) / 8;
+  const std::array<int64_t, 4> kd{has_keep ? c.keep[0] : 1, has_keep ? c.keep[1] : 1, c.t, row_bytes};
+  std::vector<uint8_t> keep_bits(size_t(kd[0] * kd[1] * kd[2] * kd[3]));
+  for (auto& x : keep_bits) x = uint8_t(rng());
+  auto factor = [&](int64_t b, int64_t n, int64_t i, int64_t j) {
+    if (!has_keep) return 1.0;
+    const int64_t at = ((Bcast{kd}.index(b, n, i, 0)) + j / 8);
+    return (keep_bits[size_t(at)] >> (j % 8)) & 1 ? double(1.0f / c.keep_prob) : 0.0;
+  };
+
   at::Shape s;
   s.items = c.items, s.t = c.t, s.s = c.s, s.heads = c.heads, s.kv_heads = c.kv, s.h = c.h, s.dt = c.dt;
   s.scale = 1.0f / std::sqrt(float(c.h)), s.causal = c.causal, s.products = c.products;
   const size_t ni = size_t(c.items);
-  std::vector<int64_t> q_offs(ni), k_offs(ni), b_offs(ni), m_offs(ni);
+  std::vector<int64_t> q_offs(ni), k_offs(ni), b_offs(ni), m_offs(ni), keep_offs(ni);
   for (int64_t i = 0; i < c.items; ++i) {
     q_offs[size_t(i)] = i * qn;
     k_offs[size_t(i)] = c.shared_kv ? 0 : i * kn;
     b_offs[size_t(i)] = bb.index(i, 0, 0, 0);
     m_offs[size_t(i)] = mb.index(i, 0, 0, 0);
+    keep_offs[size_t(i)] = Bcast{kd}.index(i, 0, 0, 0);
   }
   at::Inputs in;
   in.q = q.data(), in.k = k.data(), in.v = v.data();
@@ -95,6 +111,10 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   };
   if (has_bias) in.bias.data = bias.data(), in.bias.offs = b_offs.data(), strides(in.bias, bb);
   if (has_mask) in.mask.data = mask.data(), in.mask.offs = m_offs.data(), strides(in.mask, mb);
+  if (has_keep) {
+    in.keep.data = keep_bits.data(), in.keep.offs = keep_offs.data(), strides(in.keep, Bcast{kd});
+    in.keep_scale = 1.0f / c.keep_prob;
+  }
 
   // The reference, in double, from the stored (bf16-rounded) values.
   const int64_t g = c.heads / c.kv;
@@ -124,7 +144,7 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
         double d = 0;
         for (int64_t e = 0; e < c.h; ++e) {
           double o = 0;
-          for (int64_t j = 0; j < c.s; ++j) o += p[size_t(j)] / sum * kval(v, j, e);
+          for (int64_t j = 0; j < c.s; ++j) o += p[size_t(j)] / sum * factor(b, n, i, j) * kval(v, j, e);
           o_ref[size_t(b * qn + i * c.heads * c.h + n * c.h + e)] = o;
         }
         const int64_t qi = b * qn + i * c.heads * c.h + n * c.h;
@@ -132,8 +152,8 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
           p[size_t(j)] /= sum;
           double dpj = 0;
           for (int64_t e = 0; e < c.h; ++e) dpj += double(dout.f[size_t(qi + e)]) * kval(v, j, e);
-          dpv[size_t(j)] = dpj;
-          d += p[size_t(j)] * dpj;
+          dpv[size_t(j)] = dpj * factor(b, n, i, j);  // the gradient of P, through the dropout
+          d += p[size_t(j)] * dpv[size_t(j)];
         }
         for (int64_t j = 0; j < c.s; ++j) {
           const bool keep = (!c.causal || j <= i) && (!has_mask || mask[size_t(mb.index(b, n, i, j))]);
@@ -143,7 +163,7 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
           for (int64_t e = 0; e < c.h; ++e) {
             dq_ref[size_t(qi + e)] += s.scale * ds * kval(k, j, e);
             dk_ref[size_t(kj + e)] += s.scale * ds * qv(e);
-            dv_ref[size_t(kj + e)] += p[size_t(j)] * double(dout.f[size_t(qi + e)]);
+            dv_ref[size_t(kj + e)] += p[size_t(j)] * factor(b, n, i, j) * double(dout.f[size_t(qi + e)]);
           }
         }
       }
@@ -210,6 +230,29 @@ TEST(attention_bias_and_mask) {
   Case c{2, 9, 13, 4, 2, 16, DType::f32, false, full, full, true};
   c.force = {4, 1};
   run(c);
+}
+
+// Dropout's bits on P: broadcast over the batch and heads (flax's default) or not, with a
+// mask, a causal limit, a bias gradient, over several chunks and query blocks, on every ISA.
+TEST(attention_dropout) {
+  for (jb::Isa isa : {jb::Isa::generic, jb::Isa::avx2, jb::Isa::avx512, jb::Isa::amx}) {
+    if (isa > jb::best_isa()) continue;
+    const jb::Dispatch dp = jb::make_dispatch(isa, "dot");
+    for (DType dt : {DType::f32, DType::bf16})
+      for (std::array<int64_t, 2> keep : {std::array<int64_t, 2>{1, 1}, {2, 4}, {1, 4}}) {
+        Case c{2, 21, 45, 4, 2, 16, dt, false, {2, 4, 21, 45}, {}};
+        c.keep = keep;
+        run(c, dp);
+        c.causal = true, c.bias = {}, c.mask = {1, 4, 21, 45}, c.force = {8, 16}, c.keep_prob = 0.5f;
+        run(c, dp);
+        Case e{1, 70, 600, 2, 1, 33, dt, true};  // two chunks of keys, S not a multiple of 8
+        e.keep = keep, e.keep_prob = 0.9f;
+        run(e, dp);
+      }
+    Case f{2, 37, 70, 4, 2, 20, DType::f32, true, {2, 1, 37, 70}, {}};  // emulated products
+    f.force = {16, 32}, f.products = 3, f.keep = {2, 1};
+    run(f, dp);
+  }
 }
 
 TEST(attention_split_panels) {

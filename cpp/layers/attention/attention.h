@@ -2,11 +2,13 @@
 //
 //   forward   per query block and key chunk: S = Q K^T, x = scale * S + bias (masked -> a
 //             large negative), online softmax (running row max m and sum l, fp32),
-//             O += P V; O / l at the end. The T x S matrix is never stored: a block keeps
-//             a rows x chunk tile, and saves (m, l) per row for the backward.
+//             O += Z V with Z = P * D (D: the dropout's keep / keep_prob, 1 without it);
+//             O / l at the end. The T x S matrix is never stored: a block keeps a rows x
+//             chunk tile, and saves (m, l) per row for the backward.
 //   backward  per query block and key chunk, P recomputed from (m, l):
-//             dP = dO V^T, dS = P * (dP - rowsum(dO * O)) (0 where masked),
-//             dQ += scale dS K, dK += scale dS^T Q, dV += P^T dO.
+//             dZ = dO V^T, dS = P * (dZ * D - rowsum(dO * O)) (0 where masked),
+//             dQ += scale dS K, dK += scale dS^T Q, dV += Z^T dO. (rowsum(dO * O) is
+//             rowsum(P * dZ * D) with dropout too: O's row is Z's row times V.)
 //
 // Layouts are jax.nn.dot_product_attention's: q, o (T, N, H) and k, v (S, K, H) per item,
 // K key/value heads shared by N / K query heads each (grouped-query attention). Work items
@@ -55,7 +57,10 @@ struct Broadcast {
 
 // The inputs of both passes. q and o (items, T, N, H), k and v (items, S, K, H): element
 // offsets of each item's first element (operands may be broadcast over items). bias is fp32,
-// mask one byte per element (non-zero: attend).
+// mask one byte per element (non-zero: attend). keep, the dropout's, is bits: key j of a row
+// is bit j % 8 of the row's byte j / 8 (set: kept, its weight times keep_scale = 1 /
+// keep_prob; clear: dropped), rows ceil(S / 8) bytes long; its strides count bytes and ss is
+// unused.
 struct Inputs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -63,7 +68,8 @@ struct Inputs {
   const int64_t* q_offs = nullptr;
   const int64_t* k_offs = nullptr;
   const int64_t* v_offs = nullptr;
-  Broadcast bias, mask;
+  Broadcast bias, mask, keep;
+  float keep_scale = 1.0f;
 };
 
 // What the forward saves for the backward, and the backward's extra inputs (dt, or fp32 for

@@ -156,6 +156,11 @@ ScoreTile score_tile(const Shape& s, const Inputs& in, const Plan& p, const Bloc
     tile.mask = static_cast<const uint8_t*>(in.mask.data) + first(in.mask);
     tile.mask_rs = in.mask.st, tile.mask_cs = in.mask.ss;
   }
+  if (in.keep.data) {  // bits: c0, a multiple of the key quantum, starts a byte
+    const Broadcast& k = in.keep;
+    tile.keep = static_cast<const uint8_t*>(k.data) + k.offs[b.item] + b.n * k.sn + b.i0 * k.st + c0 / 8;
+    tile.keep_rs = k.st, tile.keep_scale = in.keep_scale;
+  }
   return tile;
 }
 

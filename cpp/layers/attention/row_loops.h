@@ -30,14 +30,18 @@ JB_INLINE T store_as(float v) {
   else return f32_to_bf16(v);
 }
 
-// Row r of a tile: its constant bias and key limit, and its bias and mask rows when they
-// vary along the keys.
+// Row r of a tile: its constant bias and key limit, its bias and mask rows when they vary
+// along the keys, and its dropout bits.
 struct RowSetup {
   float add = 0.0f;
   int limit = 0;
   const float* bias = nullptr;
   const uint8_t* mask = nullptr;
+  const uint8_t* keep = nullptr;
 };
+
+// Whether the dropout keeps key j of a row (bit j % 8 of byte j / 8).
+JB_INLINE bool kept(const uint8_t* keep, int j) { return (keep[j >> 3] >> (j & 7)) & 1; }
 
 JB_INLINE RowSetup setup(const ScoreTile& t, int64_t r) {
   RowSetup rs;
@@ -54,6 +58,7 @@ JB_INLINE RowSetup setup(const ScoreTile& t, int64_t r) {
     if (t.mask_cs) rs.mask = t.mask + r * t.mask_rs;
     else if (!t.mask[r * t.mask_rs]) limit = 0;
   }
+  if (t.keep) rs.keep = t.keep + r * t.keep_rs;
   rs.limit = int(limit);
   return rs;
 }
@@ -83,27 +88,28 @@ struct Scalar {
     }
     return m;
   }
-  // p = exp(x - m) written as PT; returns the sum of p.
-  template <class PT>
-  JB_INLINE static float probs(const float* x, int j0, int cols, float m, PT* p) {
+  // p = exp(x - m) written as PT (times the dropout's factor: 0 or ks); returns the sum of p.
+  template <class PT, bool kDrop>
+  JB_INLINE static float probs(const float* x, int j0, int cols, float m, PT* p, const uint8_t* keep, float ks) {
     float sum = 0.0f;
     for (int j = j0; j < cols; ++j) {
       const float e = exp_flush(x[j] - m);
       sum += e;
-      p[j] = store_as<PT>(e);
+      p[j] = store_as<PT>(kDrop ? (kept(keep, j) ? e * ks : 0.0f) : e);
     }
     return sum;
   }
-  template <bool kBias, bool kMask, bool kDbias>
+  template <bool kBias, bool kMask, bool kDbias, bool kDrop>
   JB_INLINE static void grads(float* s, float* dp, int j0, int cols, float scale, const RowSetup& rs, float m,
-                              float inv_l, float d, float* dbias) {
+                              float inv_l, float d, float* dbias, float ks) {
     for (int j = j0; j < cols; ++j) {
       bool keep;
       const float x = logit<kBias, kMask>(s, j, scale, rs, &keep);
       const float p = exp_flush(x - m) * inv_l;
-      const float ds = keep ? p * (dp[j] - d) : 0.0f;
+      const float f = kDrop ? (kept(rs.keep, j) ? ks : 0.0f) : 1.0f;  // the dropout's factor
+      const float ds = keep ? p * (dp[j] * f - d) : 0.0f;
       if constexpr (kDbias) dbias[j] = ds;
-      s[j] = p;
+      s[j] = kDrop ? p * f : p;
       dp[j] = ds * scale;
     }
   }
@@ -147,35 +153,42 @@ struct Vector {
     }
     return Scalar::logits<kBias, kMask>(s, j, cols, scale, rs, VT::hmax(vm));
   }
-  template <class PT>
-  JB_INLINE static float probs(const float* x, int, int cols, float m, PT* p) {
-    const V vm = VT::set1(m);
+  template <class PT, bool kDrop>
+  JB_INLINE static float probs(const float* x, int, int cols, float m, PT* p, const uint8_t* keep, float ks) {
+    const V vm = VT::set1(m), vks = VT::set1(ks), zero = VT::zero();
     V sum = VT::zero();
     int j = 0;
     for (; j + VT::L <= cols; j += VT::L) {
       const V e = VT::exp(VT::sub(VT::load(x + j), vm));
       sum = VT::add(sum, e);
-      if constexpr (sizeof(PT) == 4) VT::store(p + j, e);
-      else VT::store_bf16(p + j, e);
+      const V z = kDrop ? VT::select(VT::bits(keep, j), VT::mul(e, vks), zero) : e;
+      if constexpr (sizeof(PT) == 4) VT::store(p + j, z);
+      else VT::store_bf16(p + j, z);
     }
-    return VT::hsum(sum) + Scalar::probs<PT>(x, j, cols, m, p);
+    return VT::hsum(sum) + Scalar::probs<PT, kDrop>(x, j, cols, m, p, keep, ks);
   }
-  template <bool kBias, bool kMask, bool kDbias>
+  template <bool kBias, bool kMask, bool kDbias, bool kDrop>
   JB_INLINE static void grads(float* s, float* dp, int, int cols, float scale, const RowSetup& rs, float m,
-                              float inv_l, float d, float* dbias) {
+                              float inv_l, float d, float* dbias, float ks) {
     const V vs = VT::set1(scale), va = VT::set1(rs.add), masked = VT::set1(kMasked);
-    const V vm = VT::set1(m), vl = VT::set1(inv_l), vd = VT::set1(d), zero = VT::zero();
+    const V vm = VT::set1(m), vl = VT::set1(inv_l), vd = VT::set1(d), zero = VT::zero(), vks = VT::set1(ks);
     int j = 0;
     for (; j + VT::L <= cols; j += VT::L) {
       typename VT::M keep;
       const V x = logits_at<kBias, kMask>(s, j, vs, va, masked, rs, &keep);
       const V p = VT::mul(VT::exp(VT::sub(x, vm)), vl);
-      const V ds = VT::select(keep, VT::mul(p, VT::sub(VT::load(dp + j), vd)), zero);
+      V dz = VT::load(dp + j), z = p;
+      if constexpr (kDrop) {  // the dropout's factor on dZ and on P
+        const typename VT::M kept_j = VT::bits(rs.keep, j);
+        dz = VT::select(kept_j, VT::mul(dz, vks), zero);
+        z = VT::select(kept_j, VT::mul(p, vks), zero);
+      }
+      const V ds = VT::select(keep, VT::mul(p, VT::sub(dz, vd)), zero);
       if constexpr (kDbias) VT::store(dbias + j, ds);
-      VT::store(s + j, p);
+      VT::store(s + j, z);
       VT::store(dp + j, VT::mul(ds, vs));
     }
-    Scalar::grads<kBias, kMask, kDbias>(s, dp, j, cols, scale, rs, m, inv_l, d, dbias);
+    Scalar::grads<kBias, kMask, kDbias, kDrop>(s, dp, j, cols, scale, rs, m, inv_l, d, dbias, ks);
   }
   template <class T>
   JB_INLINE static void store(const float* x, int, int cols, float scale, T* y) {
@@ -202,7 +215,7 @@ struct Vector {
   }
 };
 
-template <class R, bool kBias, bool kMask, class PT>
+template <class R, bool kBias, bool kMask, bool kDrop, class PT>
 JB_INLINE void forward_rows(const ScoreTile& t, float* m, float* l, float* alpha, PT* p, int64_t ldp) {
   for (int64_t r = 0; r < t.rows; ++r) {
     const RowSetup rs = setup(t, r);
@@ -210,7 +223,7 @@ JB_INLINE void forward_rows(const ScoreTile& t, float* m, float* l, float* alpha
     PT* pr = p + r * ldp;
     const float mn = R::template logits<kBias, kMask>(s, 0, int(t.cols), t.scale, rs, m[r]);
     alpha[r] = exp_flush(m[r] - mn);
-    l[r] = l[r] * alpha[r] + R::template probs<PT>(s, 0, int(t.cols), mn, pr);
+    l[r] = l[r] * alpha[r] + R::template probs<PT, kDrop>(s, 0, int(t.cols), mn, pr, rs.keep, t.keep_scale);
     for (int64_t j = t.cols; j < t.width; ++j) pr[j] = PT(0);
     m[r] = mn;
   }
@@ -218,21 +231,23 @@ JB_INLINE void forward_rows(const ScoreTile& t, float* m, float* l, float* alpha
 
 template <class R, class PT>
 JB_INLINE void forward_tile(const ScoreTile& t, float* m, float* l, float* alpha, PT* p, int64_t ldp) {
-  const bool bias_row = t.bias && t.bias_cs, mask_row = t.mask && t.mask_cs;
-  if (bias_row && mask_row) forward_rows<R, true, true>(t, m, l, alpha, p, ldp);
-  else if (bias_row) forward_rows<R, true, false>(t, m, l, alpha, p, ldp);
-  else if (mask_row) forward_rows<R, false, true>(t, m, l, alpha, p, ldp);
-  else forward_rows<R, false, false>(t, m, l, alpha, p, ldp);
+  const int variant = (t.bias && t.bias_cs ? 4 : 0) | (t.mask && t.mask_cs ? 2 : 0) | (t.keep ? 1 : 0);
+  switch (variant) {
+#define JB_CASE(v) \
+  case v: return forward_rows<R, (v & 4) != 0, (v & 2) != 0, (v & 1) != 0>(t, m, l, alpha, p, ldp);
+    JB_CASE(0) JB_CASE(1) JB_CASE(2) JB_CASE(3) JB_CASE(4) JB_CASE(5) JB_CASE(6) JB_CASE(7)
+#undef JB_CASE
+  }
 }
 
-template <class R, bool kBias, bool kMask, bool kDbias>
+template <class R, bool kBias, bool kMask, bool kDbias, bool kDrop>
 JB_INLINE void backward_rows(const ScoreTile& t, float* dp, int64_t lddp, const float* m, const float* inv_l,
                              const float* d, float* dbias, int64_t lddb) {
   for (int64_t r = 0; r < t.rows; ++r) {
     float* s = t.s + r * t.ld;
     float* dpr = dp + r * lddp;
-    R::template grads<kBias, kMask, kDbias>(s, dpr, 0, int(t.cols), t.scale, setup(t, r), m[r], inv_l[r], d[r],
-                                            kDbias ? dbias + r * lddb : nullptr);
+    R::template grads<kBias, kMask, kDbias, kDrop>(s, dpr, 0, int(t.cols), t.scale, setup(t, r), m[r], inv_l[r],
+                                                   d[r], kDbias ? dbias + r * lddb : nullptr, t.keep_scale);
     for (int64_t j = t.cols; j < t.width; ++j) s[j] = dpr[j] = 0.0f;
   }
 }
@@ -240,12 +255,15 @@ JB_INLINE void backward_rows(const ScoreTile& t, float* dp, int64_t lddp, const 
 template <class R>
 JB_INLINE void backward_tile(const ScoreTile& t, float* dp, int64_t lddp, const float* m, const float* inv_l,
                              const float* d, float* dbias, int64_t lddb) {
-  const int variant = (t.bias && t.bias_cs ? 4 : 0) | (t.mask && t.mask_cs ? 2 : 0) | (dbias ? 1 : 0);
+  const int variant =
+      (t.keep ? 8 : 0) | (t.bias && t.bias_cs ? 4 : 0) | (t.mask && t.mask_cs ? 2 : 0) | (dbias ? 1 : 0);
   switch (variant) {
-#define JB_CASE(v)                                                                                        \
-  case v:                                                                                                 \
-    return backward_rows<R, (v & 4) != 0, (v & 2) != 0, (v & 1) != 0>(t, dp, lddp, m, inv_l, d, dbias, lddb);
+#define JB_CASE(v)                                                                                              \
+  case v:                                                                                                       \
+    return backward_rows<R, (v & 4) != 0, (v & 2) != 0, (v & 1) != 0, (v & 8) != 0>(t, dp, lddp, m, inv_l, d, \
+                                                                                    dbias, lddb);
     JB_CASE(0) JB_CASE(1) JB_CASE(2) JB_CASE(3) JB_CASE(4) JB_CASE(5) JB_CASE(6) JB_CASE(7)
+    JB_CASE(8) JB_CASE(9) JB_CASE(10) JB_CASE(11) JB_CASE(12) JB_CASE(13) JB_CASE(14) JB_CASE(15)
 #undef JB_CASE
   }
 }

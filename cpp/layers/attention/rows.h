@@ -14,7 +14,9 @@ namespace jb::attention {
 // (cols <= width: the keys past the sequence's end are padding and take no part). The
 // logits are x = scale * S + bias, and kMasked where row r masks key j: j >= limit0 + r
 // (causal), or mask == 0. bias and mask point at the tile's (0, 0) element; each has a row
-// stride and a column stride of 0 (one value per row) or 1.
+// stride and a column stride of 0 (one value per row) or 1. keep (dropout), when not null,
+// points at the byte of the tile's first key (a multiple of 8) in row 0, rows keep_rs bytes
+// apart: bit j of a row set keeps key j's weight, times keep_scale; clear drops it.
 struct ScoreTile {
   float* s = nullptr;
   int64_t ld = 0;
@@ -26,20 +28,25 @@ struct ScoreTile {
   int64_t bias_rs = 0, bias_cs = 0;
   const uint8_t* mask = nullptr;
   int64_t mask_rs = 0, mask_cs = 0;
+  const uint8_t* keep = nullptr;
+  int64_t keep_rs = 0;
+  float keep_scale = 1.0f;
 };
 
 // The forward's online softmax over one chunk, row by row: the row max m[r] takes in the
 // chunk's logits; alpha[r] = exp(old m - new m) is the factor the row's earlier sums (l[r]
-// here, the output accumulator in the caller) are rescaled by; p = exp(x - m) is written
-// to P (rows x width, row stride ldp, fp32 or bf16 as pt, 0 past cols) and its sum added to
-// l[r]. m starts at -inf and l at 0. t.s is overwritten with the logits.
+// here, the output accumulator in the caller) are rescaled by; p = exp(x - m) is added to
+// l[r] and written to P (rows x width, row stride ldp, fp32 or bf16 as pt, 0 past cols)
+// times the dropout's factor (0 or keep_scale) where t.keep is given. m starts at -inf and
+// l at 0. t.s is overwritten with the logits.
 void softmax_forward(const ScoreTile& t, float* m, float* l, float* alpha, void* p, int64_t ldp,
                      DType pt, Isa isa);
 
 // The backward's softmax gradient on one chunk: P = exp(x - m) / l from the saved
-// statistics (inv_l = 1 / l), dS = P * (dP - d) with d[r] = rowsum(dO * O), 0 where masked.
-// Afterwards t.s holds P and dp (row stride lddp) holds scale * dS, both 0 past cols up to
-// width; dbias (row stride lddb), when not null, gets dS itself (the bias gradient).
+// statistics (inv_l = 1 / l), dS = P * (dP * D - d) with d[r] = rowsum(dO * O), 0 where
+// masked (dp comes in as dO V^T; D is the dropout's factor, 1 without t.keep). Afterwards
+// t.s holds P * D and dp (row stride lddp) holds scale * dS, both 0 past cols up to width;
+// dbias (row stride lddb), when not null, gets dS itself (the bias gradient).
 void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
                       const float* inv_l, const float* d, float* dbias, int64_t lddb, Isa isa);
 

@@ -43,6 +43,12 @@ struct Avx512 {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_test_epi32_mask(v, v);
   }
+  // Lanes j .. j + 15 of a row of bits (j a multiple of 8).
+  JB_V512 M bits(const uint8_t* row, int j) {
+    uint16_t w;
+    __builtin_memcpy(&w, row + (j >> 3), sizeof(w));
+    return M(w);
+  }
   JB_V512 M both(M a, M b) { return M(a & b); }
   JB_V512 M less(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   JB_V512 V select(M k, V a, V b) { return _mm512_mask_blend_ps(k, b, a); }
@@ -104,6 +110,11 @@ struct Avx2 {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i zero = _mm256_cmpeq_epi32(v, _mm256_setzero_si256());
     return _mm256_castsi256_ps(_mm256_xor_si256(zero, _mm256_set1_epi32(-1)));
+  }
+  JB_V256 M bits(const uint8_t* row, int j) {  // lanes j .. j + 7 (j a multiple of 8)
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi32(row[j >> 3]), lane);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lane));
   }
   JB_V256 M both(M a, M b) { return _mm256_and_ps(a, b); }
   JB_V256 M less(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }

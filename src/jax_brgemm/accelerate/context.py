@@ -64,8 +64,8 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
     ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
     ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
-    with a float32 softmax, its projections as DenseGeneral; stock for a custom
-    ``attention_fn`` or einsums, ``decode``, attention dropout and ``sow_weights``),
+    with a float32 softmax and attention dropout, its projections as DenseGeneral; stock for
+    a custom ``attention_fn`` or einsums, ``decode`` and ``sow_weights``),
     ``flax.linen.Conv`` (1-D, 2-D and 3-D; dense, grouped, depthwise, kernel- and
     input-dilated; every padding form, a negative pad cropping, strides, masks; float32 or
     bfloat16), ``flax.linen.ConvTranspose`` (likewise, ``transpose_kernel`` and

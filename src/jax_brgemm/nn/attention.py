@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,18 +25,22 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
     """``flax.linen.dot_product_attention``'s result on the kernels (its arguments), as a
     ``Decision``.
 
-    The kernels take float32 or bfloat16 computations without attention dropout, without
-    custom einsums or ``einsum_dot_general``, and without a ``module`` to sow the attention
-    weights into (the kernels never form them). The softmax is always float32 (Flax's is in
-    the computation dtype unless ``force_fp32_for_softmax``); ``precision`` is computed as
-    ``jax_brgemm.precision`` says.
+    The kernels take float32 or bfloat16 computations, attention dropout included (the same
+    weights dropped as Flax drops for the same ``dropout_rng``), without custom einsums or
+    ``einsum_dot_general``, and without a ``module`` to sow the attention weights into (the
+    kernels never form them). The softmax is always float32 (Flax's is in the computation
+    dtype unless ``force_fp32_for_softmax``), and so is the dropout's 1 / keep_prob;
+    ``precision`` is computed as ``jax_brgemm.precision`` says.
     """
-    del broadcast_dropout, dropout_rng, force_fp32_for_softmax
+    del force_fp32_for_softmax
     why = _adapt.precision_why(precision)
     if why:
         return Decision.stock(why)
-    if dropout_rate > 0.0 and not deterministic:
-        return Decision.stock("attention dropout")
+    dropout = not deterministic and _rate(dropout_rate) != 0.0
+    if dropout and (_rate(dropout_rate) is None or not 0.0 < dropout_rate < 1.0):
+        return Decision.stock("dropout_rate not a number in [0, 1)")
+    if dropout and dropout_rng is None:
+        return Decision.stock("attention dropout without dropout_rng")
     if module is not None:
         return Decision.stock("attention weights sown")
     if einsum_dot_general is not None or qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
@@ -61,8 +66,19 @@ def attention_on_kernels(query, key, value, bias=None, mask=None, broadcast_drop
             operands.append(a.astype(bool) if name == "mask" else a)
         else:
             operands.append(None)
-    y = _attention(q, k, v, *operands, is_causal=is_causal, precision=precision)
+    # the same bits as Flax's: bernoulli of its shape, whose batch dims folded draw the same
+    drop = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
+                broadcast_dropout=bool(broadcast_dropout)) if dropout else {}
+    y = _attention(q, k, v, *operands, is_causal=is_causal, precision=precision, **drop)
     return Decision(y.reshape(query.shape))
+
+
+def _rate(rate):
+    """A dropout rate as a Python float, None if it is not one (a tracer)."""
+    try:
+        return float(rate)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def _batch_folded(a, full, lead):
@@ -122,8 +138,9 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     kernels.
 
     The same fields, call and parameters as the stock module (it is a subclass), so a
-    checkpoint of either loads into the other. What the kernels do not take computes as the
-    stock module does: attention dropout, ``sow_weights``, custom einsums, a float16 / float64
+    checkpoint of either loads into the other. Attention dropout drops the weights the stock
+    module drops. What the kernels do not take computes as the stock module does:
+    ``sow_weights``, custom einsums, a float16 / float64
     computation (see ``attention_on_kernels``), and for a projection a custom
     ``dot_general``. ``decode`` caches work as in the stock module, with the attention on the
     kernels. The softmax is float32 (Flax's is in the computation dtype).

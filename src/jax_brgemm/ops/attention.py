@@ -2,7 +2,8 @@
 differentiable in both modes.
 
 Two XLA FFI calls into ``cpp/layers/attention`` (flash-style: the T x S scores are never
-stored, a query block keeps one tile of them):
+stored, a query block keeps one tile of them; attention dropout is a bit per weight,
+``jax.random.bernoulli``'s for flax's shape, packed here and applied in the kernels):
 
 * ``jb_attention_fwd``: ``softmax(scale * q k^T + bias, masked) v`` per query block, over key
   chunks with an online softmax; it also returns each row's max and sum (float32), all the
@@ -39,7 +40,7 @@ _FLOATS = (*check.KERNEL_DTYPES, np.dtype(np.float16), np.dtype(np.float64))
 
 @emulation.exact_on_infinity("query", "key", "value")
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                          precision=None):
+                          precision=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True):
     """Scaled dot-product attention on the BRGEMM kernels, as ``jax.nn.dot_product_attention``.
 
     ``softmax(scale * query @ key^T + bias, where masked: a large negative) @ value`` per head,
@@ -61,6 +62,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         float32, or where it emulates them (AMX) from bfloat16 products (the kernel splits
         the probabilities and their gradient where it makes them). An algorithm outside its
         table is a ValueError.
+      dropout_rate: attention dropout, a Python number in [0, 1): each weight of the softmax
+        is dropped with this probability and the kept ones scaled by ``1 / (1 - rate)``, as
+        ``flax.linen.dot_product_attention`` with ``deterministic=False`` does: for the same
+        ``dropout_rng`` and ``broadcast_dropout`` the same weights are kept (the keep-mask is
+        ``jax.random.bernoulli`` of flax's shape). 0 (the default): none.
+      dropout_rng: the PRNG key of the dropout; required when ``dropout_rate > 0``.
+      broadcast_dropout: one keep-mask of ``(T, S)`` shared by the batch and the heads
+        (flax's default), else one per ``(B, N)``.
 
     Returns:
       query's shape and dtype. A fully masked row attends uniformly to every key, as in jax.
@@ -98,14 +107,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         mask = _broadcastable(jnp.asarray(mask), "mask", full, op)
     scale = _scale(scale, h, op)
     causal = bool(is_causal)
+    keep, keep_scale = _dropout(dropout_rate, dropout_rng, broadcast_dropout, query.ndim, full, op)
 
     # Nothing for the kernels (a size of 0: an empty or zero result), or float64 (x64): stock.
     if 0 in (b, t, n, h, s) or np.dtype(q.dtype) == np.dtype(np.float64):
-        return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=causal)
+        y = _reference(q, k, v, *(_or_empty(a, d) for a, d in ((bias, q.dtype), (mask, jnp.bool_), (keep, jnp.uint8))),
+                       scale, (causal, 0, keep_scale))
+        return y.reshape(query.shape)
     bias4 = None if bias is None else bias.astype(jnp.float32)
     # bfloat16 inputs are exact in one product whatever the precision
     products = _precision.PRODUCTS[computed] if q.dtype == jnp.float32 else 0
-    o, _ = _attention(q, k, v, bias4, mask, scale, (causal, products))
+    o, _ = _attention(q, k, v, bias4, mask, keep, scale, (causal, products, keep_scale))
     return o.reshape(query.shape)
 
 
@@ -118,6 +130,30 @@ def _broadcastable(a, name, full, op):
     if any(d != 1 and d != f for d, f in zip(a4.shape, full)):
         raise ValueError(f"{op}: {name} {tuple(a.shape)} does not broadcast to (B, N, T, S) = {full}")
     return a4
+
+
+def _dropout(rate, rng, broadcast, ndim, full, op):
+    """(keep bits (b or 1, n or 1, T, ceil(S / 8)) uint8, bit j % 8 of byte j / 8 set where
+    key j is kept; 1 / keep_prob as float32), or (None, 1.0) without dropout. The bits are
+    ``jax.random.bernoulli(rng, 1 - rate, shape)`` for the shape flax draws them in."""
+    try:
+        rate = float(rate)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"{op}: dropout_rate must be a Python number (static), got {rate!r}") from None
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"{op}: dropout_rate must be in [0, 1), got {rate}")
+    if rate == 0.0:
+        return None, 1.0
+    if rng is None:
+        raise ValueError(f"{op}: dropout_rng is required when dropout_rate > 0 (got dropout_rate={rate})")
+    b, n, t, s = full
+    keep_prob = 1.0 - rate
+    # flax's shapes: (1, ..., T, S) broadcast over the batch and heads, else the weights'
+    shape = (1,) * (ndim - 2) + (t, s) if broadcast else ((b,) if ndim == 4 else ()) + (n, t, s)
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
+    keep = keep.reshape((1, 1, t, s) if broadcast else (b, n, t, s))
+    bits = jnp.packbits(keep, axis=-1, bitorder="little")
+    return bits, float(np.float32(1.0) / np.float32(keep_prob))
 
 
 def _scale(scale, h, op):
@@ -147,27 +183,28 @@ def _present(a):
 
 def _attrs(kind):
     """The FFI attributes of ``kind``: (is_causal, the bfloat16 products each product is
-    emulated from, 0: exact float32)."""
-    causal, products = kind
-    return {"causal": bool(causal), "products": np.int64(products)}
+    emulated from (0: exact float32), a kept weight's factor 1 / keep_prob)."""
+    causal, products, keep_scale = kind
+    return {"causal": bool(causal), "products": np.int64(products), "keep_scale": np.float32(keep_scale)}
 
 
-def _forward_ffi(q, k, v, bias, mask, *, scale, kind):
+def _forward_ffi(q, k, v, bias, mask, keep, *, scale, kind):
     lead, (b, t, n, _) = q.shape[:-4], q.shape[-4:]
-    lead = jnp.broadcast_shapes(lead, *(a.shape[:-4] for a in (k, v, bias, mask) if a.ndim > 1))
+    lead = jnp.broadcast_shapes(lead, *(a.shape[:-4] for a in (k, v, bias, mask, keep) if a.ndim > 1))
     outs = (jax.ShapeDtypeStruct(lead + q.shape[-4:], q.dtype), jax.ShapeDtypeStruct(lead + (b, n, t, 2), jnp.float32))
-    return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs)(q, k, v, bias, mask, scale=np.float32(scale), **_attrs(kind)))
+    return tuple(jax.ffi.ffi_call("jb_attention_fwd", outs)(q, k, v, bias, mask, keep, scale=np.float32(scale),
+                                                            **_attrs(kind)))
 
 
-def _backward_ffi(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
-    lead = jnp.broadcast_shapes(*(a.shape[:-4] for a in (q, k, v, bias, mask, o, stats, do) if a.ndim > 1))
+def _backward_ffi(q, k, v, bias, mask, keep, o, stats, do, *, scale, kind, want_dbias):
+    lead = jnp.broadcast_shapes(*(a.shape[:-4] for a in (q, k, v, bias, mask, keep, o, stats, do) if a.ndim > 1))
     b, t, n, _ = q.shape[-4:]
     full = (b, n, t, k.shape[-3])
     outs = (jax.ShapeDtypeStruct(lead + q.shape[-4:], q.dtype), jax.ShapeDtypeStruct(lead + k.shape[-4:], k.dtype),
             jax.ShapeDtypeStruct(lead + v.shape[-4:], v.dtype),
             jax.ShapeDtypeStruct(lead + (full if want_dbias else (0,)), jnp.float32))
     dq, dk, dv, dbias = jax.ffi.ffi_call("jb_attention_bwd", outs)(
-        q, k, v, bias, mask, o, stats, do, scale=np.float32(scale), **_attrs(kind))
+        q, k, v, bias, mask, keep, o, stats, do, scale=np.float32(scale), **_attrs(kind))
     if want_dbias:  # back to the bias's shape: summed over the dims it broadcasts along
         axes = tuple(dbias.ndim - 4 + i for i, (d, f) in enumerate(zip(bias.shape[-4:], full)) if d == 1 and f != 1)
         dbias = jnp.sum(dbias, axis=axes, keepdims=True) if axes else dbias
@@ -183,51 +220,65 @@ def _batch_kind(a, b):
 
 
 @partitioning.cached
-def _forward_target(scale, kind, bias_kind, mask_kind):
+def _forward_target(scale, kind, bias_kind, mask_kind, keep_kind):
     return partitioning.rows(partial(_forward_ffi, scale=scale, kind=kind),
-                             (_R, _R, _R, bias_kind, mask_kind), (_R, _R))
+                             (_R, _R, _R, bias_kind, mask_kind, keep_kind), (_R, _R))
 
 
 @partitioning.cached
-def _backward_target(scale, kind, want_dbias, bias_kind, mask_kind):
+def _backward_target(scale, kind, want_dbias, bias_kind, mask_kind, keep_kind):
     # A bias shared by the batch gets every shard's contribution to its gradient: a sum.
     return partitioning.rows(
         partial(_backward_ffi, scale=scale, kind=kind, want_dbias=want_dbias),
-        (_R, _R, _R, bias_kind, mask_kind, _R, _R, _R), (_R, _R, _R, bias_kind or _SUM))
+        (_R, _R, _R, bias_kind, mask_kind, keep_kind, _R, _R, _R), (_R, _R, _R, bias_kind or _SUM))
 
 
-def _forward_call(q, k, v, bias, mask, *, scale, kind):
+def _forward_call(q, k, v, bias, mask, keep, *, scale, kind):
     if q.ndim > 4:
-        return _forward_ffi(q, k, v, bias, mask, scale=scale, kind=kind)
-    b = q.shape[0]
-    return _forward_target(scale, kind, _batch_kind(bias, b), _batch_kind(mask, b))(q, k, v, bias, mask)
+        return _forward_ffi(q, k, v, bias, mask, keep, scale=scale, kind=kind)
+    kinds = (_batch_kind(a, q.shape[0]) for a in (bias, mask, keep))
+    return _forward_target(scale, kind, *kinds)(q, k, v, bias, mask, keep)
 
 
-def _backward_call(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
+def _backward_call(q, k, v, bias, mask, keep, o, stats, do, *, scale, kind, want_dbias):
     if q.ndim > 4:
-        return _backward_ffi(q, k, v, bias, mask, o, stats, do, scale=scale, kind=kind, want_dbias=want_dbias)
-    b = q.shape[0]
-    target = _backward_target(scale, kind, want_dbias, _batch_kind(bias, b), _batch_kind(mask, b))
-    return target(q, k, v, bias, mask, o, stats, do)
+        return _backward_ffi(q, k, v, bias, mask, keep, o, stats, do, scale=scale, kind=kind, want_dbias=want_dbias)
+    kinds = (_batch_kind(a, q.shape[0]) for a in (bias, mask, keep))
+    return _backward_target(scale, kind, want_dbias, *kinds)(q, k, v, bias, mask, keep, o, stats, do)
 
 
 # --- the stock formula, for the derivatives the kernels do not compute ------------------------
 
 
-def _reference(q, k, v, bias, mask, scale, kind):
+def _reference(q, k, v, bias, mask, keep, scale, kind):
+    """jax.nn.dot_product_attention, with the weights times the dropout's factor where keep
+    (the kernels' bits) is given: (B, T, N, H) operands, the T x S weights in XLA."""
     bias, mask = (a if _present(a) else None for a in (bias, mask))
-    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=kind[0])
+    if not _present(keep):
+        return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=kind[0])
+    (b, t, n, h), (s, kv) = q.shape, k.shape[1:3]
+    k, v = (jnp.repeat(a, n // kv, axis=2) for a in (k, v))
+    x = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)
+    allowed = jnp.ones((1, 1, t, s), bool) if mask is None else mask
+    if kind[0]:
+        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))
+    weights = jax.nn.softmax(jnp.where(allowed, x, jnp.float32(-0.7) * jnp.finfo(jnp.float32).max), axis=-1)
+    kept = jnp.unpackbits(keep, axis=-1, count=s, bitorder="little").astype(bool)
+    weights = jnp.where(kept, weights * jnp.float32(kind[2]), 0.0)
+    return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-def _stock_tangent(tq, tk, tv, tb, q, k, v, bias, mask, *_, scale, kind):
+def _stock_tangent(tq, tk, tv, tb, q, k, v, bias, mask, keep, *_, scale, kind):
     """The output's tangent, by the stock formula's JVP (the T x S scores in XLA)."""
-    f = lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind)  # noqa: E731
+    f = lambda q, k, v, bias: _reference(q, k, v, bias, mask, keep, scale, kind)  # noqa: E731
     return jax.jvp(f, (q, k, v, bias), (tq, tk, tv, tb.astype(bias.dtype)))[1]
 
 
-def _stock_grads(q, k, v, bias, mask, o, stats, do, *, scale, kind, want_dbias):
+def _stock_grads(q, k, v, bias, mask, keep, o, stats, do, *, scale, kind, want_dbias):
     """The backward call's results by the stock formula's VJP (o and stats unread)."""
-    _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, scale, kind), q, k, v, bias)
+    _, vjp = jax.vjp(lambda q, k, v, bias: _reference(q, k, v, bias, mask, keep, scale, kind), q, k, v, bias)
     dq, dk, dv, dbias = vjp(do)
     return dq, dk, dv, dbias if want_dbias else jnp.zeros((0,), jnp.float32)
 
@@ -255,37 +306,38 @@ tangent_p = define("jb_attention_tangent", shapes_of(_in_xla(_stock_tangent), si
 backward_p = define("jb_attention_backward", shapes_of(_backward_ffi), _backward_call, core_ranks=_ranks)
 
 
-def _attention(q, k, v, bias, mask, scale, kind):
+def _attention(q, k, v, bias, mask, keep, scale, kind):
     """(o, stats): the attention and its rows' softmax statistics."""
-    return attention_p.bind(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_), scale=scale, kind=kind)
+    return attention_p.bind(q, k, v, _or_empty(bias, jnp.float32), _or_empty(mask, jnp.bool_),
+                            _or_empty(keep, jnp.uint8), scale=scale, kind=kind)
 
 
 def _attention_jvp(primals, tangents, *, scale, kind):
-    q, k, v, bias, mask = primals
+    q, k, v, bias, mask, keep = primals
     o, stats = attention_p.bind(*primals, scale=scale, kind=kind)
     if all(is_zero(t) for t in tangents[:4]):
         return (o, stats), (zero(o), zero(stats))
     # a zero tangent as zeros (a constant: the transpose computes no gradient for it)
     tq, tk, tv, tb = (jnp.zeros(a.shape, a.dtype) if is_zero(t) else t for a, t in zip(primals[:4], tangents[:4]))
-    to = tangent_p.bind(tq, tk, tv, tb, q, k, v, bias, mask, o, stats, scale=scale, kind=kind)
+    to = tangent_p.bind(tq, tk, tv, tb, q, k, v, bias, mask, keep, o, stats, scale=scale, kind=kind)
     return (o, stats), (to, zero(stats))
 
 
-def _tangent_transpose(ct, tq, tk, tv, tb, q, k, v, bias, mask, o, stats, *, scale, kind):
+def _tangent_transpose(ct, tq, tk, tv, tb, q, k, v, bias, mask, keep, o, stats, *, scale, kind):
     tangents = (tq, tk, tv, tb)
     if is_zero(ct):
-        return [zero_like(t) if undefined(t) else None for t in tangents] + [None] * 7
+        return [zero_like(t) if undefined(t) else None for t in tangents] + [None] * 8
     want_dbias = undefined(tb) and _present(bias)
-    grads = backward_p.bind(q, k, v, bias, mask, o, stats, ct.astype(o.dtype), scale=scale, kind=kind,
+    grads = backward_p.bind(q, k, v, bias, mask, keep, o, stats, ct.astype(o.dtype), scale=scale, kind=kind,
                             want_dbias=want_dbias)
     cts = [unbroadcast(g.astype(t.aval.dtype), t.aval.shape) if undefined(t) and (i < 3 or want_dbias) else
            (zero_like(t) if undefined(t) else None) for i, (g, t) in enumerate(zip(grads, tangents))]
-    return cts + [None] * 7
+    return cts + [None] * 8
 
 
 def _in_xla_jvp(fn, prim):
     """A JVP rule: the stock formula's, for the derivatives the kernels do not compute (the
-    mask, a boolean, has none)."""
+    mask and the dropout's bits, integers, have none)."""
     def jvp(primals, tangents, **params):
         out = prim.bind(*primals, **params)
         floats = [i for i, p in enumerate(primals) if jnp.issubdtype(p.dtype, jnp.floating)]
