@@ -3,6 +3,7 @@ plain flax.linen, stock against the same code under ``jax_brgemm.accelerate()`` 
 PyTorch's ``nn.TransformerEncoderLayer`` (when torch is installed), side by side in one run.
 
     python bench/bench_transformer.py [--repeats 5] [--dtypes float32 bfloat16] [--lengths 128 512]
+                                      [--cases bert lm]
 
 BERT-base layer: d = 768, 12 heads, MLP 3072 with GELU, post-LayerNorm, dropout 0.1 on the
 attention probabilities, after attention and after the MLP; batch 8 x T tokens. The LM (the
@@ -139,13 +140,15 @@ def main(argv=None):
     p = common.arg_parser(__doc__, 5)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 512], help="the BERT layer's T")
+    p.add_argument("--cases", nargs="+", default=["bert", "lm"], choices=["bert", "lm"])
     args = p.parse_args(argv)
     torch = common.torch_or_none()
     peak = common.measure_peak()
     print(f"CPU: {common.cpu_name()}; kernel ISA {jb.isa()}; probe fp32 {peak['float32']:.0f}, "
           f"bf16 {peak['bfloat16']:.0f} GFLOP/s; torch {'yes' if torch else 'not installed'}")
     rows = []
-    cases = [("bert", t, bert_flops(t)) for t in args.lengths] + [("lm", 256, lm_flops())]
+    cases = ([("bert", t, bert_flops(t)) for t in args.lengths] if "bert" in args.cases else []) + (
+        [("lm", 256, lm_flops())] if "lm" in args.cases else [])
     for dname in args.dtypes:
         dtype = jnp.float32 if dname == "float32" else jnp.bfloat16
         for case, t, flops in cases:

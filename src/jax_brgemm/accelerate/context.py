@@ -63,6 +63,8 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     Covers ``flax.linen.Dense`` (any input rank; float32 or bfloat16 computation),
     ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
     ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
+    ``flax.linen.Embed.attend`` (a tied embedding's logits, ``jb.ops.dense.attend``: the
+    table read as it is stored),
     ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
     with a float32 softmax and attention dropout, its projections as DenseGeneral; stock for
     a custom ``attention_fn`` or einsums, ``decode`` and ``sow_weights``),
@@ -90,8 +92,8 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     NNX models are covered alike: ``flax.nnx.Linear``, ``Conv``, ``ConvTranspose`` and ``RNN``
     over ``OptimizedLSTMCell`` / ``LSTMCell`` (what ``jax_brgemm.nnx`` runs on the kernels,
     see there), ``flax.nnx.MultiHeadAttention`` as linen's (``num_kv_heads`` and
-    ``is_causal`` too), ``LinearGeneral`` (without ``batch_axis``) and ``Einsum`` as linen's
-    DenseGeneral and Einsum, under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and
+    ``is_causal`` too), ``LinearGeneral`` (without ``batch_axis``), ``Einsum`` and ``Embed.attend``
+    as linen's DenseGeneral, Einsum and Embed.attend, under ``jax.jit``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and
     ``nnx.scan``.
 
     Where the kernels take a call but lose to stock XLA on this CPU, the call stays stock,

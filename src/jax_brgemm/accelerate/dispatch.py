@@ -35,6 +35,9 @@ NNX_RULES = {
     nnx_recurrent.RNN: recurrent.nnx_rnn,
     nnx_attention.MultiHeadAttention: attention.nnx_attention,
 }
+#: Methods other than ``__call__``: (stock class, method) -> rule.
+LINEN_METHOD_RULES = {(nn.Embed, "attend"): rules.linen_embed_attend}
+NNX_METHOD_RULES = {(nnx_linear.Embed, "attend"): rules.nnx_embed_attend}
 # Rules that run the stock call themselves (with the attention swapped in): given next_call
 # and a function recording their decision when it is made, in the middle of the call.
 _RUN_STOCK = {attention.linen_attention, attention.nnx_attention}
@@ -95,11 +98,15 @@ def _step_by_step(where: str, scan: str, layer: str, fused: str, next_call, args
 def linen_call(next_fun, args, kwargs, context):
     """linen's interceptor (``nn.intercept_methods``) inside a context."""
     module = context.module
-    if (options() is None or context.method_name != "__call__" or module.scope is None
-            or module.is_initializing()):  # parameters are created by the stock code
-        return next_fun(*args, **kwargs)
+    if options() is None or module.scope is None or module.is_initializing():
+        return next_fun(*args, **kwargs)  # parameters are created by the stock code
     cls = type(module)
     where = "/".join(module.scope.path)
+    if context.method_name != "__call__":
+        rule = LINEN_METHOD_RULES.get((cls, context.method_name))
+        if rule is None:
+            return next_fun(*args, **kwargs)
+        return _run(rule, module, where, f"{cls.__name__}.{context.method_name}", args, kwargs, next_fun)
     rule = LINEN_RULES.get(cls)
     if rule is not None:
         scan = f"RNN over {type(module.cell).__name__}" if cls is nn.RNN else ""
@@ -122,6 +129,16 @@ def nnx_call(module, next_call, args, kwargs):
         return _step_by_step(describe(module), describe(module), cls.__name__,
                              "nnx.RNN over OptimizedLSTMCell / LSTMCell is fused", next_call, args, kwargs)
     return next_call(*args, **kwargs)
+
+
+def nnx_method_call(method: str):
+    """The handler of an NNX class's routed ``method`` (``NNX_METHOD_RULES``) in a context."""
+
+    def call(module, next_call, args, kwargs):
+        rule = NNX_METHOD_RULES[(type(module), method)]
+        return _run(rule, module, describe(module), f"{type(module).__name__}.{method}", args, kwargs, next_call)
+
+    return call
 
 
 def scan_call(module, scan, next_call, args, kwargs):
@@ -153,4 +170,6 @@ def describe(module) -> str:
         text += f", kernel {tuple(module.kernel_size)}"
     if isinstance(module, nnx_attention.MultiHeadAttention):
         text = f"{module.num_heads} heads, {text}"
+    if isinstance(module, nnx_linear.Embed):
+        text = f"{module.num_embeddings} x {module.features}"
     return f"{name}({text})"

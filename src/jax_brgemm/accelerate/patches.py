@@ -63,6 +63,8 @@ def _install() -> None:
     for cls in dispatch.NNX_CLASSES:
         if "__call__" in cls.__dict__:
             _replace(cls, "__call__", _nnx_router(cls.__dict__["__call__"], dispatch.nnx_call))
+    for cls, method in dispatch.NNX_METHOD_RULES:
+        _replace(cls, method, _nnx_router(cls.__dict__[method], dispatch.nnx_method_call(method)))
     pending, seen = [nn.Module], set()
     while pending:
         cls = pending.pop()

@@ -18,11 +18,13 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from jax_brgemm.accelerate import policy
 from jax_brgemm.accelerate.state import options
+from jax_brgemm.nn import _adapt
 from jax_brgemm.nn._adapt import Decision
 from jax_brgemm.nn.attention import dense_general_on_kernels
 from jax_brgemm.nn.conv import conv_on_kernels, conv_transpose_on_kernels
 from jax_brgemm.nn.linear import dense_on_kernels
 from jax_brgemm.nnx.linear import kernel_and_bias
+from jax_brgemm.ops.dense import attend
 
 
 def _policy(dtype, rows: int) -> str:
@@ -53,9 +55,9 @@ def _bind(names, args, kwargs) -> dict | None:
 
 
 def _nnx_call(module, args, kwargs, names=("inputs", "out_sharding")) -> Decision:
-    """``Decision(the call's arguments by name)`` of an NNX layer taking ``inputs``."""
+    """``Decision(the call's arguments by name)`` of an NNX layer taking ``names[0]``."""
     call = _bind(names, args, kwargs)
-    if call is None or not hasattr(call.get("inputs"), "ndim"):
+    if call is None or not hasattr(call.get(names[0]), "ndim"):
         return Decision.stock("unexpected arguments")
     if call.get("out_sharding") is not None:
         return Decision.stock("out_sharding")
@@ -208,3 +210,35 @@ def einsum_on_kernels(layer, spec, inputs, kernel, bias, *, stays_stock=None) ->
     y, why = dense_on_kernels(layer, inputs.reshape(lead_shape + (c,)), matrix.reshape(c, k),
                               None if bias is None else bias.reshape(k), stays_stock=stays_stock)
     return Decision.stock(why) if why else Decision(y.reshape(lead_shape + tuple(size[a] for a in features)))
+
+
+# --- Embed.attend: a tied embedding's logits ----------------------------------------------
+
+
+def _attend_on_kernels(module, query, embedding) -> Decision:
+    """``query @ embedding.T`` on the FC kernels (``jb.ops.dense.attend``: the table read as it
+    is stored), in the module's computation dtype."""
+    if not hasattr(query, "ndim") or query.ndim < 1 or query.shape[-1] != embedding.shape[-1]:
+        return Decision.stock("query does not match the embedding's features")
+    operands = _adapt.kernel_operands(module, query, embedding, None)
+    if not operands.taken:
+        return operands
+    query, embedding, _, dtype = operands.value
+    why = _policy(dtype, int(np.prod(query.shape[:-1])))
+    return Decision.stock(why) if why else Decision(attend(query, embedding, dtype=dtype))
+
+
+def linen_embed_attend(module, args, kwargs):
+    if len(args) != 1 or kwargs:
+        return Decision.stock("unexpected arguments")
+    params = module.variables.get("params", {})
+    if "embedding" not in params:
+        return Decision.stock("parameters not created yet")
+    return _attend_on_kernels(module, args[0], params["embedding"])
+
+
+def nnx_embed_attend(module, args, kwargs):
+    call = _nnx_call(module, args, kwargs, names=("query", "out_sharding"))
+    if not call.taken:
+        return call
+    return _attend_on_kernels(module, call.value["query"], module.embedding[...])

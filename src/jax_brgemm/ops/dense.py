@@ -8,6 +8,9 @@ the transpose of that tangent, is the activation's gradient ``dz`` once, then ba
 data and the weight update as separate calls, none for a ``dx`` nobody needs (the first
 layer of a network): a third of the backward's work.
 
+``attend`` (``x @ embedding.T``, a tied embedding's logits) is the backward-by-data pass
+alone, on the table as it is stored.
+
 Two pieces of that backward are public here for a caller that applies its optimizer
 itself: ``act_grad`` (``dz`` from the layer's output), ``sgd_update`` and ``adamw_update``
 (the weight update fused with an optimizer step, the gradients never formed;
@@ -28,7 +31,7 @@ from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
 
-__all__ = ["act_grad", "adamw_update", "dense", "sgd_update"]
+__all__ = ["act_grad", "adamw_update", "attend", "dense", "sgd_update"]
 
 
 @emulation.exact_on_infinity("x", "kernel")
@@ -90,6 +93,43 @@ def dense(x, kernel, bias=None, *, activation=None, dtype=None, precision=None):
     if _observers and not products:  # a fused optimizer step computes exact products
         y = _observers[-1](x2, kernel_arg, bias_arg, act, y)
     return y.reshape(lead + (k,))
+
+
+@emulation.exact_on_infinity("x", "embedding")
+def attend(x, embedding, *, dtype=None, precision=None):
+    """``x @ embedding.T`` on the BRGEMM kernels: a tied embedding's logits, as
+    ``flax.linen.Embed.attend`` computes them.
+
+    The embedding table is read as it is stored, ``(V, C)``: the product is the
+    fully-connected layer's backward-by-data pass, whose transposes are its forward (the
+    gradient of ``x``) and its weight update (the table's), so neither direction makes a
+    transposed copy of the table.
+
+    Args:
+      x: ``(..., C)`` float32 or bfloat16.
+      embedding: ``(V, C)`` float32 or bfloat16.
+      dtype, precision: as in ``dense``.
+
+    Returns:
+      ``(..., V)`` in ``dtype``; differentiable in both arguments to any order.
+    """
+    op = "jb.attend"
+    x = check.array(x, "x", op, check.OP_DTYPES)
+    embedding = check.array(embedding, "embedding", op, check.OP_DTYPES)
+    computed = _precision.computed(_precision.accuracy(precision, op), "jb.dense")
+    check.rank(x, "x", op, "(..., C)", at_least=1)
+    check.rank(embedding, "embedding", op, "(V, C)", exactly=2)
+    v, c = embedding.shape
+    if x.shape[-1] != c:
+        raise ValueError(f"{op}: x {x.shape} has {x.shape[-1]} features but embedding {embedding.shape} "
+                         f"has C = {c}")
+    dtype = check.compute_dtype(op, dtype, x, embedding, None, dtypes=check.OP_DTYPES)
+    lead = x.shape[:-1]
+    if x.size == 0 or embedding.size == 0 or dtype not in check.KERNEL_DTYPES:
+        return _dense_xla(x, embedding.T, None, None, dtype)
+    products = _precision.PRODUCTS[computed] if dtype == jnp.float32 else 0
+    y = fc_passes.backward_data(x.astype(dtype).reshape((-1, c)), check.kernel_operand(embedding, dtype), products)
+    return y.reshape(lead + (v,))
 
 
 # Functions (x, kernel, bias, act, y) -> y called on every kernel-path dense call traced
