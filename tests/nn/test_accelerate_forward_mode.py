@@ -69,7 +69,8 @@ def kernel_text(f, params, x):
 
 @pytest.mark.parametrize("model,shape,targets,tol", [
     (ConvDense(), (2, 8, 7, 3), ["jb_conv_fwd", "jb_fc_fwd"], 1e-4),
-    (Everything(), (2, 8, 7, 2), ["jb_conv_fwd", "jb_fc_fwd", "jb_attention_fwd", "jb_lstm_fwd"], 2e-4),
+    (Everything(), (2, 8, 7, 2), ["jb_conv_fwd", "jb_fc_fwd", "jb_attention_fwd", "jb_lstm_fwd", "jb_lstm_tangent"],
+     2e-4),
     (Scanned(), (5, 7), ["jb_fc_fwd"], 1e-4),
 ])
 def test_linen_model_forward_mode_and_hvp(model, shape, targets, tol):
@@ -147,3 +148,27 @@ def test_jb_nn_modules_forward_mode():
                         (jb.nn.LSTM(3), lstm.apply)):
         params = ours.init(jax.random.key(1), x)
         close(modes(ours.apply, params, x), modes(stock, params, x), 1e-4)
+    assert "custom_call @jb_lstm_tangent" in kernel_text(jb.nn.LSTM(3).apply, params, x)
+
+
+def test_nnx_lstm_forward_mode_and_hvp():
+    """jax_brgemm.nnx.LSTM, and a stock nnx.RNN over OptimizedLSTMCell inside accelerate():
+    jvp, linearize and HVP equal stock's, the LSTM's tangent on the kernels."""
+    x = jax.random.normal(jax.random.key(0), (3, 5, 4))
+    carry = tuple(jax.random.normal(jax.random.key(i), (3, 7)) for i in (1, 2))  # no carry rngs drawn
+
+    def split(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return (lambda p, x: nnx.merge(graphdef, p, rest)(x, initial_carry=carry)), params
+
+    stock, params = split(nnx.RNN(nnx.OptimizedLSTMCell(4, 7, rngs=nnx.Rngs(5))))
+    ours, ours_params = split(jb.nnx.LSTM(4, 7, rngs=nnx.Rngs(5)))
+    want = modes(stock, params, x)
+    close(modes(ours, ours_params, x), want, 1e-4)
+    assert "custom_call @jb_lstm_tangent" in kernel_text(ours, ours_params, x)
+    with jb.accelerate() as acc:
+        fast = modes(stock, params, x)
+        text = kernel_text(stock, params, x)
+    assert acc.calls and all(c.accelerated for c in acc.calls), [str(c) for c in acc.calls]
+    close(fast, want, 1e-4)
+    assert "custom_call @jb_lstm_tangent" in text

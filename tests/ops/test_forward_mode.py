@@ -1,9 +1,10 @@
 """Forward mode and mixed orders on the kernels: jax.jvp, jax.linearize, jax.jacfwd,
 jax.hessian, Hessian-vector products (forward over reverse) and reverse over forward of
 jb.brgemm, jb.dense (every activation, with and without bias), jb.conv2d (every convolution
-kind) and jb.conv3d against the same transformations of stock JAX, in float32 and bfloat16
-over odd shapes; the tangents run on the kernels (their custom calls in the lowered program,
-no stock dot or convolution beside them), and reverse mode keeps its calls."""
+kind), jb.conv3d and jb.lstm (seq_lengths, time-major, initial carry, vmap, emulated
+precision) against the same transformations of stock JAX, in float32 and bfloat16 over odd
+shapes; the tangents run on the kernels (their custom calls in the lowered program, no stock
+dot, convolution or scan beside them), and reverse mode keeps its calls."""
 
 import re
 from collections import Counter
@@ -283,47 +284,215 @@ def test_dot_product_attention(dtype, kind):
     assert calls == {"jb_attention_fwd": 1, "jb_attention_bwd": 1}
 
 
-# --- jb.lstm: likewise, the tangent's recurrence by the reference scan ---------------------------
+# --- jb.lstm: the tangent on the kernels (FC passes over every step and the tangent pass);
+# second derivatives of the tangent by the reference scan (in XLA) ------------------------------
 
 
-def lstm_reference(seq_lengths=None):
+def lstm_reference(seq_lengths=None, time_major=False):
     from jax_brgemm.ops import lstm as lstm_ops
 
     def f(x, wi, wh, b, c0, h0):
-        n, t = x.shape[:2]
+        n, t = (x.shape[1], x.shape[0]) if time_major else x.shape[:2]
         steps = lstm_ops._NO_STEPS if seq_lengths is None else lstm_ops.last_steps(seq_lengths, n, t, "test")
         c0 = c0.astype(F32)
-        return lstm_ops.reference(x, wi.astype(x.dtype), wh.astype(x.dtype), b.astype(F32), c0, h0, False, steps)
+        return lstm_ops.reference(x, wi.astype(x.dtype), wh.astype(x.dtype), b.astype(F32), c0, h0, time_major,
+                                  steps)
     return f
 
 
-@pytest.mark.slow  # a Hessian through the scan; the quick tier has accelerate()'s LSTM model
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("seq_lengths", [None, (4, 2, 1)])
-def test_lstm(dtype, seq_lengths):
-    n, t, c, k = 3, 4, 5, 2
-    args = arrays(((n, t, c),), dtype) + arrays(((c, 4 * k), (k, 4 * k), (4 * k,)), F32, seed=1, scale=0.5)
-    args += arrays(((n, k),), F32, seed=2) + arrays(((n, k),), dtype, seed=3)
+def flat(f):
+    """f's outputs (the carry and y) as one float32 vector."""
+    return lambda *a: jnp.concatenate([jnp.ravel(o).astype(F32) for o in jax.tree.leaves(f(*a))])
+
+
+def lstm_case(dtype, n, t, c, k, time_major=False, seq_lengths=None, carry=True, **kw):
+    """(ours, theirs, args): jb.lstm and the reference scan over x, both kernels, the bias
+    and, with ``carry``, the initial carry (zeros without)."""
+    x, = arrays(((t, n, c) if time_major else (n, t, c),), dtype)
+    args = (x,) + arrays(((c, 4 * k), (k, 4 * k), (4 * k,)), F32, seed=1, scale=0.5)
+    if carry:
+        args += arrays(((n, k),), F32, seed=2) + arrays(((n, k),), dtype, seed=3)
     lengths = None if seq_lengths is None else jnp.asarray(seq_lengths)
+    zeros = (jnp.zeros((n, k), F32), jnp.zeros((n, k), dtype))
 
-    def ours(x, wi, wh, b, c0, h0):
-        return jb.lstm(x, wi, wh, b, initial_carry=(c0, h0), seq_lengths=lengths, dtype=dtype)
+    def ours(x, wi, wh, b, *c0h0):
+        return jb.lstm(x, wi, wh, b, initial_carry=c0h0 or None, time_major=time_major, seq_lengths=lengths,
+                       dtype=dtype, **kw)
 
-    tangents = arrays([a.shape for a in args], F32, seed=6, scale=0.5)
-    tangents = tuple(tt.astype(a.dtype) for tt, a in zip(tangents, args))
-    theirs = lstm_reference(lengths)
-    tol = TOL[dtype]
-    for got, want in zip(jax.tree.leaves(jax.jvp(ours, args, tangents)), jax.tree.leaves(jax.jvp(theirs, args, tangents))):
-        assert_close(got, want, tol)
-    flat = lambda f: lambda *a: jnp.concatenate([jnp.ravel(o).astype(F32) for o in jax.tree.leaves(f(*a))])  # noqa: E731
+    def theirs(x, wi, wh, b, *c0h0):
+        return lstm_reference(lengths, time_major)(x, wi, wh, b, *(c0h0 or zeros))
+    return ours, theirs, args
+
+
+LSTM_CASES = {  # n, t, c, k, time_major, seq_lengths, initial carry
+    "ones": (1, 1, 1, 1, False, None, True),
+    "odd_seq_lengths": (3, 5, 7, 3, False, (5, 2, 1), True),
+    "time_major_odd": (2, 3, 4, 5, True, None, True),
+    "time_major_lengths_zero_carry": (4, 3, 2, 1, True, (1, 3, -1, 2), False),
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("case", list(LSTM_CASES))
+def test_lstm_forward_mode(dtype, case):
+    """jvp, linearize, jacfwd (every argument) and HVP (forward over reverse) equal the
+    reference scan's; the tangent's program is the FC passes and the tangent pass, no scan."""
+    n, t, c, k, time_major, seq_lengths, carry = LSTM_CASES[case]
+    ours, theirs, args = lstm_case(dtype, n, t, c, k, time_major, seq_lengths, carry)
+    tangents = tuple(tt.astype(a.dtype) for tt, a in zip(arrays([a.shape for a in args], F32, seed=6, scale=0.5),
+                                                         args))
+    tol, argnums = TOL[dtype], tuple(range(len(args)))
+    jvp = lambda f: jax.jit(lambda a, tt: jax.jvp(f, a, tt))(args, tangents)  # noqa: E731
+    got, want = jvp(ours), jvp(theirs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert_close(g, w, tol)
     _, lin = jax.linearize(flat(ours), *args)
     assert_close(lin(*tangents), jax.jvp(flat(theirs), args, tangents)[1], tol)
-    assert_close(jax.jacfwd(flat(ours), 1)(*args), jax.jacfwd(flat(theirs), 1)(*args), tol)
+    jac = lambda f: jax.jit(jax.jacfwd(flat(f), argnums))(*args)  # noqa: E731
+    for g, w in zip(jac(ours), jac(theirs), strict=True):
+        assert_close(g, w, tol)
     scalar = lambda f: lambda *a: jnp.sum(jnp.sin(flat(f)(*a)))  # noqa: E731
-    hvp = lambda f: jax.jvp(jax.grad(scalar(f), tuple(range(6))), args, tangents)[1]  # noqa: E731
-    for got, want in zip(hvp(ours), hvp(theirs)):
-        assert_close(got, want, tol)
+    hvp = lambda f: jax.jit(lambda a, tt: jax.jvp(jax.grad(scalar(f), argnums), a, tt)[1])  # noqa: E731
+    for g, w in zip(hvp(ours)(args, tangents), hvp(theirs)(args, tangents), strict=True):
+        assert_close(g, w, tol)
+
+    calls, text = kernel_calls(lambda a, tt: jax.jvp(ours, a, tt), args, tangents)
+    assert calls == {"jb_lstm_fwd": 1, "jb_fc_fwd": 2, "jb_lstm_tangent": 1}, calls
+    assert "stablehlo.while" not in text
+    calls, _ = kernel_calls(lambda a, tt: jax.jvp(jax.grad(scalar(ours), argnums), a, tt), args, tangents)
+    assert calls["jb_lstm_tangent"] == 1, calls
+
+
+def test_lstm_tangent_runs_only_the_passes_of_nonzero_tangents():
+    """jvp in x alone: one FC pass (x's tangent by kernel_i); in the bias alone: none."""
+    ours, theirs, args = lstm_case(F32, 3, 4, 5, 3)
+    for arg, fc in ((0, 1), (2, 1), (3, 0)):
+        f = lambda a, ta, arg=arg: jax.jvp(lambda v: ours(*args[:arg], v, *args[arg + 1:]), (a,), (ta,))  # noqa: E731
+        g = lambda a, ta, arg=arg: jax.jvp(lambda v: theirs(*args[:arg], v, *args[arg + 1:]), (a,), (ta,))  # noqa: E731
+        calls, _ = kernel_calls(f, args[arg], 0.5 * args[arg])
+        assert calls.get("jb_fc_fwd", 0) == fc and calls["jb_lstm_tangent"] == 1, (arg, calls)
+        for a, b in zip(jax.tree.leaves(jax.jit(f)(args[arg], 0.5 * args[arg])),
+                        jax.tree.leaves(g(args[arg], 0.5 * args[arg])), strict=True):
+            assert_close(a, b, 2e-4)
+
+
+def test_lstm_forward_mode_equals_flax_rnn_selection():
+    """Against stock flax itself: OptimizedLSTMCell in a scan, each row's carry selected by
+    flax.linen.RNN's own _select_last_carry."""
+    from flax.linen.recurrent import _select_last_carry
+    from stock_reference import scan_lstm
+
+    lengths = jnp.asarray([3, 1, 4, 2, 4])
+    ours, _, args = lstm_case(F32, 5, 4, 3, 7, seq_lengths=lengths)
+
+    def stock(x, wi, wh, b, c0, h0):
+        carries = [scan_lstm(x[:, :s], wi, wh, b, c0, h0)[0] for s in range(1, x.shape[1] + 1)]
+        stacked = tuple(jnp.stack([cc[i] for cc in carries]) for i in (0, 1))
+        return _select_last_carry(stacked, lengths), scan_lstm(x, wi, wh, b, c0, h0)[1]
+
+    tangents = tuple(0.5 * jnp.cos(a) for a in args)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jvp(stock, args, tangents)
+    for g, w in zip(jax.tree.leaves(jax.jit(lambda a, tt: jax.jvp(ours, a, tt))(args, tangents)),
+                    jax.tree.leaves(want), strict=True):
+        assert_close(g, w, 2e-4)
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_lstm_forward_mode_under_vmap(time_major):
+    """vmap of jvp and jvp of vmap: shared weights fold into the mini-batch (one tangent call,
+    no loop); mapped weights and a mapped bias tangent, per element."""
+    ours, theirs, args = lstm_case(F32, 3, 4, 5, 3, time_major=time_major)
+    xs = jnp.stack([args[0], 0.5 * args[0]])
+    txs = jnp.stack([jnp.cos(args[0]), jnp.sin(args[0])])
+    rest = args[1:]
+
+    def per_x(f):
+        return jax.vmap(lambda x, tx: jax.jvp(lambda v: f(v, *rest), (x,), (tx,))[1])
+
+    def of_vmap(f):
+        return lambda x, tx: jax.jvp(jax.vmap(lambda v: f(v, *rest)), (x,), (tx,))[1]
+
+    for make in (per_x, of_vmap):
+        got = jax.jit(make(ours))(xs, txs)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(make(theirs)(xs, txs)), strict=True):
+            assert_close(g, w, 2e-4)
+    calls, text = kernel_calls(per_x(ours), xs, txs)
+    assert calls["jb_lstm_tangent"] == 1 and "stablehlo.while" not in text
+    # two mapped axes, the inner one over the bias tangent (one per row once folded)
+    nested = jax.vmap(jax.vmap(lambda x, tb: jax.jvp(lambda v, b: ours(v, rest[0], rest[1], b, *rest[3:]),
+                                                     (x, rest[2]), (0.5 * x, tb))[1], (None, 0)), (0, None))
+    stock = jax.vmap(jax.vmap(lambda x, tb: jax.jvp(lambda v, b: theirs(v, rest[0], rest[1], b, *rest[3:]),
+                                                    (x, rest[2]), (0.5 * x, tb))[1], (None, 0)), (0, None))
+    tbs = jnp.stack([jnp.cos(rest[2]), jnp.sin(rest[2]), rest[2]])
+    for g, w in zip(jax.tree.leaves(jax.jit(nested)(xs, tbs)), jax.tree.leaves(stock(xs, tbs)), strict=True):
+        assert_close(g, w, 2e-4)
+    calls, text = kernel_calls(nested, xs, tbs)
+    assert calls["jb_lstm_tangent"] == 1 and "stablehlo.while" not in text
+
+    # mapped recurrent kernels (their tangents too) and a mapped bias tangent
+    whs = jnp.stack([args[2], 0.7 * args[2]])
+    tbs = jnp.stack([jnp.cos(args[3]), jnp.sin(args[3])])
+
+    def mapped(f):
+        def one(wh, twh, tb):
+            a = (args[0], args[1], wh) + args[3:]
+            t = (jnp.zeros_like(args[0]), jnp.zeros_like(args[1]), twh, tb) + tuple(0.5 * a for a in args[4:])
+            return jax.jvp(f, a, t)[1]
+        return jax.vmap(one)
+
+    got = jax.jit(mapped(ours))(whs, 0.3 * whs, tbs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(mapped(theirs)(whs, 0.3 * whs, tbs)), strict=True):
+        assert_close(g, w, 2e-4)
+    got = jax.jit(jax.vmap(lambda tb: mapped(ours)(args[2][None], 0.3 * args[2][None], tb[None])))(tbs)
+    want = jax.vmap(lambda tb: mapped(theirs)(args[2][None], 0.3 * args[2][None], tb[None]))(tbs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, 2e-4)
+
+
+def test_lstm_forward_mode_emulated_precision(monkeypatch):
+    """precision= reaches the tangent's passes as it does the forward's: float32 from three
+    bf16 products, close to exact float32; one product, bf16's accuracy."""
+    monkeypatch.setattr(precision, "EMULATE", True)
+    for name, products, tol in (("BF16_BF16_F32_X3", 3, 2e-4), ("BF16_BF16_F32", 1, 4e-2)):
+        ours, theirs, args = lstm_case(F32, 3, 4, 5, 3, seq_lengths=(4, 1, 2), precision=name)
+        tangents = tuple(0.5 * jnp.cos(a) for a in args)
+        got = jax.jit(lambda a, tt: jax.jvp(ours, a, tt))(args, tangents)  # noqa: B023
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jvp(theirs, args, tangents)), strict=True):
+            assert_close(g, w, tol)
+        _, text = kernel_calls(lambda a, tt: jax.jvp(ours, a, tt), args, tangents)  # noqa: B023
+        lines = [ln for ln in text.splitlines() if "custom_call @jb_lstm_tangent" in ln]
+        # (and the exact one of exact_on_infinity's other branch, for infinite operands)
+        assert any(f"products = {products}" in ln for ln in lines), lines
+
+
+def test_lstm_grad_keeps_its_calls():
+    """Reverse mode is the tangent's transpose, as before: bptt and two FC passes, no tangent
+    pass, and no dx pass for an x nobody differentiates."""
+    ours, _, args = lstm_case(F32, 3, 4, 5, 3, seq_lengths=(4, 1, 2))
+    scalar = lambda *a: jnp.sum(jnp.sin(flat(ours)(*a)))  # noqa: E731
+    calls, _ = kernel_calls(jax.grad(scalar, tuple(range(6))), *args)
+    assert calls == {"jb_lstm_fwd": 1, "jb_lstm_bptt": 1, "jb_fc_bwd": 1, "jb_fc_upd": 1}
+    calls, _ = kernel_calls(jax.grad(scalar, (1, 2, 3)), *args)
+    assert calls == {"jb_lstm_fwd": 1, "jb_lstm_bptt": 1, "jb_fc_upd": 1}
+
+
+@pytest.mark.slow  # a Hessian through the scan
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("seq_lengths", [None, (4, 2, 1)])
+def test_lstm_hessian_and_reverse_over_forward(dtype, seq_lengths):
+    ours, theirs, args = lstm_case(dtype, 3, 4, 5, 2, seq_lengths=seq_lengths)
+    tangents = tuple(tt.astype(a.dtype) for tt, a in zip(arrays([a.shape for a in args], F32, seed=6, scale=0.5),
+                                                         args))
+    scalar = lambda f: lambda *a: jnp.sum(jnp.sin(flat(f)(*a)))  # noqa: E731
+    tol = TOL[dtype]
     if dtype == F32:
         assert_close(jax.hessian(scalar(ours), 3)(*args), jax.hessian(scalar(theirs), 3)(*args), tol)
-    calls, _ = kernel_calls(jax.grad(scalar(ours), tuple(range(6))), *args)
-    assert calls == {"jb_lstm_fwd": 1, "jb_lstm_bptt": 1, "jb_fc_bwd": 1, "jb_fc_upd": 1}
+
+    def reverse_over_forward(f):
+        tangent_loss = lambda *a: jnp.sum(jnp.sin(jax.jvp(flat(f), a, tangents)[1]))  # noqa: E731
+        return jax.jit(jax.grad(tangent_loss, tuple(range(6))))(*args)
+
+    for g, w in zip(reverse_over_forward(ours), reverse_over_forward(theirs), strict=True):
+        assert_close(g, w, tol)

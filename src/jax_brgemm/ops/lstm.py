@@ -18,35 +18,41 @@ The paper's fused data-flow LSTM (§3.1, Algorithm 2) in ``cpp/layers/lstm``:
   step and row, ``da`` read once). XLA drops the ones nobody needs (e.g. ``dx`` of a first
   layer).
 
-With ``seq_lengths`` (sequences padded to T) the forward takes each row's carry after its own
-last step, and bptt takes that carry's gradient in at the same steps: the plain path's final
-carry and its gradient, moved per row.
+* Forward mode: the pre-activations' tangent but its recurrent part, ``tx @ kernel_i +
+  [x | h_prev] @ [tkernel_i; tkernel_h]``, is one or two fully-connected passes over every
+  step at once (the second over the saved ``xh``; a zero tangent's pass is not run), and
+  ``jb_lstm_tangent`` the recurrence, one call: per step ``th_{t-1} @ kernel_h`` by BRGEMM,
+  fused with the gate and cell derivatives from the saved gates and cell states (``tc_t``,
+  ``th_t``).
+
+With ``seq_lengths`` (sequences padded to T) the forward and the tangent take each row's
+carry after its own last step, and bptt takes that carry's gradient in at the same steps:
+the plain path's final carry and its gradient, moved per row.
 
 Under ``vmap`` with shared weights the mapped axis is folded into the mini-batch (one call of
-each kind for the whole map); mapped weights run one element at a time (``lax.map``).
+each kind for the whole map); mapped weights run one element at a time (``lax.map``). The
+calls and their vmap rules are in ``ops/lstm_calls.py``.
 
-The forward and the gradients run on the kernels (primitives at the end of this file);
-forward-mode tangents and second derivatives are the reference scan's, in XLA.
+The forward, the gradients and forward-mode tangents run on the kernels (primitives at the
+end of this file); second derivatives are the reference scan's, in XLA.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from jax_brgemm import _native  # registers the FFI targets
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
 from jax_brgemm.ops import emulation, fc_passes
+from jax_brgemm.ops.lstm_calls import NO_STEPS as _NO_STEPS
+from jax_brgemm.ops.lstm_calls import bptt_call, forward_call, tangent_call
 from jax_brgemm.ops.primitive import (define, is_zero, over_leading, shapes_of, unbroadcast, undefined, zero,
                                       zero_like)
-
-# jb_lstm_fwd's variant attribute: 0 (automatic) runs the fused forward, the one there is.
-_AUTOMATIC = 0
 
 
 @emulation.exact_on_infinity("x", "kernel_i", "kernel_h", "initial_carry")
@@ -89,8 +95,8 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
       ``c_T`` float32 and ``h_T`` ``(N, K)`` in the computation dtype, and ``y`` every
       ``h_t``, shaped like ``x`` with K features. Differentiable in ``x``, both kernels, the
       bias and the initial carry, from ``y`` and from the carry, to any order in reverse
-      mode: the first derivative on the kernels, higher ones through the reference scan's
-      derivatives in XLA.
+      and forward mode: the first derivative (gradient or tangent) on the kernels, higher
+      ones through the reference scan's derivatives in XLA.
 
     Sizes of 0 (N, T, C or K) compute what the stock scan computes, in XLA (for T = 0 the
     initial carry passes through); so does float64 (with ``jax_enable_x64``: a NumPy
@@ -150,10 +156,6 @@ def lstm(x, kernel_i, kernel_h, bias, *, initial_carry=None, time_major=False, d
     return carry, y
 
 
-# No per-row last steps: every row's carry is the one after step T-1.
-_NO_STEPS = np.zeros((0,), np.int32)
-
-
 def last_steps(seq_lengths, n, t, op):
     """Each row's last step, ``seq_lengths - 1`` read as ``flax.linen.RNN`` reads it (JAX
     indexing into the T steps: negative from the end, clamped to [0, T)), as int32 ``(N,)``;
@@ -204,156 +206,15 @@ def reference(x, wi, wh, b, c0, h0, time_major, last_step=_NO_STEPS):
     return carry, (y if time_major else jnp.swapaxes(y, 0, 1))
 
 
-# --- the custom calls --------------------------------------------------------------------
-# Under vmap with shared weights (the usual case: a batch of sequences through one layer)
-# the mapped axis is folded into the mini-batch N, so the kernels see one larger call;
-# mapped weights run one mapped element at a time (lax.map).
-
-
-def _fold(a, batched, size, axis):
-    """``a`` with its leading mapped axis (broadcast when unbatched) folded into N, which is
-    axis ``axis`` of the unmapped array: (B, ..., N, ...) -> (..., B * N, ...)."""
-    if not batched:
-        a = jnp.broadcast_to(a, (size,) + a.shape)
-    a = jnp.moveaxis(a, 0, axis)
-    return a.reshape(a.shape[:axis] + (size * a.shape[axis + 1],) + a.shape[axis + 2:])
-
-
-def _unfold(a, size, axis):
-    """The inverse of ``_fold``: (..., B * N, ...) -> (B, ..., N, ...)."""
-    a = a.reshape(a.shape[:axis] + (size, a.shape[axis] // size) + a.shape[axis + 1:])
-    return jnp.moveaxis(a, axis, 0)
-
-
-# N's axis in the saved gates (T, K-blocks, N, 4 x block) and cell states (T, N, K).
-_GATES_N, _CS_N = 2, 1
-
-
-def _sequential(fn, args, in_batched, size):
-    """``fn`` once per mapped element (the unbatched arguments shared)."""
-    idx = [i for i, b in enumerate(in_batched) if b]
-
-    def one(batched_args):
-        full = list(args)
-        for i, a in zip(idx, batched_args):
-            full[i] = a
-        return fn(*full)
-
-    return jax.lax.map(one, [args[i] for i in idx])
-
-
-def forward_call(x, wi, wh, b, c0, h0, time_major, save, last_step=_NO_STEPS, accuracy="float32"):
-    """The forward over every step, one call (not differentiable): ``(y, c_T, h_T, gates,
-    cell states, xh)``, the last three empty unless ``save`` (what the backward reads); with
-    ``last_step`` (int32 (N,)) the carry is row n's after step ``last_step[n]``; float32
-    products emulated at ``accuracy`` (``jax_brgemm.precision``)."""
-    return _forward_vmappable(time_major, save, accuracy)(x, wi, wh, b, c0, h0, jnp.asarray(last_step))
-
-
-def _forward_ffi(x, wi, wh, b, c0, h0, steps, time_major, save, accuracy):
-    products = _precision.PRODUCTS[accuracy]
-    t, n = (x.shape[0], x.shape[1]) if time_major else (x.shape[1], x.shape[0])
-    k = wh.shape[0]
-    y = jax.ShapeDtypeStruct(x.shape[:2] + (k,), x.dtype)
-    carry = (jax.ShapeDtypeStruct((n, k), jnp.float32), jax.ShapeDtypeStruct((n, k), x.dtype))
-    # The saved gates in the backward's K-blocks, each block's rows of four gates contiguous.
-    shape = _native.lstm_saved_gates_shape(t, n, k, x.dtype == jnp.bfloat16, products)
-    gates = jax.ShapeDtypeStruct(tuple(shape) if save else (0,), x.dtype)
-    cs = jax.ShapeDtypeStruct((t, n, k) if save else (0,), jnp.float32)
-    width = _native.lstm_saved_width(t, n, x.shape[2], k, x.dtype == jnp.bfloat16, time_major, products)
-    xh = jax.ShapeDtypeStruct(x.shape[:2] + (width,) if save else (0,), x.dtype)
-    return jax.ffi.ffi_call("jb_lstm_fwd", (y, *carry, gates, cs, xh), vmap_method="sequential")(
-        x, wi, wh, b, c0, h0, steps, time_major=time_major, variant=np.int32(_AUTOMATIC),
-        products=np.int64(products))
-
-
-@lru_cache(maxsize=None)
-def _forward_vmappable(time_major, save, accuracy):
-    call = partial(_forward_ffi, time_major=time_major, save=save, accuracy=accuracy)
-
-    @jax.custom_batching.custom_vmap
-    def fwd(x, wi, wh, b, c0, h0, steps):
-        return tuple(call(x, wi, wh, b, c0, h0, steps))
-
-    @fwd.def_vmap
-    def fwd_vmap(size, in_batched, x, wi, wh, b, c0, h0, steps):
-        if any(in_batched[1:4]):
-            outs = _sequential(fwd, (x, wi, wh, b, c0, h0, steps), in_batched, size)
-        else:
-            xn = int(time_major)
-            y, c_t, h_t, gates, cs, xh = call(_fold(x, in_batched[0], size, xn), wi, wh, b,
-                                              _fold(c0, in_batched[4], size, 0),
-                                              _fold(h0, in_batched[5], size, 0),
-                                              _fold(steps, in_batched[6], size, 0))
-            outs = (_unfold(y, size, xn), _unfold(c_t, size, 0), _unfold(h_t, size, 0),
-                    _unfold(gates, size, _GATES_N) if save else jnp.zeros((size, 0), gates.dtype),
-                    _unfold(cs, size, _CS_N) if save else jnp.zeros((size, 0), cs.dtype),
-                    _unfold(xh, size, xn) if save else jnp.zeros((size, 0), xh.dtype))
-        return tuple(outs), (True,) * 6
-
-    return fwd
-
-
-def bptt_call(wh, gates, cs, c0, dy, dc_t, dh_t, time_major, last_step=_NO_STEPS, accuracy="float32"):
-    """Backward through time, one call (not differentiable): ``(da, db, dc0, dh0)``, ``da``
-    every step's gate gradient in rows padded past 4K columns; ``dc_t``, ``dh_t`` are the
-    gradients of the forward's carry (of the one ``last_step`` selected)."""
-    return _bptt_vmappable(time_major, accuracy)(wh, gates, cs, c0, dy, dc_t, dh_t, jnp.asarray(last_step))
-
-
-def _bptt_ffi(wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major, accuracy):
-    n, k = c0.shape
-    t = dy.shape[0] if time_major else dy.shape[1]
-    # da's rows are padded (the first 4K columns are the gradient) away from a 4 KiB
-    # period, so that the fully-connected passes after bptt read them in place.
-    width = _native.lstm_da_width(t, n, k, dy.dtype == jnp.bfloat16, time_major)
-    da = jax.ShapeDtypeStruct(dy.shape[:2] + (width,), dy.dtype)
-    outs = (da, jax.ShapeDtypeStruct((4 * k,), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
-            jax.ShapeDtypeStruct((n, k), dy.dtype))
-    return jax.ffi.ffi_call("jb_lstm_bptt", outs, vmap_method="sequential")(
-        wh, gates, cs, c0, dy, dc_t, dh_t, steps, time_major=time_major,
-        products=np.int64(_precision.PRODUCTS[accuracy]))
-
-
-@lru_cache(maxsize=None)
-def _bptt_vmappable(time_major, accuracy):
-    call = partial(_bptt_ffi, time_major=time_major, accuracy=accuracy)
-
-    @jax.custom_batching.custom_vmap
-    def bptt(wh, gates, cs, c0, dy, dc_t, dh_t, steps):
-        return tuple(call(wh, gates, cs, c0, dy, dc_t, dh_t, steps))
-
-    @bptt.def_vmap
-    def bptt_vmap(size, in_batched, wh, gates, cs, c0, dy, dc_t, dh_t, steps):
-        if in_batched[0]:
-            args = (wh, gates, cs, c0, dy, dc_t, dh_t, steps)
-            return tuple(_sequential(bptt, args, in_batched, size)), (True,) * 4
-        # db sums over the mini-batch: folded, it is the sum over the mapped axis too, so
-        # the folded call cannot give each mapped element its own; it runs per element.
-        # The gate gradients (the expensive part) come from one folded call, and db from
-        # them (a sum over every step and row of each element).
-        xn = int(time_major)
-        da, _, dc0, dh0 = call(wh, _fold(gates, in_batched[1], size, _GATES_N),
-                               _fold(cs, in_batched[2], size, _CS_N),
-                               _fold(c0, in_batched[3], size, 0),
-                               _fold(dy, in_batched[4], size, xn),
-                               _fold(dc_t, in_batched[5], size, 0),
-                               _fold(dh_t, in_batched[6], size, 0),
-                               _fold(steps, in_batched[7], size, 0))
-        da = _unfold(da, size, xn)
-        db = jnp.sum(da[..., :4 * wh.shape[0]].astype(jnp.float32), axis=(1, 2))
-        return (da, db, _unfold(dc0, size, 0), _unfold(dh0, size, 0)), (True,) * 4
-
-    return bptt
-
-
 # --- the primitives -------------------------------------------------------------------------
 # lstm_p: the forward on the kernels, saving what bptt reads when ``save``. Its JVP runs the
 # saving forward and tangent_p, linear in the arguments' tangents, whose transpose (reverse
 # mode) is backward_p: bptt and two fully-connected passes over every step, on the kernels.
-# tangent_p itself (forward mode) and the derivatives of backward_p (second order) are the
-# reference scan's, in XLA: the recurrence of a tangent has no kernel. The saved tensors are
-# functions of the arguments, which those derivatives account for through the arguments
+# tangent_p itself (forward mode) is on the kernels too: one or two fully-connected passes
+# over every step and the tangent pass (``nonzero``: which of the tangents of x, kernel_i,
+# kernel_h are not zeros, so that the passes of the others are not run). The derivatives of
+# tangent_p and backward_p (second order) are the reference scan's, in XLA. The saved tensors
+# are functions of the arguments, which those derivatives account for through the arguments
 # themselves. ``steps`` (each row's last step, or empty) is an integer: no tangent.
 # ``accuracy`` is the products' (precision.py). Leading dims (vmap's) are mapped by jax.vmap
 # over the unbatched calls, whose own vmap rules fold them into the mini-batch.
@@ -366,8 +227,28 @@ def _forward(x, wi, wh, b, c0, h0, steps, *, time_major, save, accuracy):
     return tuple(forward_call(x, wi, wh, b, c0, h0, time_major, save, steps, accuracy))
 
 
+def _kernel_tangent(tx, twi, twh, tb, tc0, th0, x, wi, wh, b, c0, h0, gates, cs, xh, steps, *, time_major,
+                    accuracy, nonzero):
+    """The tangents of y and of the carry: the pre-activations' tangent but its recurrent
+    part, ``tx @ wi + x @ twi + h_prev @ twh``, by fully-connected passes over every step at
+    once (the second over the forward's ``xh = [x | h_prev | 0]``), then the recurrence in
+    the tangent pass."""
+    c, k = wi.shape[0], wh.shape[0]
+    width, rows = xh.shape[2], xh.shape[0] * xh.shape[1]
+    products = _precision.PRODUCTS[accuracy]  # the passes split their operands as they re-block
+    pieces = []
+    if nonzero[0]:
+        pieces.append(fc_passes.forward(tx.reshape(rows, c), wi, None, fc_passes.NONE, products)[0])
+    if nonzero[1] or nonzero[2]:  # [twi; twh; 0] against the rows of xh, its padding included
+        tw = jnp.concatenate([twi, twh.astype(twi.dtype), jnp.zeros((width - c - k, 4 * k), twi.dtype)])
+        pieces.append(fc_passes.forward(xh.reshape(rows, width), tw, None, fc_passes.NONE, products)[0])
+    pieces = [p.reshape(xh.shape[:2] + (4 * k,)) for p in pieces]
+    return tuple(tangent_call(wh, gates, cs, c0, pieces, tb.astype(jnp.float32), tc0.astype(jnp.float32),
+                              th0.astype(xh.dtype), time_major, steps, accuracy))
+
+
 def _stock_tangent(tx, twi, twh, tb, tc0, th0, x, wi, wh, b, c0, h0, gates, cs, xh, steps, *, time_major,
-                   accuracy):
+                   accuracy, nonzero):
     _, ((tc, th), ty) = jax.jvp(lambda *a: reference(*a, time_major, steps), (x, wi, wh, b, c0, h0),
                                 (tx, twi, twh, tb, tc0, th0))
     return ty, tc, th
@@ -415,8 +296,8 @@ _FORWARD_RANKS = _ARGS + (1,)
 _TANGENT_RANKS = _ARGS + _ARGS + _SAVED + (1,)
 _BACKWARD_RANKS = _ARGS + _SAVED + (2, 2, 3, 1)
 lstm_p = _define("jb_lstm", _forward, _FORWARD_RANKS, partitioned=False)
-tangent_p = _define("jb_lstm_tangent", _stock_tangent, _TANGENT_RANKS, partitioned=False)
-# (its FC passes lower through custom_partitioning)
+# (their FC passes lower through custom_partitioning)
+tangent_p = _define("jb_lstm_tangent", _kernel_tangent, _TANGENT_RANKS, partitioned=True)
 backward_p = _define("jb_lstm_backward", _kernel_grads, _BACKWARD_RANKS, partitioned=True)
 
 
@@ -434,11 +315,13 @@ def _lstm_jvp(primals, tangents, *, time_major, save, accuracy):
         return outs, [zero(o) for o in outs]
     # a zero tangent as zeros (a constant: the transpose computes no gradient for it)
     t_args = [jnp.zeros(p.shape, p.dtype) if is_zero(t) else t for p, t in zip(primals[:6], tangents[:6])]
-    ty, tc, th = tangent_p.bind(*t_args, *primals[:6], *saved, primals[6], time_major=time_major, accuracy=accuracy)
+    nonzero = tuple(not is_zero(t) for t in tangents[:3])
+    ty, tc, th = tangent_p.bind(*t_args, *primals[:6], *saved, primals[6], time_major=time_major, accuracy=accuracy,
+                                nonzero=nonzero)
     return outs, [ty, tc, th] + [zero(o) for o in outs[3:]]
 
 
-def _tangent_transpose(cts, *args, time_major, accuracy):
+def _tangent_transpose(cts, *args, time_major, accuracy, nonzero):
     tangents, rest = args[:6], args[6:]
     wants = tuple(undefined(t) for t in tangents)
     if all(is_zero(ct) for ct in cts):
