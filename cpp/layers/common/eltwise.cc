@@ -12,11 +12,16 @@ namespace jb::eltwise {
 
 namespace {
 
-// d/dz of the tanh-approximated gelu.
+// d/dz of the tanh-approximated gelu. 1 + tanh(u) and 1 - tanh(u)^2 from e = exp(-2|u|), as
+// 2 / (1 + e) (or 2e / (1 + e) for u < 0) and 4e / (1 + e)^2: no cancellation where tanh is
+// near -1, so the small derivative of a very negative z keeps fp32's relative accuracy.
 inline float gelu_grad(float z) {
   const float c = 0.7978845608028654f, a = 0.044715f;
-  const float t = tanh_f(c * (z + a * z * z * z));
-  return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * c * (1.0f + 3.0f * a * z * z);
+  const float u = c * (z + a * z * z * z);
+  const float e = exp_approx(-2.0f * (u < 0 ? -u : u));
+  const float inv = 1.0f / (1.0f + e);
+  const float one_plus_t = 2.0f * inv * (u < 0 ? e : 1.0f);
+  return 0.5f * one_plus_t + 0.5f * z * (4.0f * e * inv * inv) * c * (1.0f + 3.0f * a * z * z);
 }
 
 // y[i] = f(z[i]), computed in fp32 and stored as T.

@@ -64,7 +64,8 @@ def accelerate(report: bool = False, policy: bool = True) -> Accelerate:
     ``flax.linen.DenseGeneral`` over the input's trailing axes (without ``batch_dims``),
     ``flax.linen.Einsum`` whose equation is a matrix product (``"...d,dnh->...nh"``),
     ``flax.linen.Embed.attend`` (a tied embedding's logits, ``jb.ops.dense.attend``: the
-    table read as it is stored),
+    table read as it is stored), ``jax.nn.gelu`` (also as ``flax.linen.gelu`` and
+    ``flax.nnx.gelu``; its derivative on the kernels, ``jb.ops.eltwise.gelu``),
     ``flax.linen.MultiHeadDotProductAttention`` (its attention on ``jb.dot_product_attention``
     with a float32 softmax and attention dropout, its projections as DenseGeneral; stock for
     a custom ``attention_fn`` or einsums, ``decode`` and ``sow_weights``),

@@ -5,6 +5,8 @@ NNX's calls and for the methods ``nn.scan`` made (``patches`` routes those here)
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.nnx.nn import attention as nnx_attention
@@ -14,6 +16,7 @@ from flax.nnx.nn import recurrent as nnx_recurrent
 from jax_brgemm import precision as jb_precision
 from jax_brgemm.accelerate import attention, recurrent, rules
 from jax_brgemm.accelerate.state import in_stock_scan, options, record, stock_scan
+from jax_brgemm.ops import eltwise
 
 #: Stock linen class -> rule (exactly these classes: a subclass may compute otherwise).
 LINEN_RULES = {
@@ -139,6 +142,23 @@ def nnx_method_call(method: str):
         return _run(rule, module, describe(module), f"{type(module).__name__}.{method}", args, kwargs, next_call)
 
     return call
+
+
+def gelu_call(stock_gelu):
+    """What ``jax.nn.gelu`` (and flax's names for it) is while a context is open: the tanh
+    approximation of a float32 / bfloat16 array with its derivative on the kernels
+    (``ops.eltwise.gelu``) in a thread inside a context, else ``stock_gelu`` itself."""
+
+    @functools.wraps(stock_gelu)
+    def gelu(x, approximate=True):
+        if options() is None or not hasattr(x, "dtype"):
+            return stock_gelu(x, approximate)
+        why = ("approximate=False (the erf form)" if approximate is not True
+               else "" if jnp.dtype(x.dtype) in (jnp.float32, jnp.bfloat16) else f"{jnp.dtype(x.dtype)} input")
+        record("", "jax.nn.gelu", why)
+        return stock_gelu(x, approximate) if why else eltwise.gelu(x)
+
+    return gelu
 
 
 def scan_call(module, scan, next_call, args, kwargs):

@@ -1,10 +1,11 @@
 """Where ``accelerate()`` reaches into flax, and for how long.
 
 linen's layers are intercepted with flax's own ``nn.intercept_methods`` (per thread, for as
-long as the thread is inside a context). Three things have no such hook: the ``__call__`` of
-NNX layers (plain Python objects), the methods ``nn.scan`` made (flax marks them as already
-wrapped, so ``intercept_methods`` never sees the scan as one call), and classes defined while
-a context is open. These are replaced when the first context of the process is entered and
+long as the thread is inside a context). Four things have no such hook: the ``__call__`` (and
+``Embed.attend``) of NNX layers (plain Python objects), the methods ``nn.scan`` made (flax
+marks them as already wrapped, so ``intercept_methods`` never sees the scan as one call),
+classes defined while a context is open, and ``jax.nn.gelu`` (a function, found by models
+as ``jax.nn.gelu``, ``flax.linen.gelu`` or ``flax.nnx.gelu``). These are replaced when the first context of the process is entered and
 put back, the same objects, when the last one exits; the replacements run flax's own code
 unless the calling thread is inside a context.
 """
@@ -16,6 +17,8 @@ import functools
 import threading
 
 import flax.linen as nn
+import jax
+from flax import nnx
 
 from jax_brgemm.accelerate import dispatch, scans
 from jax_brgemm.accelerate.state import options
@@ -65,6 +68,10 @@ def _install() -> None:
             _replace(cls, "__call__", _nnx_router(cls.__dict__["__call__"], dispatch.nnx_call))
     for cls, method in dispatch.NNX_METHOD_RULES:
         _replace(cls, method, _nnx_router(cls.__dict__[method], dispatch.nnx_method_call(method)))
+    routed = dispatch.gelu_call(jax.nn.gelu)
+    for owner in (jax.nn, nn, nn.activation, nnx):  # where models find jax's gelu
+        if getattr(owner, "gelu", None) is routed.__wrapped__:
+            _replace(owner, "gelu", routed)
     pending, seen = [nn.Module], set()
     while pending:
         cls = pending.pop()
