@@ -8,6 +8,9 @@
 //   jb_attention_bwd  q, k, v, bias, mask, keep as above, o, stats, dout (o's shape)
 //                     -> dq (q's shape), dk, dv (.., S, K, H), dbias (.., N, T, S) f32 or
 //                        empty (not wanted)
+//   jb_attention_jvp  q, k, v, bias, mask, keep, o, stats as above, tq (q's shape), tk, tv
+//                     (k's), tbias (bias's shape, or empty) -> to (q's shape): the
+//                     forward-mode tangent (exact products: products must be 0)
 //   attrs scale (f32), causal (bool), products (i64: fp32 emulated from that many bf16
 //         products, 0 exact; attention.h's Shape::products), keep_scale (f32: a kept
 //         weight's factor, 1 / keep_prob)
@@ -51,6 +54,7 @@ struct Decoded {
   Items items;
   std::vector<int64_t> q_offs, k_offs, v_offs, bias_offs, mask_offs, keep_offs;
   std::vector<int64_t> o_offs, g_offs, s_offs;  // the backward's saved operands
+  std::vector<int64_t> tq_offs, tk_offs, tv_offs, tb_offs;  // the tangents
   attention::Inputs in;
 };
 
@@ -180,6 +184,46 @@ ffi::Error attention_bwd(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   });
 }
 
+ffi::Error attention_jvp(Launch& launch, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                         ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::AnyBuffer o, F32 stats, ffi::AnyBuffer tq,
+                         ffi::AnyBuffer tk, ffi::AnyBuffer tv, F32 tbias, ffi::Result<ffi::AnyBuffer> to, float scale,
+                         bool causal, int64_t products, float keep_scale) {
+  const char* op = "jb_attention_jvp";
+  auto decoded = std::make_shared<Decoded>();
+  Decoded& d = *decoded;
+  JB_CHECK(decode(op, q, k, v, bias, mask, keep, to->dimensions(), scale, causal, products, keep_scale, &d));
+  if (products) return invalid(std::string(op) + ": the tangent multiplies exactly (products must be 0)");
+  JB_CHECK(expect_dtype(op, q.element_type(), {{"o", o.element_type()}, {"tq", tq.element_type()},
+                                               {"tk", tk.element_type()}, {"tv", tv.element_type()},
+                                               {"to", to->element_type()}}));
+  JB_TRY(lo, operand(op, "o", o.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(ls, operand(op, "stats", stats.dimensions(), {d.s.heads, d.s.t, 2}, d.items));
+  JB_TRY(ltq, operand(op, "tq", tq.dimensions(), {d.s.t, d.s.heads, d.s.h}, d.items));
+  JB_TRY(ltk, operand(op, "tk", tk.dimensions(), {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  JB_TRY(ltv, operand(op, "tv", tv.dimensions(), {d.s.s, d.s.kv_heads, d.s.h}, d.items));
+  if (to->element_count() == 0) return ffi::Error::Success();
+  d.o_offs = offsets(d.items, lo), d.s_offs = offsets(d.items, ls);
+  d.tq_offs = offsets(d.items, ltq), d.tk_offs = offsets(d.items, ltk), d.tv_offs = offsets(d.items, ltv);
+  attention::Saved saved;
+  saved.o = o.untyped_data(), saved.stats = stats.typed_data();
+  saved.o_offs = d.o_offs.data(), saved.stats_offs = d.s_offs.data();
+  attention::Tangents tin;
+  tin.q = tq.untyped_data(), tin.k = tk.untyped_data(), tin.v = tv.untyped_data();
+  tin.q_offs = d.tq_offs.data(), tin.k_offs = d.tk_offs.data(), tin.v_offs = d.tv_offs.data();
+  if (tbias.element_count()) {  // the bias's (n, t, s), so its strides; leading dims of its own
+    const auto bd = bias.dimensions(), td = tbias.dimensions();
+    bool same = d.in.bias.data && td.size() >= 3;
+    for (size_t i = 1; same && i <= 3; ++i) same = td[td.size() - i] == bd[bd.size() - i];
+    if (!same) return invalid(std::string(op) + ": tbias " + dims_str(td) + " must end as the bias " + dims_str(bd));
+    JB_CHECK(broadcast(op, "tbias", tbias, d, &tin.bias, &d.tb_offs));
+  }
+  return guarded(op, [&] {
+    Job job = attention::tangent_job(launch.threads(), dispatch(), d.s, d.in, saved, tin, to->untyped_data());
+    job.keep.push_back(decoded);
+    launch(std::move(job));
+  });
+}
+
 // Asynchronous where the work is large enough to split (ffi_common.h's Launch).
 ffi::Future attention_fwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
                                 ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::Result<ffi::AnyBuffer> o, F32Out stats,
@@ -198,11 +242,23 @@ ffi::Future attention_bwd_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                      causal, products, keep_scale));
 }
 
+ffi::Future attention_jvp_async(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bias,
+                                ffi::AnyBuffer mask, ffi::AnyBuffer keep, ffi::AnyBuffer o, F32 stats,
+                                ffi::AnyBuffer tq, ffi::AnyBuffer tk, ffi::AnyBuffer tv, F32 tbias,
+                                ffi::Result<ffi::AnyBuffer> to, float scale, bool causal, int64_t products,
+                                float keep_scale) {
+  Launch launch(pool);
+  return launch.finish(attention_jvp(launch, q, k, v, bias, mask, keep, o, stats, tq, tk, tv, tbias, to, scale,
+                                     causal, products, keep_scale));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_fwd, attention_fwd_async,
                               ffi_util::bind(attention_fwd_async, "scale", "causal", "products", "keep_scale"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_bwd, attention_bwd_async,
                               ffi_util::bind(attention_bwd_async, "scale", "causal", "products", "keep_scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_attention_jvp, attention_jvp_async,
+                              ffi_util::bind(attention_jvp_async, "scale", "causal", "products", "keep_scale"));
 
 }  // namespace jb

@@ -26,7 +26,7 @@ namespace nb = nanobind;
   X(jb_fc_fwd) X(jb_fc_act_grad) X(jb_fc_bwd) X(jb_fc_upd) X(jb_fc_upd_sgd) X(jb_fc_upd_adamw) \
   X(jb_lstm_fwd) X(jb_lstm_bptt) X(jb_lstm_tangent)        \
   X(jb_conv_fwd) X(jb_conv_bwd) X(jb_conv_upd)             \
-  X(jb_attention_fwd) X(jb_attention_bwd)                  \
+  X(jb_attention_fwd) X(jb_attention_bwd) X(jb_attention_jvp) \
   X(jb_beyond_bf16)                                        \
   /* a new layer's line goes above */
 

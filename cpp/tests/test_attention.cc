@@ -66,11 +66,14 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   const int64_t qn = c.t * c.heads * c.h, kn = c.s * c.kv * c.h;
   Tensor q(c.dt, c.items * qn), k(c.dt, kv_items * kn), v(c.dt, kv_items * kn), dout(c.dt, c.items * qn);
   q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+  Tensor tq(c.dt, c.items * qn), tk(c.dt, kv_items * kn), tv(c.dt, kv_items * kn);  // forward-mode tangents
+  tq.fill(rng), tk.fill(rng), tv.fill(rng);
   const bool has_bias = c.bias[0] > 0, has_mask = c.mask[0] > 0;
   const Bcast bb{has_bias ? c.bias : std::array<int64_t, 4>{1, 1, 1, 1}};
   const Bcast mb{has_mask ? c.mask : std::array<int64_t, 4>{1, 1, 1, 1}};
-  std::vector<float> bias(size_t(bb.size()));
+  std::vector<float> bias(size_t(bb.size())), tbias(size_t(bb.size()));
   for (auto& x : bias) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+  for (auto& x : tbias) x = std::uniform_real_distribution<float>(-1, 1)(rng);
   std::vector<uint8_t> mask(size_t(mb.size()));
   for (auto& x : mask) x = rng() % 4 != 0;
   if (c.masked_rows && has_mask)  // every row index divisible by 3 fully masked
@@ -120,7 +123,7 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   const int64_t g = c.heads / c.kv;
   std::vector<double> o_ref(size_t(c.items * qn)), dq_ref(size_t(c.items * qn), 0.0);
   std::vector<double> dk_ref(size_t(c.items * kn), 0.0), dv_ref(size_t(c.items * kn), 0.0);
-  std::vector<double> db_ref(size_t(c.items * c.heads * c.t * c.s), 0.0);
+  std::vector<double> db_ref(size_t(c.items * c.heads * c.t * c.s), 0.0), to_ref(size_t(c.items * qn), 0.0);
   std::vector<double> x(size_t(c.s)), p(size_t(c.s)), dpv(size_t(c.s));
   for (int64_t b = 0; b < c.items; ++b)
     for (int64_t n = 0; n < c.heads; ++n)
@@ -154,6 +157,23 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
           for (int64_t e = 0; e < c.h; ++e) dpj += double(dout.f[size_t(qi + e)]) * kval(v, j, e);
           dpv[size_t(j)] = dpj * factor(b, n, i, j);  // the gradient of P, through the dropout
           d += p[size_t(j)] * dpv[size_t(j)];
+        }
+        // the tangent: tS = scale (tq k + q tk) + tbias; to = sum Z (tv + tS v) - (sum P tS) O
+        double csum = 0;
+        std::vector<double> ts(size_t(c.s), 0.0);
+        for (int64_t j = 0; j < c.s; ++j) {
+          double t = 0;
+          for (int64_t e = 0; e < c.h; ++e)
+            t += double(tq.f[size_t(qi + e)]) * kval(k, j, e) + qv(e) * kval(tk, j, e);
+          const bool keep = (!c.causal || j <= i) && (!has_mask || mask[size_t(mb.index(b, n, i, j))]);
+          ts[size_t(j)] = keep ? s.scale * t + (has_bias ? tbias[size_t(bb.index(b, n, i, j))] : 0.0) : 0.0;
+          csum += p[size_t(j)] * ts[size_t(j)];
+        }
+        for (int64_t e = 0; e < c.h; ++e) {
+          double t = -csum * o_ref[size_t(qi + e)];
+          for (int64_t j = 0; j < c.s; ++j)
+            t += p[size_t(j)] * factor(b, n, i, j) * (kval(tv, j, e) + ts[size_t(j)] * kval(v, j, e));
+          to_ref[size_t(qi + e)] = t;
         }
         for (int64_t j = 0; j < c.s; ++j) {
           const bool keep = (!c.causal || j <= i) && (!has_mask || mask[size_t(mb.index(b, n, i, j))]);
@@ -190,6 +210,15 @@ void run(const Case& c, const jb::Dispatch& dp = jb::dispatch()) {
   close(dk, dk_ref, gt, "dk");
   close(dv, dv_ref, gt, "dv");
   if (has_bias) close(db, db_ref, gt, "dbias");
+
+  if (c.products) return;  // the tangent pass multiplies exactly only
+  at::Tangents tin;
+  tin.q = tq.data(), tin.k = tk.data(), tin.v = tv.data();
+  tin.q_offs = q_offs.data(), tin.k_offs = k_offs.data(), tin.v_offs = k_offs.data();
+  if (has_bias) tin.bias = in.bias, tin.bias.data = tbias.data();
+  Tensor to(c.dt, c.items * qn);
+  at::tangent(ex, dp, s, in, sv, tin, to.data(), force);
+  close(to, to_ref, bf16 ? 6e-2 : 1e-4, "to");
 }
 
 }  // namespace

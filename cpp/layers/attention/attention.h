@@ -83,6 +83,19 @@ struct Saved {
   const int64_t* stats_offs = nullptr;
 };
 
+// The tangents of the inputs (forward mode): tq like q, tk and tv like k and v (element
+// offsets per item), tbias with the bias's strides (Inputs::bias) and its own offsets, or no
+// data.
+struct Tangents {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int64_t* q_offs = nullptr;
+  const int64_t* k_offs = nullptr;
+  const int64_t* v_offs = nullptr;
+  Broadcast bias;
+};
+
 // The block sizes: query rows per block and keys per chunk (a multiple of 32, clamped).
 // Tests force small ones to run the online softmax over many chunks and edge blocks.
 struct Blocks {
@@ -110,5 +123,15 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inpu
 void backward(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in,
               const Saved& saved, void* dq, void* dk, void* dv, float* dbias,
               const Blocks* force = nullptr);
+
+// The forward-mode tangent of o, to (items, T, N, H) in dt, dense, from the forward's o and
+// stats (Saved; dout unread): per query block and key chunk, tS = scale (tQ K^T + Q tK^T) +
+// tbias and P from the statistics; to = Z tV + (Z * tS) V - c * O with Z = P * D and c the
+// row's sum of P * tS (O = Z V, so the softmax's tangent P * (tS - c) needs no second sweep).
+// Products are exact (Shape::products must be 0).
+Job tangent_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inputs& in, const Saved& saved,
+                const Tangents& tin, void* to, const Blocks* force = nullptr);
+void tangent(const Executor& ex, const Dispatch& dp, const Shape& s, const Inputs& in, const Saved& saved,
+             const Tangents& tin, void* to, const Blocks* force = nullptr);
 
 }  // namespace jb::attention

@@ -49,7 +49,7 @@ Job backward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Inpu
     });
     return job;
   }
-  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, true);
+  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, Pass::backward);
   job.keep.push_back(plan);
   job.flops = 8.0 * double(s.items) * double(s.heads) * double(s.t) * double(s.s) * double(s.h);
   const Plan* pp = plan.get();

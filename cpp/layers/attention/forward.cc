@@ -22,7 +22,7 @@ Job forward_job(int64_t threads, const Dispatch& dp, const Shape& s, const Input
   Job job;
   job.name = "attention_fwd";
   if (s.items == 0 || s.t == 0 || s.heads == 0) return job;
-  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, false);
+  const auto plan = plan_for(dp, s, in.bias.data, in.mask.data, threads, force, Pass::forward);
   job.keep.push_back(plan);
   job.flops = 4.0 * double(s.items) * double(s.heads) * double(s.t) * double(s.s) * double(s.h);
   const Plan* pp = plan.get();

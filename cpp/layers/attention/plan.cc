@@ -42,7 +42,7 @@ void check_shape(const Shape& s) {
 }
 
 Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t threads, const Blocks* force,
-           bool backward)
+           Pass pass)
     : isa(dp.isa),
       terms(emulation::terms(sh.products)),
       kd(multiply_dtype(terms.split ? DType::bf16 : sh.dt, dp)),
@@ -66,6 +66,7 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
   hp = round_up(h, kpad);
   bmp = round_up(bm, kpad);
   last_rp = round_up(last_rows, kpad);
+  const bool backward = pass == Pass::backward;
   split = backward && groups.items() > sh.items * sh.kv_heads;
   q_in_place = kd == sh.dt && hp == h && !terms.split;
 
@@ -104,6 +105,15 @@ Plan::Plan(const Dispatch& dp, const Shape& sh, bool bias, bool mask, int64_t th
     l = lease.add(size_t(bm) * f4);
     alpha = lease.add(size_t(bm) * f4);
     tmp_for({kt_step, kv_step, q_step, pa_step});
+    if (pass == Pass::tangent) {
+      tkt = lease.add(size_t(kt_step * pb) * ks);
+      tvv = lease.add(size_t(kv_step * pb) * ks);
+      if (!q_in_place) tqt = lease.add(size_t(q_step * pa) * ks);
+      tsa = lease.add(size_t(bm * bn) * f4);
+      tsb = lease.add(size_t(bm * bn) * f4);
+      wt = lease.add(size_t(pa_step * pa) * ks);
+      c = lease.add(size_t(bm) * f4);
+    }
     return;
   }
   kv = KernelTable(kq, bn, has_last, [&](bool last, int64_t w) {
@@ -170,12 +180,12 @@ int64_t Plan::keys_end(int64_t qb) const {
 }
 
 std::shared_ptr<const Plan> plan_for(const Dispatch& dp, const Shape& s, bool bias, bool mask,
-                                     int64_t threads, const Blocks* force, bool backward) {
+                                     int64_t threads, const Blocks* force, Pass pass) {
   static PlanCache<17, Plan> plans;
   return plans.get({s.items, s.t, s.s, s.heads, s.kv_heads, s.h, int64_t(s.dt), s.causal, bias, mask, threads, s.products,
                     int64_t(dp.isa), int64_t(dp.bf16_multiply), force ? force->rows : -1,
-                    force ? force->keys : -1, backward},
-                   [&] { return Plan(dp, s, bias, mask, threads, force, backward); });
+                    force ? force->keys : -1, int64_t(pass)},
+                   [&] { return Plan(dp, s, bias, mask, threads, force, pass); });
 }
 
 }  // namespace jb::attention

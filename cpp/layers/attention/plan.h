@@ -55,9 +55,11 @@ struct Block {
   bool last;  // the shorter last block (its own kernels)
 };
 
+// The pass a plan is for.
+enum class Pass { forward, backward, tangent };
+
 struct Plan {
-  Plan(const Dispatch& dp, const Shape& s, bool bias, bool mask, int64_t threads, const Blocks* force,
-       bool backward);
+  Plan(const Dispatch& dp, const Shape& s, bool bias, bool mask, int64_t threads, const Blocks* force, Pass pass);
 
   // The key chunks of query block qb: [0, end) in steps of bn (end a multiple of kq).
   int64_t keys_end(int64_t qb) const;
@@ -105,6 +107,9 @@ struct Plan {
   size_t dkt = 0, dvt = 0;     // in the lease when the panel is not split
   size_t kv_out = 0;           // dK or dV transposed, before its copy into the output
   size_t part_bytes = 0;       // one item's dK^T and dV^T parts (split panels)
+  // The tangent pass: packed tK^T and tV, a tQ block, the tiles tQ K^T and Q tK^T, W = Z tS,
+  // and the rows' sums c.
+  size_t tkt = 0, tvv = 0, tqt = 0, tsa = 0, tsb = 0, wt = 0, c = 0;
 };
 
 // Asks for `rows` rows of row_bytes each, ld_bytes apart, to be brought into cache while the
@@ -131,6 +136,6 @@ void check_shape(const Shape& s);
 
 // The cached plan of a pass.
 std::shared_ptr<const Plan> plan_for(const Dispatch& dp, const Shape& s, bool bias, bool mask,
-                                     int64_t threads, const Blocks* force, bool backward);
+                                     int64_t threads, const Blocks* force, Pass pass);
 
 }  // namespace jb::attention

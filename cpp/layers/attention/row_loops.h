@@ -113,6 +113,26 @@ struct Scalar {
       dp[j] = ds * scale;
     }
   }
+  // Z = P * D and W = Z * tS as PT; returns the row's sum of P * tS.
+  template <bool kBias, bool kMask, bool kDrop, bool kTbias, class PT>
+  JB_INLINE static float tangents(const float* s, const float* ta, const float* tb, const float* tbias, float tadd,
+                                  int j0, int cols, float scale, const RowSetup& rs, float m, float inv_l, float ks,
+                                  PT* z, PT* w, float sum) {
+    for (int j = j0; j < cols; ++j) {
+      bool keep;
+      const float x = logit<kBias, kMask>(s, j, scale, rs, &keep);
+      // a masked logit is a constant (no tangent), its weight nonzero in a fully masked row
+      const float p = exp_flush(x - m) * inv_l;
+      float tsj = (ta[j] + tb[j]) * scale + tadd;
+      if constexpr (kTbias) tsj += tbias[j];
+      tsj = keep ? tsj : 0.0f;
+      const float zj = kDrop ? (kept(rs.keep, j) ? p * ks : 0.0f) : p;
+      sum += p * tsj;
+      z[j] = store_as<PT>(zj);
+      w[j] = store_as<PT>(zj * tsj);
+    }
+    return sum;
+  }
   // y = x * scale in T.
   template <class T>
   JB_INLINE static void store(const float* x, int j0, int cols, float scale, T* y) {
@@ -189,6 +209,30 @@ struct Vector {
       VT::store(dp + j, VT::mul(ds, vs));
     }
     Scalar::grads<kBias, kMask, kDbias, kDrop>(s, dp, j, cols, scale, rs, m, inv_l, d, dbias, ks);
+  }
+  template <bool kBias, bool kMask, bool kDrop, bool kTbias, class PT>
+  JB_INLINE static float tangents(const float* s, const float* ta, const float* tb, const float* tbias, float tadd,
+                                  int, int cols, float scale, const RowSetup& rs, float m, float inv_l, float ks,
+                                  PT* z, PT* w, float) {
+    const V vs = VT::set1(scale), va = VT::set1(rs.add), masked = VT::set1(kMasked), vt = VT::set1(tadd);
+    const V vm = VT::set1(m), vl = VT::set1(inv_l), vks = VT::set1(ks), zero = VT::zero();
+    V sum = VT::zero();
+    int j = 0;
+    for (; j + VT::L <= cols; j += VT::L) {
+      typename VT::M keep;
+      const V x = logits_at<kBias, kMask>(s, j, vs, va, masked, rs, &keep);
+      const V p = VT::mul(VT::exp(VT::sub(x, vm)), vl);
+      V tsj = VT::fma(VT::add(VT::load(ta + j), VT::load(tb + j)), vs, vt);
+      if constexpr (kTbias) tsj = VT::add(tsj, VT::load(tbias + j));
+      tsj = VT::select(keep, tsj, zero);
+      const V zj = kDrop ? VT::select(VT::bits(rs.keep, j), VT::mul(p, vks), zero) : p;
+      sum = VT::fma(p, tsj, sum);
+      const V wj = VT::mul(zj, tsj);
+      if constexpr (sizeof(PT) == 4) VT::store(z + j, zj), VT::store(w + j, wj);
+      else VT::store_bf16(z + j, zj), VT::store_bf16(w + j, wj);
+    }
+    return Scalar::tangents<kBias, kMask, kDrop, kTbias, PT>(s, ta, tb, tbias, tadd, j, cols, scale, rs, m, inv_l, ks,
+                                                             z, w, VT::hsum(sum));
   }
   template <class T>
   JB_INLINE static void store(const float* x, int, int cols, float scale, T* y) {
@@ -268,6 +312,40 @@ JB_INLINE void backward_tile(const ScoreTile& t, float* dp, int64_t lddp, const 
   }
 }
 
+template <class R, bool kBias, bool kMask, bool kDrop, bool kTbias, class PT>
+JB_INLINE void tangent_rows(const ScoreTile& t, const float* ts_a, const float* ts_b, int64_t ldts,
+                            const float* tbias, const float* m, const float* inv_l, float* c, PT* z, PT* w,
+                            int64_t ldz) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const RowSetup rs = setup(t, r);
+    PT *zr = z + r * ldz, *wr = w + r * ldz;
+    // tbias has the bias's strides: a row of it (kTbias), or one value per row (column stride 0)
+    const float* tb_row = tbias ? tbias + r * t.bias_rs : nullptr;
+    const float tadd = tbias && !kTbias ? *tb_row : 0.0f;
+    c[r] += R::template tangents<kBias, kMask, kDrop, kTbias, PT>(t.s + r * t.ld, ts_a + r * ldts, ts_b + r * ldts,
+                                                                 tb_row, tadd, 0, int(t.cols), t.scale, rs, m[r],
+                                                                 inv_l[r], t.keep_scale, zr, wr, 0.0f);
+    for (int64_t j = t.cols; j < t.width; ++j) zr[j] = wr[j] = PT(0);
+  }
+}
+
+template <class R, class PT>
+JB_INLINE void tangent_tile(const ScoreTile& t, const float* ts_a, const float* ts_b, int64_t ldts,
+                            const float* tbias, const float* m, const float* inv_l, float* c, PT* z, PT* w,
+                            int64_t ldz) {
+  const int variant = (t.keep ? 8 : 0) | (t.bias && t.bias_cs ? 4 : 0) | (t.mask && t.mask_cs ? 2 : 0) |
+                      (tbias && t.bias_cs ? 1 : 0);
+  switch (variant) {
+#define JB_CASE(v)                                                                                     \
+  case v:                                                                                              \
+    return tangent_rows<R, (v & 4) != 0, (v & 2) != 0, (v & 8) != 0, (v & 1) != 0>(t, ts_a, ts_b, ldts, \
+                                                                                 tbias, m, inv_l, c, z, w, ldz);
+    JB_CASE(0) JB_CASE(1) JB_CASE(2) JB_CASE(3) JB_CASE(4) JB_CASE(5) JB_CASE(6) JB_CASE(7)
+    JB_CASE(8) JB_CASE(9) JB_CASE(10) JB_CASE(11) JB_CASE(12) JB_CASE(13) JB_CASE(14) JB_CASE(15)
+#undef JB_CASE
+  }
+}
+
 template <class R, class T>
 JB_INLINE void store_tile(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, T* y,
                           int64_t ldy) {
@@ -289,6 +367,11 @@ void backward_entry(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
                     const float* d, float* dbias, int64_t lddb) {
   backward_tile<R>(t, dp, lddp, m, inv_l, d, dbias, lddb);
 }
+template <class R, class PT>
+void tangent_entry(const ScoreTile& t, const float* ts_a, const float* ts_b, int64_t ldts, const float* tbias,
+                   const float* m, const float* inv_l, float* c, void* z, void* w, int64_t ldz) {
+  tangent_tile<R, PT>(t, ts_a, ts_b, ldts, tbias, m, inv_l, c, static_cast<PT*>(z), static_cast<PT*>(w), ldz);
+}
 template <class R>
 void store_entry(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
                  DType dt) {
@@ -302,7 +385,8 @@ void dots_entry(const void* a, const void* b, int64_t ld, int64_t rows, int64_t 
 }
 template <class R>
 detail::RowFns row_fns() {
-  return {&forward_entry<R, float>, &forward_entry<R, uint16_t>, &backward_entry<R>, &store_entry<R>, &dots_entry<R>};
+  return {&forward_entry<R, float>, &forward_entry<R, uint16_t>, &backward_entry<R>, &tangent_entry<R, float>,
+          &tangent_entry<R, uint16_t>, &store_entry<R>, &dots_entry<R>};
 }
 
 }  // namespace

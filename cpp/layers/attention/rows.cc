@@ -30,6 +30,12 @@ void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* 
   fns(isa).backward(t, dp, lddp, m, inv_l, d, dbias, lddb);
 }
 
+void softmax_tangent(const ScoreTile& t, const float* ts_a, const float* ts_b, int64_t ldts, const float* tbias,
+                     const float* m, const float* inv_l, float* c, void* z, void* w, int64_t ldz, DType pt, Isa isa) {
+  (pt == DType::f32 ? fns(isa).tangent_f32 : fns(isa).tangent_bf16)(t, ts_a, ts_b, ldts, tbias, m, inv_l, c, z, w,
+                                                                    ldz);
+}
+
 void store_rows(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
                 DType dt, Isa isa) {
   fns(isa).store(x, ldx, scale, rows, cols, y, ldy, dt);

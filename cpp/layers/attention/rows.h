@@ -50,6 +50,14 @@ void softmax_forward(const ScoreTile& t, float* m, float* l, float* alpha, void*
 void softmax_backward(const ScoreTile& t, float* dp, int64_t lddp, const float* m,
                       const float* inv_l, const float* d, float* dbias, int64_t lddb, Isa isa);
 
+// The forward-mode tangent's element-wise work on one chunk: P = exp(x - m) * inv_l from the
+// saved statistics (0 where masked), the logits' tangent tS = scale * (ts_a + ts_b) + tbias
+// (ts_a = tQ K^T and ts_b = Q tK^T, row stride ldts; tbias, when not null, laid out as t.bias
+// with its strides), then Z = P * D into z and Z * tS into w (row stride ldz, dtype pt, 0
+// past cols up to width), and c[r] += sum_j P tS (the softmax's own term of the tangent).
+void softmax_tangent(const ScoreTile& t, const float* ts_a, const float* ts_b, int64_t ldts, const float* tbias,
+                     const float* m, const float* inv_l, float* c, void* z, void* w, int64_t ldz, DType pt, Isa isa);
+
 // y = x * scale[r] in row r (scale null: 1), stored in dt (rows x cols, row strides ldx, ldy).
 void store_rows(const float* x, int64_t ldx, const float* scale, int64_t rows, int64_t cols, void* y, int64_t ldy,
                 DType dt, Isa isa);
@@ -63,6 +71,10 @@ struct RowFns {
   void (*forward_f32)(const ScoreTile&, float*, float*, float*, void*, int64_t);
   void (*forward_bf16)(const ScoreTile&, float*, float*, float*, void*, int64_t);
   void (*backward)(const ScoreTile&, float*, int64_t, const float*, const float*, const float*, float*, int64_t);
+  void (*tangent_f32)(const ScoreTile&, const float*, const float*, int64_t, const float*, const float*, const float*,
+                      float*, void*, void*, int64_t);
+  void (*tangent_bf16)(const ScoreTile&, const float*, const float*, int64_t, const float*, const float*, const float*,
+                       float*, void*, void*, int64_t);
   void (*store)(const float*, int64_t, const float*, int64_t, int64_t, void*, int64_t, DType);
   void (*dots)(const void*, const void*, int64_t, int64_t, int64_t, DType, float*);
 };

@@ -12,10 +12,13 @@ stored, a query block keeps one tile of them; attention dropout is a bit per wei
   saved statistics), and, when the bias is differentiated, the gradient of a full
   ``(B, N, T, S)`` bias, summed here over the dims the bias broadcasts along.
 
-The value and the gradient run on these calls (the gradient is the transpose of the
-tangent, see the primitives at the end). The forward-mode tangent and second and higher
-derivatives go through the stock formula, ``jax.nn.dot_product_attention``'s, in XLA: exact,
-not on the kernels (they have no pass for them).
+* ``jb_attention_jvp``: the forward-mode tangent of the output in one pass (tS from
+  ``tQ K^T + Q tK^T``, P from the saved statistics; ``Z tV + (Z tS) V - c O``), exact products.
+
+The value, the gradient and the forward-mode tangent run on these calls (the gradient is the
+transpose of the tangent, see the primitives at the end). Second and higher derivatives go
+through the stock formula, ``jax.nn.dot_product_attention``'s, in XLA: exact, not on the
+kernels (they have no pass for them).
 """
 
 from __future__ import annotations
@@ -211,6 +214,17 @@ def _backward_ffi(q, k, v, bias, mask, keep, o, stats, do, *, scale, kind, want_
     return dq, dk, dv, dbias
 
 
+def _tangent_ffi(tq, tk, tv, tb, q, k, v, bias, mask, keep, o, stats, *, scale, kind):
+    """The forward-mode tangent of o (exact products, whatever the precision)."""
+    lead = jnp.broadcast_shapes(*(a.shape[:-4] for a in (tq, tk, tv, tb, q, k, v, bias, mask, keep, o, stats)
+                                  if a.ndim > 1))
+    out = jax.ShapeDtypeStruct(lead + q.shape[-4:], q.dtype)
+    exact = (kind[0], 0, kind[2])
+    return jax.ffi.ffi_call("jb_attention_jvp", out)(q, k, v, bias, mask, keep, o, stats, tq.astype(q.dtype),
+                                                     tk.astype(k.dtype), tv.astype(v.dtype), tb.astype(jnp.float32),
+                                                     scale=np.float32(scale), **_attrs(exact))
+
+
 _R, _SUM = partitioning.ROWS, partitioning.SUM
 
 
@@ -295,14 +309,14 @@ def _in_xla(fn):
 
 # --- the primitives -------------------------------------------------------------------------
 # attention_p: (o, stats) on the kernels. Its JVP is tangent_p, linear in the tangents of q,
-# k, v and bias, whose transpose (reverse mode) is the backward call; tangent_p itself (forward
-# mode) and the derivatives of the backward call (second order) are the stock formula's, in
+# k, v and bias: its value (forward mode) is the tangent call, its transpose (reverse mode)
+# the backward call. The derivatives of those two (second order) are the stock formula's, in
 # XLA: the kernels have no pass for them. stats are internal (nothing reads a tangent of
 # them); o and stats, functions of q, k, v and bias, enter the derivatives through those.
 
 attention_p = define("jb_attention", shapes_of(_forward_ffi), _forward_call, core_ranks=_ranks)
-tangent_p = define("jb_attention_tangent", shapes_of(_in_xla(_stock_tangent), single=True), _in_xla(_stock_tangent),
-                   core_ranks=_ranks, multiple_results=False, partitioned=False)
+tangent_p = define("jb_attention_tangent", shapes_of(_tangent_ffi, single=True), _tangent_ffi, core_ranks=_ranks,
+                   multiple_results=False, partitioned=False)
 backward_p = define("jb_attention_backward", shapes_of(_backward_ffi), _backward_call, core_ranks=_ranks)
 
 
