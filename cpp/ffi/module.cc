@@ -27,7 +27,7 @@ namespace nb = nanobind;
   X(jb_lstm_fwd) X(jb_lstm_bptt) X(jb_lstm_tangent)        \
   X(jb_conv_fwd) X(jb_conv_bwd) X(jb_conv_upd)             \
   X(jb_attention_fwd) X(jb_attention_bwd) X(jb_attention_jvp) \
-  X(jb_beyond_bf16)                                        \
+  X(jb_beyond_bf16) X(jb_bernoulli)                        \
   /* a new layer's line goes above */
 
 #define JB_DECLARE(name) extern "C" XLA_FFI_Error* name(XLA_FFI_CallFrame*);

@@ -185,17 +185,20 @@ def test_mha_separate_key_and_value_inputs():
     check_mha(dict(num_heads=4, use_bias=False), (q, k, v))
 
 
-def test_mha_attention_dropout_falls_back_to_stock():
-    """Dropout on the attention weights is not on the kernels: stock attention, the same
-    dropout mask as stock's; the projections stay on the FC kernels."""
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_mha_attention_dropout_on_the_kernels(impl):
+    """Dropout on the attention weights runs in the attention kernel, with the mask stock
+    draws (threefry keys: drawn on the kernels; other generators: JAX's own bits, packed);
+    the projections stay on the FC kernels."""
     x = normal(2, 6, 8)
-    rngs = {"dropout": jax.random.key(5, impl="rbg")}
+    rngs = {"dropout": jax.random.key(5, impl=impl)}
     ours, stock = mha_pair(num_heads=2, dropout_rate=0.3, deterministic=False)
     params = jax.jit(lambda: stock.init({"params": jax.random.key(0), **rngs}, x))()
     apply = lambda module: jax.jit(lambda p, x: module.apply(p, x, rngs=rngs))(params, x)
     assert_close(apply(ours), apply(stock), 2e-5)
     calls = custom_calls(lambda p, x: ours.apply(p, x, rngs=rngs), params, x)
-    assert calls["jb_attention_fwd"] == 0 and calls["jb_fc_fwd"] == 4
+    assert calls["jb_attention_fwd"] == 1 and calls["jb_fc_fwd"] == 4
+    assert calls.get("jb_bernoulli", 0) == (impl == "threefry2x32")
 
 
 def test_mha_decode_cache_matches_stock():

@@ -68,22 +68,22 @@ def test_unexpected_arguments_stay_stock():
 
 def test_gelu_on_the_kernels_while_a_context_is_open():
     """jax.nn.gelu, flax.linen.gelu and flax.nnx.gelu compute their derivative on the kernels
-    inside a context, in its thread only; the erf form stays stock and says why; every name
-    is jax's own function again afterwards."""
+    inside a context, in its thread only; the erf form and small arrays stay jax's; every
+    name is jax's own function again afterwards."""
     import threading
 
     stock = jax.nn.gelu
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((6, 40)), jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((6, 40, 80)), jnp.bfloat16)
     grad = lambda g: jax.jit(jax.grad(lambda v: jnp.sum(g(v).astype(jnp.float32))))  # noqa: E731
     with jb.accelerate() as acc:
         texts = [grad(g).lower(x).as_text() for g in (jax.nn.gelu, nn.gelu, nnx.gelu)]
         erf = jax.nn.gelu(x, approximate=False)
+        small = grad(jax.nn.gelu).lower(x[:2, :2]).as_text()
         seen = []
         other = threading.Thread(target=lambda: seen.append(grad(jax.nn.gelu).lower(x).as_text()))
         other.start()
         other.join()
-    assert all("jb_fc_act_grad" in t for t in texts) and "jb_fc_act_grad" not in seen[0]
+    assert all("jb_fc_act_grad" in t for t in texts) and "jb_fc_act_grad" not in seen[0] + small
     np.testing.assert_array_equal(erf, stock(x, approximate=False))
-    assert {(c.layer, c.accelerated, c.reason) for c in acc.calls} == {
-        ("jax.nn.gelu", True, ""), ("jax.nn.gelu", False, "approximate=False (the erf form)")}
+    assert [(c.layer, c.accelerated) for c in acc.calls] == [("jax.nn.gelu", True)]
     assert jax.nn.gelu is stock and nn.gelu is stock and nnx.gelu is stock

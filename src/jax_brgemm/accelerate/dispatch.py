@@ -16,7 +16,7 @@ from flax.nnx.nn import recurrent as nnx_recurrent
 from jax_brgemm import precision as jb_precision
 from jax_brgemm.accelerate import attention, recurrent, rules
 from jax_brgemm.accelerate.state import in_stock_scan, options, record, stock_scan
-from jax_brgemm.ops import eltwise
+from jax_brgemm.ops import eltwise, random
 
 #: Stock linen class -> rule (exactly these classes: a subclass may compute otherwise).
 LINEN_RULES = {
@@ -144,21 +144,44 @@ def nnx_method_call(method: str):
     return call
 
 
+#: Elements from which gelu's derivative runs on the kernels under accelerate().
+_GELU_MIN_SIZE = 1 << 14
+
+
 def gelu_call(stock_gelu):
     """What ``jax.nn.gelu`` (and flax's names for it) is while a context is open: the tanh
-    approximation of a float32 / bfloat16 array with its derivative on the kernels
-    (``ops.eltwise.gelu``) in a thread inside a context, else ``stock_gelu`` itself."""
+    approximation of a float32 / bfloat16 array of at least ``_GELU_MIN_SIZE`` elements with
+    its derivative on the kernels (``ops.eltwise.gelu``) in a thread inside a context, else
+    ``stock_gelu`` itself."""
 
     @functools.wraps(stock_gelu)
     def gelu(x, approximate=True):
-        if options() is None or not hasattr(x, "dtype"):
+        # the erf form, other dtypes and small arrays (XLA's fused derivative is as fast
+        # there) stay jax's, unreported: a function, not a layer
+        if (options() is None or approximate is not True or not hasattr(x, "dtype")
+                or jnp.dtype(x.dtype) not in (jnp.float32, jnp.bfloat16) or x.size < _GELU_MIN_SIZE):
             return stock_gelu(x, approximate)
-        why = ("approximate=False (the erf form)" if approximate is not True
-               else "" if jnp.dtype(x.dtype) in (jnp.float32, jnp.bfloat16) else f"{jnp.dtype(x.dtype)} input")
-        record("", "jax.nn.gelu", why)
-        return stock_gelu(x, approximate) if why else eltwise.gelu(x)
+        record("", "jax.nn.gelu", "")
+        return eltwise.gelu(x)
 
     return gelu
+
+
+def bernoulli_call(stock_bernoulli):
+    """What ``jax.random.bernoulli`` is while a context is open: the same booleans drawn on
+    the kernels (``ops.random.bernoulli``: dropout's masks, flax's included) in a thread
+    inside a context where they hash like JAX's, else ``stock_bernoulli`` itself."""
+
+    @functools.wraps(stock_bernoulli)
+    def bernoulli(key, p=0.5, shape=None, mode="low", **kwargs):
+        if options() is None or shape is None or mode != "low" or kwargs.get("out_sharding") is not None:
+            return stock_bernoulli(key, p, shape, mode, **kwargs)
+        if not random.hashes_like_jax(key, p):  # jax's own, unreported (a function, not a layer)
+            return stock_bernoulli(key, p, shape, mode, **kwargs)
+        record("", "jax.random.bernoulli", "")
+        return random.bernoulli(key, p, shape)
+
+    return bernoulli
 
 
 def scan_call(module, scan, next_call, args, kwargs):

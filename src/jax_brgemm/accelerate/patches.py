@@ -4,8 +4,9 @@ linen's layers are intercepted with flax's own ``nn.intercept_methods`` (per thr
 long as the thread is inside a context). Four things have no such hook: the ``__call__`` (and
 ``Embed.attend``) of NNX layers (plain Python objects), the methods ``nn.scan`` made (flax
 marks them as already wrapped, so ``intercept_methods`` never sees the scan as one call),
-classes defined while a context is open, and ``jax.nn.gelu`` (a function, found by models
-as ``jax.nn.gelu``, ``flax.linen.gelu`` or ``flax.nnx.gelu``). These are replaced when the first context of the process is entered and
+classes defined while a context is open, and two functions: ``jax.nn.gelu`` (found by models
+as ``jax.nn.gelu``, ``flax.linen.gelu`` or ``flax.nnx.gelu``) and ``jax.random.bernoulli``
+(dropout's masks, found by flax's ``Dropout`` as ``jax.random.bernoulli``). These are replaced when the first context of the process is entered and
 put back, the same objects, when the last one exits; the replacements run flax's own code
 unless the calling thread is inside a context.
 """
@@ -72,6 +73,7 @@ def _install() -> None:
     for owner in (jax.nn, nn, nn.activation, nnx):  # where models find jax's gelu
         if getattr(owner, "gelu", None) is routed.__wrapped__:
             _replace(owner, "gelu", routed)
+    _replace(jax.random, "bernoulli", dispatch.bernoulli_call(jax.random.bernoulli))  # dropout's masks
     pending, seen = [nn.Module], set()
     while pending:
         cls = pending.pop()

@@ -34,7 +34,7 @@ from jax.interpreters import ad
 from jax_brgemm import _native  # noqa: F401  (registers the FFI targets)
 from jax_brgemm import _validate as check
 from jax_brgemm import precision as _precision
-from jax_brgemm.ops import emulation, partitioning
+from jax_brgemm.ops import emulation, partitioning, random
 from jax_brgemm.ops.primitive import (define, is_zero, over_leading, shapes_of, unbroadcast, undefined, zero,
                                       zero_like)
 
@@ -138,7 +138,8 @@ def _broadcastable(a, name, full, op):
 def _dropout(rate, rng, broadcast, ndim, full, op):
     """(keep bits (b or 1, n or 1, T, ceil(S / 8)) uint8, bit j % 8 of byte j / 8 set where
     key j is kept; 1 / keep_prob as float32), or (None, 1.0) without dropout. The bits are
-    ``jax.random.bernoulli(rng, 1 - rate, shape)`` for the shape flax draws them in."""
+    ``jax.random.bernoulli(rng, 1 - rate, shape)``'s for the shape flax draws them in, drawn
+    and packed on the cores (``ops/random.py``)."""
     try:
         rate = float(rate)
     except (TypeError, jax.errors.ConcretizationTypeError):
@@ -153,10 +154,8 @@ def _dropout(rate, rng, broadcast, ndim, full, op):
     keep_prob = 1.0 - rate
     # flax's shapes: (1, ..., T, S) broadcast over the batch and heads, else the weights'
     shape = (1,) * (ndim - 2) + (t, s) if broadcast else ((b,) if ndim == 4 else ()) + (n, t, s)
-    keep = jax.random.bernoulli(rng, keep_prob, shape)
-    keep = keep.reshape((1, 1, t, s) if broadcast else (b, n, t, s))
-    bits = jnp.packbits(keep, axis=-1, bitorder="little")
-    return bits, float(np.float32(1.0) / np.float32(keep_prob))
+    bits = random.bernoulli_bits(rng, keep_prob, shape)
+    return bits.reshape((1, 1, t, -1) if broadcast else (b, n, t, -1)), float(np.float32(1.0) / np.float32(keep_prob))
 
 
 def _scale(scale, h, op):
