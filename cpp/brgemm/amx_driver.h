@@ -20,6 +20,9 @@
 
 #include <algorithm>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "brgemm/activation.h"
 #include "brgemm/brgemm.h"
@@ -131,6 +134,26 @@ inline uint16_t bf16_bits_of(float f) {
   return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
 }
 
+// A row of fp32 values as bf16_bits_of's bits, 16 lanes at a time where the unit is compiled
+// for AVX-512 (the hardware tiles' unit; GCC left the scalar loop scalar: 28 % of a bf16
+// forward's samples at a 768-long reduction on a model-167 Xeon).
+inline void row_to_bf16(const float* src, uint16_t* dst, int cols) {
+  int j = 0;
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  for (; j + 16 <= cols; j += 16) {
+    const __m512i u = _mm512_loadu_si512(src + j), hi = _mm512_srli_epi32(u, 16);
+    const __m512i nearest = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    const __m512i bits = _mm512_mask_blend_epi32(nan, nearest, _mm512_or_si512(hi, quiet));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(bits));
+  }
+#endif
+  for (; j < cols; ++j) dst[j] = bf16_bits_of(src[j]);
+}
+
 // Bias, activation and the conversion to C's dtype of a finished fp32 tile s.
 inline void finish_amx_tile(const BrgemmDesc& d, float* s, int64_t lds, int rows, int cols,
                             const float* bias, char* c) {
@@ -142,8 +165,7 @@ inline void finish_amx_tile(const BrgemmDesc& d, float* s, int64_t lds, int rows
     if (d.c == DType::f32) {
       std::memcpy(reinterpret_cast<float*>(c) + i * d.ldc, row, size_t(cols) * sizeof(float));
     } else {
-      uint16_t* dst = reinterpret_cast<uint16_t*>(c) + i * d.ldc;
-      for (int j = 0; j < cols; ++j) dst[j] = bf16_bits_of(row[j]);
+      row_to_bf16(row, reinterpret_cast<uint16_t*>(c) + i * d.ldc, cols);
     }
   }
 }
