@@ -83,18 +83,10 @@ struct Saved {
   const int64_t* stats_offs = nullptr;
 };
 
-// The tangents of the inputs (forward mode): tq like q, tk and tv like k and v (element
-// offsets per item), tbias with the bias's strides (Inputs::bias) and its own offsets, or no
-// data.
-struct Tangents {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  const int64_t* q_offs = nullptr;
-  const int64_t* k_offs = nullptr;
-  const int64_t* v_offs = nullptr;
-  Broadcast bias;
-};
+// The tangents of the inputs (forward mode), as an Inputs: tq, tk, tv in q, k, v (offsets per
+// item), tbias in bias (the bias's strides, its own offsets; no data: none); mask and keep
+// unread.
+using Tangents = Inputs;
 
 // The block sizes: query rows per block and keys per chunk (a multiple of 32, clamped).
 // Tests force small ones to run the online softmax over many chunks and edge blocks.
