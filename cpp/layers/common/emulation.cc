@@ -71,7 +71,8 @@ void split_scalar(const float* src, int64_t lds, bool trans, int64_t rows, int64
 }
 
 #if defined(JB_X86)
-#define JB_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+// JB_TARGET_AVX512 and bf16: a superset of its features, so that transpose.h inlines here.
+#define JB_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
 
 // The first n of 16 lanes.
 JB_TARGET_BF16 inline __mmask16 lanes(int64_t n) {
@@ -93,7 +94,7 @@ struct Split16 {
   explicit Split16(const Out& o) : o(o), es(int64_t(dtype_size(o.kd))) {
     for (int p = 0; p < LAST; ++p) part[p] = static_cast<char*>(o.dst) + (p - o.first) * o.step * es;
   }
-  const Out& o;
+  const Out o;  // a copy: stores through part[] cannot alias it, so its fields stay in registers
   const int64_t es;
   char* part[LAST];  // part p's block (p >= o.first)
   // Rows r, r + 1 (x0, x1) as VNNI pairs: word j = (row r, row r + 1) of column j.
@@ -107,6 +108,19 @@ struct Split16 {
       if (p + 1 < LAST) {
         x0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
         x1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      }
+      if (p >= o.first) _mm512_mask_storeu_epi32(part[p] + e * es, store, w);
+    }
+  }
+  // One VNNI row of 16 columns given as float pairs, (row r, row r + 1) of columns 0-7 in lo
+  // and of 8-15 in hi: vcvtne2ps2bf16 writes them in VNNI order as they stand.
+  JB_TARGET_BF16 void pair_row(__m512 lo, __m512 hi, int64_t e, __mmask16 store) const {
+#pragma GCC unroll 3
+    for (int p = 0; p < LAST; ++p) {
+      const __m512i w = __m512i(_mm512_cvtne2ps_pbh(hi, lo));
+      if (p + 1 < LAST) {
+        lo = _mm512_sub_ps(lo, widen(_mm512_castsi512_si256(w)));
+        hi = _mm512_sub_ps(hi, widen(_mm512_extracti64x4_epi64(w, 1)));
       }
       if (p >= o.first) _mm512_mask_storeu_epi32(part[p] + e * es, store, w);
     }
@@ -133,11 +147,29 @@ struct Split16 {
 };
 
 // split_scalar with vcvtne2ps2bf16 (vcvtneps2bf16 for single rows); a transposed source in
-// 16 x 16 tiles transposed in registers. Tails and padding by masked loads and stores.
+// tiles transposed in registers. Tails and padding by masked loads and stores.
 template <int LAST>
 JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_t rows, int64_t cols,
                                int64_t prows, int64_t pcols, const Out& o) {
   const Split16<LAST> out(o);
+  if (trans && o.vnni) {
+    // A source row holds a column's rows in order, so each VNNI pair (r, r + 1) is a 64-bit
+    // word: 8 x 8 transposes of words make whole VNNI rows, with no 16-bit shuffles.
+    __m512i g[2][8];
+    for (int64_t r0 = 0; r0 < prows; r0 += 16)
+      for (int64_t j0 = 0; j0 < pcols; j0 += 16) {
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; ++c)  // column j0 + c: pairs of rows r0 .. r0 + 15
+          g[c / 8][c % 8] = _mm512_castps_si512(load(src + (j0 + c) * lds + r0, j0 + c < cols ? rows - r0 : 0));
+        transpose8x64(g[0]);
+        transpose8x64(g[1]);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8 && r0 + 2 * i < prows; ++i)
+          out.pair_row(_mm512_castsi512_ps(g[0][i]), _mm512_castsi512_ps(g[1][i]), (r0 / 2 + i) * o.ldd + 2 * j0,
+                       lanes(pcols - j0));
+      }
+    return;
+  }
   if (trans) {
     __m512i t[16];
     __m512 v[16];
