@@ -7,25 +7,26 @@ a ``lax.DotAlgorithmPreset``, or the strings JAX accepts) and, given None, follo
 ``DEFAULT``, ``'bfloat16_3x'`` and ``'tensorfloat32'`` are ``HIGH``, ``'float32'`` is
 ``HIGHEST``), and each request is one of four accuracies:
 
-==================================================  ===========  =====================================================
-requested                                           accuracy     computed with AMX (``EMULATED``)
-==================================================  ===========  =====================================================
-None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32
-HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  3 bfloat16 products (convolutions: exact float32)
-BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (no faster emulated)
-BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     1 bfloat16 product
-==================================================  ===========  =====================================================
+==================================================  ===========  ============================================  ===============
+requested                                           accuracy     computed with AMX                             with vdpbf16ps
+==================================================  ===========  ============================================  ===============
+None, DEFAULT, HIGHEST, F32_F32_F32, F64 / X9       ``float32``  exact float32                                 exact float32
+HIGH, BF16_BF16_F32_X3, TF32_TF32_F32(_X3)          ``bf16_3x``  3 bfloat16 products (convolutions: exact)     exact float32
+BF16_BF16_F32_X6                                    ``bf16_6x``  exact float32 (no faster emulated)            exact float32
+BF16_BF16_F32, BF16_BF16_BF16                       ``bf16``     1 bfloat16 product                            1 product
+==================================================  ===========  ============================================  ===============
 
 A precision is a floor on accuracy: exact float32 products (what stock XLA on CPU computes
 for every request) meet each one, and bfloat16 inputs are exact in one product whatever the
-precision. Where the CPU multiplies bfloat16 much faster than float32 (AMX's tiles: 6-14x the
-FMA rate), every op (``jb.brgemm``, ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every
-convolution kind, ``jb.dot_product_attention``, ``jb.lstm``), and the modules and
-``accelerate()`` through them, computes the ``bf16_*`` accuracies that ``EMULATED`` lists for
-its family from bfloat16 products summed in float32, as asked: the operands split into parts by the kernel as
-it copies, re-blocks or makes them (``cpp/layers/common/emulation.h``). Elsewhere (AVX-512-BF16's
-``vdpbf16ps`` runs bfloat16 products at twice the FMA rate at most, so three cost 1.5x one
-float32 product; AVX2 has none) every request is exact float32. ``JAX_BRGEMM_EMULATE=1``
+precision. Where the CPU multiplies bfloat16 faster than float32 (AMX's tiles: 6-14x the FMA
+rate; AVX-512-BF16's ``vdpbf16ps``, the default on AMD's Zen 4 and 5: 2x), every op
+(``jb.brgemm``, ``jb.dense``, ``jb.conv2d``, ``jb.conv3d`` and every convolution kind,
+``jb.dot_product_attention``, ``jb.lstm``), and the modules and ``accelerate()`` through
+them, computes the ``bf16_*`` accuracies that ``EMULATED`` lists for its family from
+bfloat16 products summed in float32, as asked: the operands split into parts by the kernel
+as it copies, re-blocks or makes them (``cpp/layers/common/emulation.h``). With
+``vdpbf16ps`` that is one product only (three cost 1.5x one float32 product); where bfloat16
+is widened (AVX2, Intel without AMX) every request is exact float32. ``JAX_BRGEMM_EMULATE=1``
 (read at import) emulates every ``bf16_*`` request on any CPU, ``=0`` none.
 
 An operand holding an infinity (or a value beyond bfloat16's largest, whose high part
@@ -57,12 +58,13 @@ EMULATE = _switch(os.environ.get("JAX_BRGEMM_EMULATE", ""))
 
 #: What this CPU multiplies bfloat16 in (``multiplier()``) -> accuracy -> the op families
 #: (``family()``) that compute it from bfloat16 products by default: where their training
-#: steps were measured faster emulated than in exact float32 (docs/performance.md, "Emulated
-#: float32"). AMX's bf16_3x convolutions ran at 0.67x exact float32 and its bf16_6x steps no
-#: faster: exact there.
+#: steps were measured faster emulated than in exact float32 (``bench/bench_precisions.py``;
+#: docs/performance.md, "Emulated float32"). AMX's bf16_3x convolutions ran at 0.67x exact
+#: float32 and its bf16_6x steps no faster: exact there. vdpbf16ps (AMD Zen 4 and 5 by
+#: default) multiplies at twice the FMA rate: one product 1.2-1.7x, three 0.63-0.66x.
 EMULATED = {
     "amx": {"bf16": ("dense", "conv", "attention", "lstm"), "bf16_3x": ("dense", "attention", "lstm")},
-    "vdpbf16ps": {},  # at most twice the FMA rate: three products cost 1.5x one float32 one
+    "vdpbf16ps": {"bf16": ("dense", "conv", "attention", "lstm")},
     "float32": {},  # bfloat16 widened: the emulation only adds work
 }
 

@@ -99,7 +99,8 @@ print(json.dumps({"isa": jb.isa(), "multiplier": precision.multiplier(),
                   "computed": {f: {a: precision.computed(a, f) for a in precision.PRODUCTS}
                                for f in ("dense", "conv", "attention", "lstm")},
                   "dense": products(lambda x, w: jb.dense(x, w, precision="high"), (4, 8), (8, 4)),
-                  "conv": products(lambda x, w: jb.conv2d(x, w, precision="high"), (1, 5, 5, 8), (3, 3, 8, 4))}))
+                  "conv": products(lambda x, w: jb.conv2d(x, w, precision="high"), (1, 5, 5, 8), (3, 3, 8, 4)),
+                  "dense_one": products(lambda x, w: jb.dense(x, w, precision="BF16_BF16_F32"), (4, 8), (8, 4))}))
 """
 
 
@@ -113,22 +114,30 @@ def _table_in(env):
 
 ISAS = ("amx", "avx512", "avx2", "generic")  # best first: JAX_BRGEMM_ISA can only lower it
 HOST_ISAS = ISAS[ISAS.index(jb.isa()):]
+# AVX-512 multiplies bfloat16 with vdpbf16ps by default on AMD's cores (twice their FMA
+# rate), widened to float32 on Intel's (half the FMA rate).
+AMD = "AuthenticAMD" in open("/proc/cpuinfo").read()
 
 
 @pytest.mark.parametrize("forced", [{"JAX_BRGEMM_ISA": isa} for isa in HOST_ISAS] +
-                         ([{"JAX_BRGEMM_ISA": "avx512", "JAX_BRGEMM_BF16": "dot"}] if "avx512" in HOST_ISAS else []))
+                         ([{"JAX_BRGEMM_ISA": "avx512", "JAX_BRGEMM_BF16": m} for m in ("dot", "fp32")]
+                          if "avx512" in HOST_ISAS else []))
 def test_the_default_follows_what_the_cpu_multiplies_bfloat16_with(forced):
     """Without JAX_BRGEMM_EMULATE, each ISA (forced) computes what EMULATED lists for its
-    multiplier, and the kernels are asked for those products: bf16_3x's 3 on AMX only."""
+    multiplier, and the kernels are asked for those products: bf16_3x's 3 on AMX only, one
+    product wherever bfloat16 is multiplied as bfloat16."""
     got = _table_in(forced)
     assert got["isa"] == forced["JAX_BRGEMM_ISA"]
-    want_multiplier = {"amx": "amx", "avx512": "vdpbf16ps" if "JAX_BRGEMM_BF16" in forced else "float32"}
+    avx512 = {"dot": "vdpbf16ps", "fp32": "float32"}.get(forced.get("JAX_BRGEMM_BF16"), "vdpbf16ps" if AMD else "float32")
+    want_multiplier = {"amx": "amx", "avx512": avx512}
     assert got["multiplier"] == want_multiplier.get(got["isa"], "float32")
     table = precision.EMULATED[got["multiplier"]]
     assert got["computed"] == {f: {a: a if f in table.get(a, ()) else "float32" for a in precision.PRODUCTS}
                                for f in ("dense", "conv", "attention", "lstm")}
     for f in ("dense", "conv"):  # the kernels are asked for what computed() says (0: exact_on_infinity's branch)
         assert (3 in got[f]) == (f in table.get("bf16_3x", ())), (f, got[f])
+    assert (1 in got["dense_one"]) == ("dense" in table.get("bf16", ())), got["dense_one"]
+    assert (got["multiplier"] != "float32") == (got["computed"]["dense"]["bf16"] == "bf16")
     if got["multiplier"] == "amx":  # measured: bf16_3x convolutions slower than exact float32 there
         assert got["computed"]["dense"]["bf16_3x"] == "bf16_3x" and got["computed"]["conv"]["bf16_3x"] == "float32"
 
