@@ -59,7 +59,7 @@ EMULATE = _switch(os.environ.get("JAX_BRGEMM_EMULATE", ""))
 #: What this CPU multiplies bfloat16 in (``multiplier()``) -> accuracy -> the op families
 #: (``family()``) that compute it from bfloat16 products by default: where their training
 #: steps were measured faster emulated than in exact float32 (``bench/bench_precisions.py``;
-#: docs/performance.md, "Emulated float32"). AMX's bf16_3x convolutions ran at 0.67x exact
+#: docs/performance/xeon-amx.md and zen5.md). AMX's bf16_3x convolutions ran at 0.67x exact
 #: float32 and its bf16_6x steps no faster: exact there. vdpbf16ps (AMD Zen 4 and 5 by
 #: default) multiplies at twice the FMA rate: one product 1.2-1.7x, three 0.63-0.66x.
 EMULATED = {
