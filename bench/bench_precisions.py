@@ -2,7 +2,7 @@
 forced (as ``JAX_BRGEMM_EMULATE=1``), against the exact float32 step: the measurements that
 decide ``jax_brgemm.precision.EMULATED`` for this CPU's multiplier.
 
-    python bench/bench_precisions.py [--repeats 7] [--min-time 0.1]
+    python bench/bench_precisions.py [--repeats 7] [--min-time 0.1] [--families dense conv ...]
 
 A step is one jitted forward and every gradient (a vdot with a fixed cotangent):
 
@@ -57,13 +57,18 @@ def step(f, operands, algorithm):
 
 
 def main(argv=None):
-    args = common.arg_parser(__doc__, 7, 0.1).parse_args(argv)
+    p = common.arg_parser(__doc__, 7, 0.1)
+    p.add_argument("--families", nargs="+", choices=("dense", "conv", "attention", "lstm"),
+                   default=["dense", "conv", "attention", "lstm"])
+    args = p.parse_args(argv)
     precision.EMULATE = True  # as JAX_BRGEMM_EMULATE=1: every accuracy from its products
     print(f"CPU: {common.cpu_name()}; kernel ISA {jb.isa()}; bfloat16 multiplied with {precision.multiplier()}\n")
     print("| step | float32 ms | " + " | ".join(f"{a} vs float32" for a in list(ALGORITHM)[1:]) + " |\n"
           "|---|---|---|---|---|")
     rows = []
     for family, (f, operands) in cases(np.random.default_rng(0)).items():
+        if family not in args.families:
+            continue
         fns = {a: step(f, operands, alg) for a, alg in ALGORITHM.items()}
         samples = common.interleaved(fns, {a: (operands,) for a in fns}, repeats=args.repeats,
                                      min_time=args.min_time)
