@@ -137,13 +137,6 @@ struct Split16 {
       else _mm512_mask_storeu_ps(part[p] + e * es, store, hf);
     }
   }
-  // Rows [r0, r0 + 16) (r0 even) of 16 columns from j0, given as fp32 registers, up to prows.
-  JB_TARGET_BF16 void rows16(const __m512 (&v)[16], int64_t r0, int64_t j0, int64_t prows, __mmask16 store) const {
-    for (int w = 0; w < 16 && r0 + w < prows; w += o.vnni ? 2 : 1) {
-      if (o.vnni) pairs(v[w], v[w + 1], (r0 + w) / 2 * o.ldd + 2 * j0, store);
-      else row(v[w], (r0 + w) * o.ldd + j0, store);
-    }
-  }
 };
 
 // split_scalar with vcvtne2ps2bf16 (vcvtneps2bf16 for single rows); a transposed source in
@@ -165,23 +158,21 @@ JB_TARGET_BF16 void split_simd(const float* src, int64_t lds, bool trans, int64_
           g[c / 8][c % 8] = _mm512_castps_si512(load(src + (j0 + c) * lds + r0, j0 + c < cols ? rows - r0 : 0));
         transpose8x64(g[0]);
         transpose8x64(g[1]);
-#pragma GCC unroll 8
         for (int i = 0; i < 8 && r0 + 2 * i < prows; ++i)
           out.pair_row(_mm512_castsi512_ps(g[0][i]), _mm512_castsi512_ps(g[1][i]), (r0 / 2 + i) * o.ldd + 2 * j0,
                        lanes(pcols - j0));
       }
     return;
   }
-  if (trans) {
+  if (trans) {  // plain rows: 16 x 16 transposes of 32-bit words
     __m512i t[16];
-    __m512 v[16];
     for (int64_t r0 = 0; r0 < prows; r0 += 16)
       for (int64_t j0 = 0; j0 < pcols; j0 += 16) {
         for (int i = 0; i < 16; ++i)  // source row j0 + i: rows r0 .. r0 + 15 of column j0 + i
           t[i] = j0 + i < cols ? _mm512_castps_si512(load(src + (j0 + i) * lds + r0, rows - r0)) : _mm512_setzero_si512();
         transpose16(t);
-        for (int i = 0; i < 16; ++i) v[i] = _mm512_castsi512_ps(t[i]);
-        out.rows16(v, r0, j0, prows, lanes(pcols - j0));
+        for (int w = 0; w < 16 && r0 + w < prows; ++w)
+          out.row(_mm512_castsi512_ps(t[w]), (r0 + w) * o.ldd + j0, lanes(pcols - j0));
       }
     return;
   }
