@@ -1,20 +1,11 @@
 """bench/bench_precisions.py runs end to end on one family: its table prints a row and its
 results file holds every accuracy's speed-up over exact float32."""
 
-import importlib
 import json
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def test_bench_precisions_prints_and_writes(monkeypatch, tmp_path, capsys):
-    monkeypatch.syspath_prepend(str(BENCH))  # bench_precisions imports its neighbour common
-    common = importlib.import_module("common")
-    monkeypatch.setattr(common, "RESULTS", tmp_path)
-    bench = importlib.import_module("bench_precisions")
-    monkeypatch.setattr(bench.precision, "EMULATE", bench.precision.EMULATE)  # main() sets it
-    bench.main(["--families", "dense", "--repeats", "2", "--min-time", "0"])
+def test_bench_precisions_prints_and_writes(bench, tmp_path, capsys):
+    bench("bench_precisions").main(["--families", "dense", "--repeats", "2", "--min-time", "0"])
     assert "| dense |" in capsys.readouterr().out
     (row,) = json.loads((tmp_path / "precisions.json").read_text())["rows"]
     assert row["family"] == "dense" and set(row["vs_float32"]) == {"bf16_6x", "bf16_3x", "bf16"}
